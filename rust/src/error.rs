@@ -1,0 +1,28 @@
+//! One error type for the core; `python.rs` maps each variant to a Python exception in one place.
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A layout/backend/op combination the pool does not support (Python raises ValueError).
+    #[error("{0}")]
+    Unsupported(String),
+    /// Bad transfer arguments: index out of range, negative, length mismatch, bad layer id.
+    /// Raised before any byte moves.
+    #[error("{0}")]
+    InvalidTransfer(String),
+    /// Geometry whose byte size does not fit in 64 bits, or is otherwise malformed.
+    #[error("{0}")]
+    Geometry(String),
+    /// mmap / madvise / mbind failures.
+    #[error("{0}")]
+    HostMemory(String),
+    /// CUDA is not usable here (no driver library, no device, ...).
+    #[error("{0}")]
+    CudaUnavailable(String),
+    /// A CUDA driver call failed.
+    #[error("{0}")]
+    Cuda(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

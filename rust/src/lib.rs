@@ -1,0 +1,14 @@
+//! hostkv_rs core: host memory, layout arithmetic, transfer plans and the engines that run them.
+
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod host_mem;
+pub mod layout;
+pub mod plan;
+pub mod transfer;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
