@@ -1,0 +1,86 @@
+"""Host memory for the pools: the budget check and Rust-owned buffers viewed as torch tensors."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from hostkv_rs import _core
+
+# SGLang keeps 10 GiB (binary) of host memory out of every HiCache budget.
+HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
+# Largest single cudaHostRegister call, as SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB (default 256 GiB).
+_DEFAULT_CHUNK_GB = 256
+
+
+def ranks_per_host() -> int:
+    """Ranks that share this host's memory: world_size // nnodes when torch.distributed runs."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            nnodes = int(os.environ.get("SGLANG_NNODES", os.environ.get("NNODES", "1")) or 1)
+            return max(dist.get_world_size() // max(nnodes, 1), 1)
+    except Exception:  # a half-initialised process group must not break pool construction
+        pass
+    return 1
+
+
+def host_memory_budget_bytes() -> int:
+    """G-Aug26 budget: (available - 10 GiB) split across the ranks on this host."""
+    available = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
+    return available // ranks_per_host()
+
+
+def register_chunk_limit_bytes() -> int:
+    gb = int(os.environ.get("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", _DEFAULT_CHUNK_GB))
+    return max(gb, 1) * 1024**3
+
+
+def _hugepage_settings() -> tuple[str, str]:
+    size = os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip()
+    mode = os.environ.get("SGLANG_HUGEPAGE_MODE", "").strip().lower()
+    if not mode:
+        strict = os.environ.get("SGLANG_HUGEPAGE_STRICT", "").strip().lower() in ("1", "true")
+        mode = "required" if strict else ("prefer" if size else "off")
+    return size, mode
+
+
+def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: int = 0):
+    """Allocate `nbytes` of pre-touched host memory in Rust, registered with CUDA when asked and
+    possible. Returns the `_core.HostRegion`; it lives as long as any tensor viewing it."""
+    size, mode = _hugepage_settings()
+    region = _core.HostRegion(
+        nbytes,
+        hugepage=size if mode != "off" else "",
+        hugepage_mode=mode if mode != "off" else "prefer",
+        numa_node=_numa_node(),
+    )
+    if pin_memory and nbytes > 0 and _core.cuda_available():
+        if registration_granularity < 0:
+            raise ValueError(
+                f"registration_granularity_bytes must be positive, got {registration_granularity}"
+            )
+        region.register_cuda(registration_granularity, register_chunk_limit_bytes())
+    return region
+
+
+def _numa_node() -> int | None:
+    value = os.environ.get("HOSTKV_NUMA_NODE", "").strip()
+    return int(value) if value else None
+
+
+def region_bytes(region) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole region (zero-copy; keeps the region alive)."""
+    if region.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
+def region_view(region, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
+    """A typed, shaped view of `region` starting `offset` bytes in."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    flat = region_bytes(region)
+    return flat[offset : offset + nbytes].view(dtype).view(*shape)
