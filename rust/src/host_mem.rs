@@ -1,0 +1,655 @@
+//! Host memory for the pools: an exact-size anonymous shared mapping (as SGLang's `alloc_mmap`),
+//! optionally on hugepages and bound to a NUMA node, pre-faulted in parallel so that CUDA
+//! registration pins real pages, and unmapped on drop.
+//!
+//! Never torch's pinned allocator: it rounds blocks up to a power of two.
+
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+const BASE_PAGE: usize = 4096;
+const MB2: usize = 2 << 20;
+const GB1: usize = 1 << 30;
+/// `MADV_POPULATE_WRITE` (Linux >= 5.14); not in every libc crate version.
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+const MPOL_BIND: libc::c_long = 2;
+/// Bytes each pre-touch thread should get at least, so small regions stay on one thread.
+const PRETOUCH_BYTES_PER_THREAD: usize = 64 << 20;
+
+/// Hugepage size asked for (`SGLANG_HUGEPAGE_SIZE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePage {
+    None,
+    Size2M,
+    Size1G,
+}
+
+impl HugePage {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "" => Ok(Self::None),
+            "2MB" | "2M" | "2mb" => Ok(Self::Size2M),
+            "1GB" | "1G" | "1gb" => Ok(Self::Size1G),
+            other => Err(Error::Unsupported(format!(
+                "Unsupported hugepage size: {other:?}; expected '', '2MB' or '1GB'"
+            ))),
+        }
+    }
+}
+
+/// `prefer` falls back down the ladder; `required` fails unless the hugetlb pages were obtained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePageMode {
+    Prefer,
+    Required,
+}
+
+impl HugePageMode {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "prefer" | "" | "off" => Ok(Self::Prefer),
+            "required" | "strict" => Ok(Self::Required),
+            other => Err(Error::Unsupported(format!(
+                "Unsupported hugepage mode: {other:?}; expected 'prefer' or 'required'"
+            ))),
+        }
+    }
+}
+
+/// The kind of pages a region actually got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Huge1G,
+    Huge2M,
+    Thp,
+    Base,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Huge1G => "1GB",
+            Self::Huge2M => "2MB",
+            Self::Thp => "thp",
+            Self::Base => "base",
+        }
+    }
+
+    fn page_bytes(self) -> usize {
+        match self {
+            Self::Huge1G => GB1,
+            Self::Huge2M | Self::Thp => MB2,
+            Self::Base => BASE_PAGE,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct RegionOptions {
+    pub hugepage: HugePage,
+    pub mode: HugePageMode,
+    pub numa_node: Option<u32>,
+    /// 0 = choose from the region size and the CPU count.
+    pub pretouch_threads: usize,
+}
+
+impl Default for RegionOptions {
+    fn default() -> Self {
+        Self {
+            hugepage: HugePage::None,
+            mode: HugePageMode::Prefer,
+            numa_node: None,
+            pretouch_threads: 0,
+        }
+    }
+}
+
+/// A page-aligned host mapping of exactly `len()` usable bytes.
+pub struct HostRegion {
+    ptr: *mut u8,
+    nbytes: usize,
+    /// Bytes actually mapped (rounded up to the page size of the tier, plus nothing else).
+    map_len: usize,
+    tier: Tier,
+    numa_node: Option<u32>,
+    registered: Mutex<Vec<(u64, usize)>>,
+}
+
+// SAFETY: the region is plain memory owned by this value; Rust never hands out references into
+// it, and the registration list is behind a mutex. Readers and writers synchronise in Python.
+unsafe impl Send for HostRegion {}
+unsafe impl Sync for HostRegion {}
+
+fn errno_text() -> String {
+    std::io::Error::last_os_error().to_string()
+}
+
+fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+/// `mmap(MAP_SHARED|MAP_ANONYMOUS|extra)` of `len` bytes, or the errno text.
+fn map(len: usize, extra: libc::c_int) -> std::result::Result<*mut u8, String> {
+    // SAFETY: anonymous mapping at a kernel-chosen address; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS | extra,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        Err(errno_text())
+    } else {
+        Ok(p as *mut u8)
+    }
+}
+
+fn unmap(ptr: *mut u8, len: usize) {
+    if len > 0 {
+        // SAFETY: `ptr..ptr+len` is a mapping this module created and nobody else unmaps.
+        unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
+    }
+}
+
+/// Whether `madvise(MADV_HUGEPAGE)` can give a shared anonymous (shmem) mapping huge pages.
+fn shmem_thp_possible() -> bool {
+    let Ok(s) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled") else {
+        return false;
+    };
+    let selected = s
+        .split('[')
+        .nth(1)
+        .and_then(|r| r.split(']').next())
+        .unwrap_or("");
+    matches!(selected, "always" | "within_size" | "advise" | "force")
+}
+
+/// A 2 MiB-aligned shared mapping advised for transparent hugepages (THP needs the alignment).
+fn map_thp(len: usize) -> Option<(*mut u8, usize)> {
+    let map_len = round_up(len, MB2)?;
+    let over = map_len.checked_add(MB2)?;
+    let raw = map(over, 0).ok()?;
+    let start = round_up(raw as usize, MB2)?;
+    let head = start - raw as usize;
+    let tail = over - head - map_len;
+    unmap(raw, head);
+    unmap((start + map_len) as *mut u8, tail);
+    let p = start as *mut u8;
+    // SAFETY: advising our own mapping.
+    if unsafe { libc::madvise(p as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE) } != 0 {
+        unmap(p, map_len);
+        return None;
+    }
+    Some((p, map_len))
+}
+
+fn mbind(ptr: *mut u8, len: usize, node: u32) -> Result<()> {
+    if !std::path::Path::new(&format!("/sys/devices/system/node/node{node}")).exists() {
+        return Err(Error::Unsupported(format!(
+            "NUMA node {node} does not exist on this host (see /sys/devices/system/node)"
+        )));
+    }
+    let words = node as usize / 64 + 1;
+    let mut mask = vec![0u64; words];
+    mask[node as usize / 64] |= 1u64 << (node % 64);
+    // The kernel reads `maxnode - 1` bits, hence the +1 (as libnuma does).
+    let maxnode = (words * 64 + 1) as libc::c_ulong;
+    // SAFETY: mbind on our own mapping with a mask buffer of `words` u64s.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            ptr as *mut libc::c_void,
+            len as libc::c_ulong,
+            MPOL_BIND,
+            mask.as_ptr(),
+            maxnode,
+            0 as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        return Err(Error::HostMemory(format!(
+            "could not bind {len} bytes of host memory to NUMA node {node} (mbind): {}",
+            errno_text()
+        )));
+    }
+    Ok(())
+}
+
+fn auto_threads(len: usize) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cpus.min(16).min(len / PRETOUCH_BYTES_PER_THREAD).max(1)
+}
+
+/// Faults in `[ptr, ptr+len)` for writing, split across `threads` at `page`-aligned boundaries.
+/// Uses `MADV_POPULATE_WRITE` where the kernel has it (it reports ENOMEM instead of raising
+/// SIGBUS), else one zero write per page; never both on the same range.
+fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let pages = len.div_ceil(page);
+    let threads = threads.clamp(1, pages);
+    let per = pages.div_ceil(threads) * page;
+    let base = ptr as usize;
+    let chunk = |k: usize| -> (usize, usize) {
+        let lo = (k * per).min(len);
+        (base + lo, (len - lo).min(per))
+    };
+    let work = |(start, n): (usize, usize)| -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: populating our own mapping.
+        let rc = unsafe { libc::madvise(start as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EINVAL) {
+            // Kernel without MADV_POPULATE_WRITE: fault each page by writing a zero (the page is
+            // already zero, so this changes no content).
+            let mut off = 0;
+            while off < n {
+                // SAFETY: `start+off` lies inside our writable mapping.
+                unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+                off += BASE_PAGE.min(page);
+            }
+            return Ok(());
+        }
+        Err(Error::HostMemory(format!(
+            "could not pre-fault {n} bytes of host memory (MADV_POPULATE_WRITE): {err}"
+        )))
+    };
+    if threads == 1 {
+        return work(chunk(0));
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (1..threads)
+            .map(|k| s.spawn(move || work(chunk(k))))
+            .collect();
+        let mut result = work(chunk(0));
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(Error::HostMemory("pre-touch thread failed".into())));
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    })
+}
+
+impl HostRegion {
+    /// Maps `nbytes` (0 allowed: no mapping, address 0) as `opts` asks.
+    pub fn new(nbytes: usize, opts: RegionOptions) -> Result<Self> {
+        let mut region = Self {
+            ptr: std::ptr::null_mut(),
+            nbytes,
+            map_len: 0,
+            tier: Tier::Base,
+            numa_node: opts.numa_node,
+            registered: Mutex::new(Vec::new()),
+        };
+        if nbytes == 0 {
+            return Ok(region);
+        }
+        let (ptr, map_len, tier) = Self::map_ladder(nbytes, &opts)?;
+        region.ptr = ptr;
+        region.map_len = map_len;
+        region.tier = tier;
+        // From here on `region`'s Drop unmaps on any error.
+        if let Some(node) = opts.numa_node {
+            mbind(ptr, map_len, node)?;
+        }
+        let threads = if opts.pretouch_threads == 0 {
+            auto_threads(map_len)
+        } else {
+            opts.pretouch_threads
+        };
+        pretouch(ptr, map_len, tier.page_bytes(), threads)?;
+        Ok(region)
+    }
+
+    fn map_ladder(nbytes: usize, opts: &RegionOptions) -> Result<(*mut u8, usize, Tier)> {
+        let too_big = || Error::HostMemory(format!("cannot map {nbytes} bytes: size overflows"));
+        let huge = match opts.hugepage {
+            HugePage::None => None,
+            HugePage::Size2M => Some((MB2, libc::MAP_HUGE_2MB, Tier::Huge2M)),
+            HugePage::Size1G => Some((GB1, libc::MAP_HUGE_1GB, Tier::Huge1G)),
+        };
+        if let Some((size, bits, tier)) = huge {
+            // hugetlb mappings are whole hugepages; the usable size stays `nbytes`.
+            let len = round_up(nbytes, size).ok_or_else(too_big)?;
+            match map(len, libc::MAP_HUGETLB | bits) {
+                Ok(p) => return Ok((p, len, tier)),
+                Err(e) if opts.mode == HugePageMode::Required => {
+                    return Err(Error::HostMemory(format!(
+                        "could not map {nbytes} bytes on {} hugepages (MAP_HUGETLB): {e}; reserve \
+                         hugepages (vm.nr_hugepages) or use hugepage_mode='prefer'",
+                        tier.name()
+                    )));
+                }
+                Err(_) => {}
+            }
+            if shmem_thp_possible() {
+                if let Some((p, len)) = map_thp(nbytes) {
+                    return Ok((p, len, Tier::Thp));
+                }
+            }
+        }
+        let len = round_up(nbytes, BASE_PAGE).ok_or_else(too_big)?;
+        let p = map(len, 0).map_err(|e| {
+            Error::HostMemory(format!(
+                "could not map {nbytes} bytes of host memory (mmap): {e}"
+            ))
+        })?;
+        Ok((p, len, Tier::Base))
+    }
+
+    /// Start address (0 for an empty region).
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Usable bytes: exactly what was asked for.
+    pub fn len(&self) -> usize {
+        self.nbytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nbytes == 0
+    }
+
+    /// Bytes mapped (a whole number of pages of the tier).
+    pub fn mapped_len(&self) -> usize {
+        self.map_len
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa_node
+    }
+
+    fn ranges(&self) -> std::sync::MutexGuard<'_, Vec<(u64, usize)>> {
+        // A poisoned lock only means another thread panicked while holding it; the list is
+        // still a valid list.
+        self.registered.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn registered_ranges(&self) -> Vec<(u64, usize)> {
+        self.ranges().clone()
+    }
+
+    pub fn pinned(&self) -> bool {
+        !self.ranges().is_empty()
+    }
+
+    /// Registers the region with CUDA (chunks of `granularity` multiples, at most `chunk_limit`).
+    /// A second call while registered does nothing.
+    pub fn register_cuda(&self, granularity: usize, chunk_limit: usize) -> Result<()> {
+        if !crate::cuda::available() {
+            return Err(Error::CudaUnavailable(format!(
+                "cannot register host memory with CUDA: CUDA is not available ({})",
+                crate::cuda::runtime_info()
+            )));
+        }
+        let mut ranges = self.ranges();
+        if !ranges.is_empty() || self.nbytes == 0 {
+            return Ok(());
+        }
+        *ranges = crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit)?;
+        Ok(())
+    }
+
+    /// Undoes `register_cuda`; idempotent.
+    pub fn unregister_cuda(&self) {
+        let taken = std::mem::take(&mut *self.ranges());
+        if !taken.is_empty() {
+            crate::cuda::unregister_host(&taken);
+        }
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        self.unregister_cuda();
+        unmap(self.ptr, self.map_len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (start, end) of the mapping containing `addr` in /proc/self/maps, if any.
+    fn mapping_at(addr: u64) -> Option<(u64, u64)> {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().find_map(|l| {
+            let range = l.split_whitespace().next()?;
+            let (a, b) = range.split_once('-')?;
+            let (a, b) = (
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            );
+            (a <= addr && addr < b).then_some((a, b))
+        })
+    }
+
+    /// Resident kB of the mapping starting at `addr` (from /proc/self/smaps).
+    fn rss_kb(addr: u64) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for l in smaps.lines() {
+            let first = l.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-') {
+                if let (Ok(a), Ok(_)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                    inside = a == addr;
+                    continue;
+                }
+            }
+            if inside && first == "Rss:" {
+                return l.split_whitespace().nth(1).unwrap().parse().unwrap();
+            }
+        }
+        panic!("no smaps entry at {addr:#x}");
+    }
+
+    fn free_hugepages() -> u64 {
+        let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+        info.lines()
+            .find(|l| l.starts_with("HugePages_Free:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn exact_size_page_aligned_and_pretouched_zeros() {
+        let n = 3 * 4096 + 123;
+        let r = HostRegion::new(n, RegionOptions::default()).unwrap();
+        assert_eq!(r.len(), n);
+        assert_eq!(r.addr() % 4096, 0);
+        assert_eq!(r.tier(), Tier::Base);
+        assert_eq!(r.mapped_len(), 4 * 4096);
+        let (a, b) = mapping_at(r.addr()).unwrap();
+        assert!(a <= r.addr() && r.addr() + r.mapped_len() as u64 <= b);
+        // Pre-touched: every page resident before anyone wrote to it.
+        assert_eq!(rss_kb(r.addr()), 16);
+        let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
+        assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn parallel_pretouch_faults_every_page() {
+        let n = (8 << 20) + 5 * 4096;
+        let r = HostRegion::new(
+            n,
+            RegionOptions {
+                pretouch_threads: 3,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(rss_kb(r.addr()), (n / 1024) as u64);
+        let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
+        assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn manual_touch_fallback_faults_every_page() {
+        // Same mapping, forced through the write-a-zero path.
+        let n = 9 * 4096;
+        let p = map(n, 0).unwrap();
+        for (start, len) in [(p as usize, 4 * 4096), (p as usize + 4 * 4096, 5 * 4096)] {
+            let mut off = 0;
+            while off < len {
+                unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+                off += BASE_PAGE;
+            }
+        }
+        assert_eq!(rss_kb(p as u64), 36);
+        unmap(p, n);
+    }
+
+    #[test]
+    fn drop_unmaps() {
+        let n = 17 * 4096 + 1;
+        let r = HostRegion::new(n, RegionOptions::default()).unwrap();
+        let addr = r.addr();
+        assert!(mapping_at(addr).is_some());
+        drop(r);
+        // Another test thread may map new memory here, but not a mapping of the same extent.
+        if let Some((a, b)) = mapping_at(addr) {
+            assert!(!(a == addr && b == addr + 18 * 4096), "still mapped");
+        }
+    }
+
+    #[test]
+    fn zero_bytes_maps_nothing() {
+        let r = HostRegion::new(
+            0,
+            RegionOptions {
+                hugepage: HugePage::Size2M,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!((r.addr(), r.len(), r.mapped_len()), (0, 0, 0));
+        assert!(!r.pinned());
+        r.unregister_cuda();
+    }
+
+    #[test]
+    fn hugepage_prefer_reports_the_tier_obtained() {
+        let n = 3 << 20;
+        let r = HostRegion::new(
+            n,
+            RegionOptions {
+                hugepage: HugePage::Size2M,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(r.len(), n);
+        match r.tier() {
+            Tier::Huge2M => assert_eq!(r.mapped_len(), 4 << 20),
+            Tier::Thp => {
+                assert!(shmem_thp_possible());
+                assert_eq!(r.addr() % MB2 as u64, 0);
+            }
+            Tier::Base => assert!(free_hugepages() < 2 || !shmem_thp_possible()),
+            Tier::Huge1G => panic!("asked for 2MB"),
+        }
+        let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
+        assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn hugepage_required_errors_without_hugepages() {
+        let opts = RegionOptions {
+            hugepage: HugePage::Size1G,
+            mode: HugePageMode::Required,
+            ..Default::default()
+        };
+        match HostRegion::new(1 << 20, opts) {
+            Ok(r) => assert_eq!(r.tier(), Tier::Huge1G),
+            Err(e) => {
+                assert!(matches!(e, Error::HostMemory(_)));
+                assert!(e.to_string().contains("1GB hugepages"), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn thp_mapping_is_aligned() {
+        if let Some((p, len)) = map_thp(5 << 20) {
+            assert_eq!(p as usize % MB2, 0);
+            assert_eq!(len, 6 << 20);
+            unmap(p, len);
+        }
+    }
+
+    #[test]
+    fn numa_binding() {
+        let r = HostRegion::new(
+            64 << 10,
+            RegionOptions {
+                numa_node: Some(0),
+                ..Default::default()
+            },
+        );
+        if std::path::Path::new("/sys/devices/system/node/node0").exists() {
+            let r = r.unwrap();
+            assert_eq!(r.numa_node(), Some(0));
+        }
+        let e = HostRegion::new(
+            4096,
+            RegionOptions {
+                numa_node: Some(4000),
+                ..Default::default()
+            },
+        )
+        .err()
+        .unwrap();
+        assert!(
+            e.to_string().contains("NUMA node 4000 does not exist"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn parse_options() {
+        assert_eq!(HugePage::parse("").unwrap(), HugePage::None);
+        assert_eq!(HugePage::parse("2MB").unwrap(), HugePage::Size2M);
+        assert_eq!(HugePage::parse("1GB").unwrap(), HugePage::Size1G);
+        assert!(HugePage::parse("4MB").is_err());
+        assert_eq!(
+            HugePageMode::parse("required").unwrap(),
+            HugePageMode::Required
+        );
+        assert!(HugePageMode::parse("maybe").is_err());
+    }
+
+    #[test]
+    fn register_without_cuda_is_a_clear_error() {
+        let r = HostRegion::new(4096, RegionOptions::default()).unwrap();
+        if !crate::cuda::available() {
+            let e = r.register_cuda(0, 1 << 30).unwrap_err();
+            assert!(matches!(e, Error::CudaUnavailable(_)));
+            assert!(!r.pinned());
+        }
+    }
+}

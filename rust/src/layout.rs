@@ -1,0 +1,349 @@
+//! Pool geometry: byte size of a plane and the byte offset of (row, layer[, head]) inside it.
+//!
+//! Every constructor checks its arithmetic once (`checked_*`), so that the per-index offset math in
+//! the hot path can run unchecked: any in-range (row, layer, head) has an offset below the plane's
+//! byte size, which is known to fit in a `u64`.
+
+use crate::error::{Error, Result};
+use crate::transfer::Layout;
+
+fn geometry_overflow(what: &str) -> Error {
+    Error::Geometry(format!(
+        "host pool geometry overflows 64-bit byte offsets ({what})"
+    ))
+}
+
+fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_mul(b).ok_or_else(|| geometry_overflow(what))
+}
+
+/// The geometry of one plane (one of K / V / latent / V4 page rows), validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaneLayout {
+    pub layout: Layout,
+    /// `L`
+    pub layers: u64,
+    /// `S`
+    pub rows: u64,
+    /// `P`
+    pub page_size: u64,
+    /// `H` (1 unless `page_head`)
+    pub heads: u64,
+    /// `I`: bytes of one row of one layer.
+    pub item: u64,
+    /// `I / H`: bytes of one contiguous segment (the whole item unless `page_head`).
+    pub segment: u64,
+    /// `L * I`
+    pub layout_dim: u64,
+    /// `L * S * I`
+    pub nbytes: u64,
+}
+
+impl PlaneLayout {
+    pub fn new(
+        layout: Layout,
+        layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: usize,
+        heads: usize,
+    ) -> Result<Self> {
+        if page_size == 0 {
+            return Err(Error::Geometry("Page size must be positive".into()));
+        }
+        if heads == 0 {
+            return Err(Error::Geometry("head_num must be positive".into()));
+        }
+        let heads = if layout == Layout::PageHead { heads } else { 1 };
+        if item_bytes % heads != 0 {
+            return Err(Error::Geometry(format!(
+                "item size {item_bytes} bytes is not divisible by head_num {heads} (page_head \
+                 stores one segment of item_size / head_num bytes per head)"
+            )));
+        }
+        if matches!(layout, Layout::PageFirstDirect | Layout::PageHead) && rows % page_size != 0 {
+            return Err(Error::Geometry(format!(
+                "{} needs whole pages: rows={rows} is not a multiple of page_size={page_size}",
+                layout.name()
+            )));
+        }
+        let (layers, rows, page_size, heads, item) = (
+            layers as u64,
+            rows as u64,
+            page_size as u64,
+            heads as u64,
+            item_bytes as u64,
+        );
+        let layout_dim = mul(layers, item, "num_layers * item_bytes")?;
+        let nbytes = mul(layout_dim, rows, "num_layers * rows * item_bytes")?;
+        // A page block (page_first_direct / page_head) spans P * L * I bytes: it is at most the
+        // plane size when S >= P, but a pool smaller than one page must still not overflow.
+        mul(layout_dim, page_size, "page_size * num_layers * item_bytes")?;
+        Ok(Self {
+            layout,
+            layers,
+            rows,
+            page_size,
+            heads,
+            item,
+            segment: item / heads,
+            layout_dim,
+            nbytes,
+        })
+    }
+
+    /// Byte offset of (row, layer, head) inside the plane. Callers keep `row < S`, `layer < L`,
+    /// `head < H`; then the result is below `nbytes` and no step can overflow.
+    #[inline(always)]
+    pub fn offset_unchecked(&self, row: u64, layer: u64, head: u64) -> u64 {
+        debug_assert!(row < self.rows && layer < self.layers && head < self.heads);
+        match self.layout {
+            Layout::LayerFirst => layer * self.rows * self.item + row * self.item,
+            Layout::PageFirst => row * self.layout_dim + layer * self.item,
+            Layout::PageFirstDirect => {
+                let p = self.page_size;
+                (row / p) * p * self.layout_dim + layer * p * self.item + (row % p) * self.item
+            }
+            Layout::PageHead => {
+                let p = self.page_size;
+                let seg = self.segment;
+                (row / p) * p * self.layout_dim
+                    + head * p * self.layers * seg
+                    + (row % p) * self.layers * seg
+                    + layer * seg
+            }
+        }
+    }
+
+    /// Checked form of [`offset_unchecked`](Self::offset_unchecked) for callers outside the hot
+    /// path (Python's `PoolCore.offset`).
+    pub fn offset(&self, row: u64, layer: u64, head: u64) -> Result<u64> {
+        if row >= self.rows {
+            return Err(Error::InvalidTransfer(format!(
+                "row {row} is out of range [0, {})",
+                self.rows
+            )));
+        }
+        if layer >= self.layers {
+            return Err(Error::InvalidTransfer(format!(
+                "layer {layer} is out of range [0, {})",
+                self.layers
+            )));
+        }
+        if head >= self.heads {
+            return Err(Error::InvalidTransfer(format!(
+                "head {head} is out of range [0, {})",
+                self.heads
+            )));
+        }
+        Ok(self.offset_unchecked(row, layer, head))
+    }
+
+    /// Byte offset of the first row of host page `page` in layer `layer` for `page_first_direct`:
+    /// a block of `P * I` contiguous bytes.
+    #[inline(always)]
+    pub fn page_block_offset(&self, page: u64, layer: u64) -> u64 {
+        page * self.page_size * self.layout_dim + layer * self.page_size * self.item
+    }
+}
+
+/// Bytes of one plane: `L * S * I` in every layout (no padding anywhere).
+pub fn plane_nbytes(
+    layout: Layout,
+    layers: usize,
+    rows: usize,
+    page_size: usize,
+    item_bytes: usize,
+    heads: usize,
+) -> Result<u64> {
+    Ok(PlaneLayout::new(layout, layers, rows, page_size, item_bytes, heads)?.nbytes)
+}
+
+/// The row-major shape of one plane in items (the last dim is the item's bytes, or a head's).
+pub fn plane_shape(pl: &PlaneLayout) -> Vec<u64> {
+    let (l, s, p, h, i) = (pl.layers, pl.rows, pl.page_size, pl.heads, pl.item);
+    match pl.layout {
+        Layout::LayerFirst => vec![l, s, i],
+        Layout::PageFirst => vec![s, l, i],
+        Layout::PageFirstDirect => vec![s / p, l, p, i],
+        Layout::PageHead => vec![s / p, h, p, l, i / h],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pl(layout: Layout, l: usize, s: usize, p: usize, i: usize, h: usize) -> PlaneLayout {
+        PlaneLayout::new(layout, l, s, p, i, h).unwrap()
+    }
+
+    /// Offsets straight from the contract's table (§2.1), written independently of the code.
+    fn contract_offset(g: &PlaneLayout, t: u64, l: u64, h: u64) -> u64 {
+        let (l_, s_, p, i_, h_) = (g.layers, g.rows, g.page_size, g.item, g.heads);
+        let ld = l_ * i_;
+        match g.layout {
+            Layout::LayerFirst => l * s_ * i_ + t * i_,
+            Layout::PageFirst => t * ld + l * i_,
+            Layout::PageFirstDirect => (t / p) * p * ld + l * p * i_ + (t % p) * i_,
+            Layout::PageHead => {
+                (t / p) * p * ld + h * p * (ld / h_) + (t % p) * (ld / h_) + l * (i_ / h_)
+            }
+        }
+    }
+
+    /// Every (row, layer, head) maps to a distinct segment and the segments tile the plane
+    /// exactly; and each offset matches the contract formula.
+    fn check_tiling(layout: Layout, l: usize, s: usize, p: usize, i: usize, h: usize) {
+        let g = pl(layout, l, s, p, i, h);
+        assert_eq!(g.nbytes, (l * s * i) as u64);
+        let mut covered = vec![0u8; g.nbytes as usize];
+        for t in 0..g.rows {
+            for layer in 0..g.layers {
+                for head in 0..g.heads {
+                    let off = g.offset(t, layer, head).unwrap();
+                    assert_eq!(
+                        off,
+                        contract_offset(&g, t, layer, head),
+                        "{layout:?} t={t} l={layer} h={head}"
+                    );
+                    for b in 0..g.segment {
+                        covered[(off + b) as usize] += 1;
+                    }
+                }
+            }
+        }
+        assert!(
+            covered.iter().all(|&c| c == 1),
+            "{layout:?} does not tile the plane"
+        );
+    }
+
+    #[test]
+    fn layouts_tile_planes_with_odd_sizes() {
+        for &(l, s, p, i) in &[
+            (7, 12, 4, 12),
+            (61, 3, 1, 3),
+            (3, 8, 8, 1),
+            (2, 6, 3, 656),
+            (5, 4, 2, 1152),
+        ] {
+            check_tiling(Layout::LayerFirst, l, s, p, i, 1);
+            check_tiling(Layout::PageFirst, l, s, p, i, 1);
+            check_tiling(Layout::PageFirstDirect, l, s, p, i, 1);
+        }
+        for &(l, s, p, i, h) in &[
+            (7, 12, 4, 12, 3),
+            (3, 8, 8, 16, 4),
+            (61, 2, 1, 6, 2),
+            (2, 6, 3, 656, 8),
+        ] {
+            check_tiling(Layout::PageHead, l, s, p, i, h);
+        }
+    }
+
+    #[test]
+    fn page_head_with_one_head_is_token_major_within_a_page() {
+        let g = pl(Layout::PageHead, 5, 8, 4, 12, 1);
+        assert_eq!(g.offset(5, 3, 0).unwrap(), 4 * 5 * 12 + 12 * 5 + 3 * 12);
+    }
+
+    #[test]
+    fn heads_ignored_outside_page_head() {
+        let g = pl(Layout::PageFirst, 2, 4, 2, 12, 5);
+        assert_eq!((g.heads, g.segment), (1, 12));
+        assert!(g.offset(0, 0, 1).is_err());
+    }
+
+    #[test]
+    fn asymmetric_planes_differ_only_in_item() {
+        let k = pl(Layout::PageFirstDirect, 3, 8, 4, 256, 1);
+        let v = pl(Layout::PageFirstDirect, 3, 8, 4, 192, 1);
+        assert_eq!(
+            k.offset(6, 2, 0).unwrap(),
+            4 * 3 * 256 + 2 * 4 * 256 + 2 * 256
+        );
+        assert_eq!(
+            v.offset(6, 2, 0).unwrap(),
+            4 * 3 * 192 + 2 * 4 * 192 + 2 * 192
+        );
+    }
+
+    #[test]
+    fn v4_rows_page_size_one() {
+        // V4: S = host pages, P = 1, item = item_bytes; page_first_direct == page_first.
+        let a = pl(Layout::PageFirstDirect, 61, 10, 1, 584, 1);
+        let b = pl(Layout::PageFirst, 61, 10, 1, 584, 1);
+        for t in 0..10 {
+            for l in [0, 30, 60] {
+                assert_eq!(a.offset(t, l, 0).unwrap(), b.offset(t, l, 0).unwrap());
+            }
+        }
+        assert_eq!(a.page_block_offset(7, 60), 7 * 61 * 584 + 60 * 584);
+    }
+
+    #[test]
+    fn page_block_is_first_row_of_page() {
+        let g = pl(Layout::PageFirstDirect, 7, 12, 4, 12, 1);
+        for page in 0..3 {
+            for l in 0..7 {
+                assert_eq!(
+                    g.page_block_offset(page, l),
+                    g.offset(page * 4, l, 0).unwrap()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_geometry() {
+        let e = PlaneLayout::new(Layout::PageHead, 2, 8, 4, 12, 5).unwrap_err();
+        assert!(e.to_string().contains("not divisible by head_num 5"), "{e}");
+        let e = PlaneLayout::new(Layout::PageFirstDirect, 2, 10, 4, 16, 1).unwrap_err();
+        assert!(
+            e.to_string().contains("not a multiple of page_size=4"),
+            "{e}"
+        );
+        assert!(PlaneLayout::new(Layout::LayerFirst, 2, 10, 0, 16, 1).is_err());
+        assert!(PlaneLayout::new(Layout::PageHead, 2, 8, 4, 16, 0).is_err());
+        // layer_first / page_first do not need whole pages.
+        assert!(PlaneLayout::new(Layout::LayerFirst, 2, 10, 4, 16, 1).is_ok());
+    }
+
+    #[test]
+    fn overflow_is_an_error() {
+        let e = PlaneLayout::new(Layout::LayerFirst, 1 << 20, 1 << 30, 1, 1 << 20, 1).unwrap_err();
+        assert!(matches!(e, Error::Geometry(_)), "{e:?}");
+        assert!(e.to_string().contains("overflows"));
+        assert!(plane_nbytes(Layout::PageFirst, usize::MAX, 2, 1, 2, 1).is_err());
+        // Big page with a tiny pool.
+        assert!(PlaneLayout::new(Layout::LayerFirst, 1 << 30, 0, 1 << 40, 1 << 10, 1).is_err());
+    }
+
+    #[test]
+    fn zero_sized_planes() {
+        assert_eq!(plane_nbytes(Layout::PageFirst, 4, 0, 1, 16, 1).unwrap(), 0);
+        assert_eq!(plane_nbytes(Layout::LayerFirst, 0, 8, 1, 16, 1).unwrap(), 0);
+    }
+
+    #[test]
+    fn offset_checks_ranges() {
+        let g = pl(Layout::LayerFirst, 3, 4, 1, 8, 1);
+        assert!(g.offset(4, 0, 0).is_err());
+        assert!(g.offset(0, 3, 0).is_err());
+        assert_eq!(g.offset(3, 2, 0).unwrap(), 2 * 4 * 8 + 3 * 8);
+    }
+
+    #[test]
+    fn shapes_multiply_to_nbytes() {
+        for layout in [
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+            Layout::PageHead,
+        ] {
+            let g = pl(layout, 3, 8, 4, 24, 2);
+            assert_eq!(plane_shape(&g).iter().product::<u64>(), g.nbytes);
+        }
+    }
+}

@@ -1,0 +1,546 @@
+//! PyO3 bindings: module `hostkv_rs._core` (see docs/design.md for the interface).
+//!
+//! Errors map to Python exceptions in one place (`to_py`). Nothing here panics: every fallible
+//! step returns a `PyResult`.
+
+use std::ffi::c_int;
+use std::ptr::NonNull;
+
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+use crate::error::Error;
+use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
+use crate::layout::PlaneLayout;
+use crate::transfer::{
+    Backend, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
+};
+use crate::{cpu, cuda, plan};
+
+/// Plans that move more than this release the GIL while copying; smaller ones are cheaper to run
+/// than the ~1 us a detach/reattach costs.
+const DETACH_BYTES: u64 = 1 << 20;
+
+static TRANSFER_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `TransferError(ValueError, RuntimeError)`: SGLang's kernels raise RuntimeError for bad
+/// transfer arguments and its pools raise ValueError, so callers may catch either.
+fn transfer_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    let ty = TRANSFER_ERROR.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "hostkv_rs._core")?;
+        ns.set_item(
+            "__doc__",
+            "Bad transfer arguments (indices, lengths, layer ids); nothing was written.",
+        )?;
+        let bases = PyTuple::new(
+            py,
+            [
+                py.get_type::<PyValueError>(),
+                py.get_type::<PyRuntimeError>(),
+            ],
+        )?;
+        let ty = py
+            .import("builtins")?
+            .getattr("type")?
+            .call1(("TransferError", bases, ns))?;
+        Ok(ty.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py))
+}
+
+fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    match e {
+        Error::Unsupported(m) | Error::Geometry(m) => PyValueError::new_err(m),
+        Error::InvalidTransfer(m) => match transfer_error_type(py) {
+            Ok(ty) => PyErr::from_type(ty.clone(), m),
+            Err(init_failed) => init_failed,
+        },
+        Error::HostMemory(m) => PyMemoryError::new_err(m),
+        Error::CudaUnavailable(m) | Error::Cuda(m) => PyRuntimeError::new_err(m),
+    }
+}
+
+fn transfer_err(py: Python<'_>, msg: String) -> PyErr {
+    to_py(py, Error::InvalidTransfer(msg))
+}
+
+#[pyclass(frozen, module = "hostkv_rs._core", name = "HostRegion")]
+pub struct PyHostRegion {
+    inner: host_mem::HostRegion,
+}
+
+#[pymethods]
+impl PyHostRegion {
+    #[new]
+    #[pyo3(signature = (nbytes, *, hugepage = "", hugepage_mode = "prefer", numa_node = None, pretouch_threads = 0))]
+    fn new(
+        py: Python<'_>,
+        nbytes: i64,
+        hugepage: &str,
+        hugepage_mode: &str,
+        numa_node: Option<i64>,
+        pretouch_threads: usize,
+    ) -> PyResult<Self> {
+        if nbytes < 0 {
+            return Err(PyValueError::new_err(format!(
+                "nbytes must be non-negative, got {nbytes}"
+            )));
+        }
+        let numa_node = match numa_node {
+            Some(n) if !(0..=u32::MAX as i64).contains(&n) => {
+                return Err(PyValueError::new_err(format!("invalid NUMA node {n}")));
+            }
+            other => other.map(|n| n as u32),
+        };
+        let opts = RegionOptions {
+            hugepage: HugePage::parse(hugepage).map_err(|e| to_py(py, e))?,
+            mode: HugePageMode::parse(hugepage_mode).map_err(|e| to_py(py, e))?,
+            numa_node,
+            pretouch_threads,
+        };
+        let nbytes =
+            usize::try_from(nbytes).map_err(|_| PyValueError::new_err("nbytes too large"))?;
+        // Pre-faulting a large region takes seconds; let other Python threads run.
+        let region = py
+            .detach(|| host_mem::HostRegion::new(nbytes, opts))
+            .map_err(|e| to_py(py, e))?;
+        Ok(Self { inner: region })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn address(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    #[getter]
+    fn hugepage_tier(&self) -> &'static str {
+        self.inner.tier().name()
+    }
+
+    #[getter]
+    fn numa_node(&self) -> Option<u32> {
+        self.inner.numa_node()
+    }
+
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.inner.pinned()
+    }
+
+    #[getter]
+    fn registered_ranges(&self) -> Vec<(u64, usize)> {
+        self.inner.registered_ranges()
+    }
+
+    #[pyo3(signature = (granularity = 0, chunk_limit = 256 << 30))]
+    fn register_cuda(
+        &self,
+        py: Python<'_>,
+        granularity: usize,
+        chunk_limit: usize,
+    ) -> PyResult<()> {
+        let region = &self.inner;
+        py.detach(|| region.register_cuda(granularity, chunk_limit))
+            .map_err(|e| to_py(py, e))
+    }
+
+    fn unregister_cuda(&self, py: Python<'_>) {
+        let region = &self.inner;
+        py.detach(|| region.unregister_cuda());
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HostRegion(nbytes={}, address={:#x}, hugepage_tier={:?}, pinned={})",
+            self.inner.len(),
+            self.inner.addr(),
+            self.inner.tier().name(),
+            if self.inner.pinned() { "True" } else { "False" }
+        )
+    }
+
+    /// Writable 1-D unsigned-byte buffer over the whole region; the exporter (this object) stays
+    /// alive as long as any view does, because the view holds a reference to it.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let region = &slf.get().inner;
+        // A zero-length buffer still needs a non-null pointer for some consumers.
+        let buf = if region.is_empty() {
+            NonNull::<u8>::dangling().as_ptr()
+        } else {
+            region.as_ptr()
+        };
+        // SAFETY: `view` comes from the interpreter; `buf..buf+len` is our live mapping, which
+        // outlives the view because the view owns a reference to `slf`.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                buf as *mut std::ffi::c_void,
+                region.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        // PyBuffer_FillInfo allocates nothing, and PyBuffer_Release drops the owner reference.
+    }
+}
+
+/// Geometry and transfers of one host pool (1 or 2 planes).
+#[pyclass(frozen, module = "hostkv_rs._core", name = "PoolCore")]
+pub struct PyPoolCore {
+    geom: HostGeometry,
+    planes: Vec<PlaneLayout>,
+}
+
+type IndexArg = (u64, i64, i64, bool);
+
+fn index_array(
+    py: Python<'_>,
+    which: &str,
+    (ptr, len, itemsize, on_device): IndexArg,
+) -> PyResult<IndexArray> {
+    let width = match itemsize {
+        4 => IndexWidth::I32,
+        8 => IndexWidth::I64,
+        other => {
+            return Err(transfer_err(
+                py,
+                format!("{which} indices must be int32 or int64, got an itemsize of {other} bytes"),
+            ))
+        }
+    };
+    let len = usize::try_from(len).map_err(|_| {
+        transfer_err(
+            py,
+            format!("{which} index length must be non-negative, got {len}"),
+        )
+    })?;
+    Ok(IndexArray {
+        ptr,
+        len,
+        width,
+        on_device,
+    })
+}
+
+impl PyPoolCore {
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        op: Op,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+    ) -> PyResult<()> {
+        let backend = Backend::parse(backend).map_err(|e| to_py(py, e))?;
+        let rows = usize::try_from(device_rows).map_err(|_| {
+            transfer_err(
+                py,
+                format!("device_rows must be non-negative, got {device_rows}"),
+            )
+        })?;
+        let req = TransferRequest {
+            geom: self.geom.clone(),
+            backend,
+            op,
+            device: DeviceSide {
+                layer_ptrs: device_ptrs,
+                rows,
+            },
+            host_idx: index_array(py, "host", host_idx)?,
+            dev_idx: index_array(py, "device", dev_idx)?,
+        };
+        match (device, engine) {
+            ("cpu", "plan") => {
+                let ops = plan::build(&req).map_err(|e| to_py(py, e))?;
+                // SAFETY: `plan::build` checked every range against both pools.
+                if plan::total_bytes(&ops) > DETACH_BYTES {
+                    py.detach(|| unsafe { cpu::execute(&ops) });
+                } else {
+                    unsafe { cpu::execute(&ops) };
+                }
+                Ok(())
+            }
+            ("cpu", "emulated") => {
+                plan::validate(&req).map_err(|e| to_py(py, e))?;
+                py.detach(|| cuda::emulate(&req)).map_err(|e| to_py(py, e))
+            }
+            ("cpu", other) => Err(PyValueError::new_err(format!(
+                "Unsupported engine: {other}; expected 'plan' or 'emulated'"
+            ))),
+            ("cuda", _) => {
+                let c = plan::validate(&req).map_err(|e| to_py(py, e))?;
+                let per_row: u64 = self.geom.item_bytes.iter().map(|&i| i as u64).sum();
+                let bytes = (c.len as u64)
+                    .saturating_mul(c.layer_count)
+                    .saturating_mul(per_row);
+                if bytes > DETACH_BYTES {
+                    py.detach(|| cuda::execute(&req, stream))
+                        .map_err(|e| to_py(py, e))
+                } else {
+                    cuda::execute(&req, stream).map_err(|e| to_py(py, e))
+                }
+            }
+            (other, _) => Err(PyValueError::new_err(format!(
+                "Unsupported device: {other}; expected 'cpu' or 'cuda'"
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl PyPoolCore {
+    #[new]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, plane_addrs, head_num = 1))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layout: &str,
+        num_layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: Vec<usize>,
+        plane_addrs: Vec<u64>,
+        head_num: usize,
+    ) -> PyResult<Self> {
+        let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
+        if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != plane_addrs.len() {
+            return Err(PyValueError::new_err(format!(
+                "a host pool has 1 or 2 planes: got {} item sizes and {} plane addresses",
+                item_bytes.len(),
+                plane_addrs.len()
+            )));
+        }
+        let mut planes = Vec::with_capacity(item_bytes.len());
+        for (p, (&item, &addr)) in item_bytes.iter().zip(&plane_addrs).enumerate() {
+            let pl = PlaneLayout::new(layout, num_layers, rows, page_size, item, head_num)
+                .map_err(|e| to_py(py, e))?;
+            if (addr == 0 && pl.nbytes > 0) || addr.checked_add(pl.nbytes).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "plane {p} address {addr:#x} cannot hold {} bytes",
+                    pl.nbytes
+                )));
+            }
+            planes.push(pl);
+        }
+        let heads = if layout == Layout::PageHead {
+            head_num
+        } else {
+            1
+        };
+        let geom = HostGeometry {
+            layout,
+            layers: num_layers,
+            rows,
+            page_size,
+            heads,
+            item_bytes,
+            plane_base: plane_addrs,
+        };
+        Ok(Self { geom, planes })
+    }
+
+    /// Bytes of one plane (`L * S * I`), with the same checks as the constructor.
+    #[staticmethod]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, head_num = 1))]
+    fn plane_nbytes(
+        py: Python<'_>,
+        layout: &str,
+        num_layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: usize,
+        head_num: usize,
+    ) -> PyResult<u64> {
+        let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
+        crate::layout::plane_nbytes(layout, num_layers, rows, page_size, item_bytes, head_num)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Byte offset of (row, layer, head) inside plane `plane`.
+    #[pyo3(signature = (plane, row, layer, head = 0))]
+    fn offset(&self, py: Python<'_>, plane: i64, row: i64, layer: i64, head: i64) -> PyResult<u64> {
+        let pl = usize::try_from(plane)
+            .ok()
+            .and_then(|p| self.planes.get(p))
+            .ok_or_else(|| {
+                transfer_err(
+                    py,
+                    format!("plane {plane} is out of range [0, {})", self.planes.len()),
+                )
+            })?;
+        for (name, v) in [("row", row), ("layer", layer), ("head", head)] {
+            if v < 0 {
+                return Err(transfer_err(py, format!("{name} {v} is negative")));
+            }
+        }
+        pl.offset(row as u64, layer as u64, head as u64)
+            .map_err(|e| to_py(py, e))
+    }
+
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.geom.layout.name()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.geom.layers
+    }
+
+    #[getter]
+    fn rows(&self) -> usize {
+        self.geom.rows
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.geom.page_size
+    }
+
+    #[getter]
+    fn head_num(&self) -> usize {
+        self.geom.heads
+    }
+
+    #[getter]
+    fn item_bytes(&self) -> Vec<usize> {
+        self.geom.item_bytes.clone()
+    }
+
+    #[getter]
+    fn plane_addrs(&self) -> Vec<u64> {
+        self.geom.plane_base.clone()
+    }
+
+    /// Device layers -> host, every layer: `device_ptrs` holds `nplanes * L` layer bases.
+    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan"))]
+    #[allow(clippy::too_many_arguments)]
+    fn backup(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+    ) -> PyResult<()> {
+        self.transfer(
+            py,
+            backend,
+            Op::Backup,
+            device_ptrs,
+            device_rows,
+            host_idx,
+            dev_idx,
+            device,
+            stream,
+            engine,
+        )
+    }
+
+    /// Host layer `host_layer` -> one device layer: `device_ptrs` holds `nplanes` layer bases.
+    #[pyo3(signature = (backend, host_layer, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan"))]
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        host_layer: i64,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+    ) -> PyResult<()> {
+        let host_layer = usize::try_from(host_layer).map_err(|_| {
+            transfer_err(
+                py,
+                format!(
+                    "host layer {host_layer} is out of range [0, {})",
+                    self.geom.layers
+                ),
+            )
+        })?;
+        self.transfer(
+            py,
+            backend,
+            Op::Load { host_layer },
+            device_ptrs,
+            device_rows,
+            host_idx,
+            dev_idx,
+            device,
+            stream,
+            engine,
+        )
+    }
+}
+
+#[pyfunction]
+fn cuda_available() -> bool {
+    cuda::available()
+}
+
+#[pyfunction]
+fn runtime_info() -> String {
+    format!(
+        "hostkv_rs {}; {}",
+        env!("CARGO_PKG_VERSION"),
+        cuda::runtime_info()
+    )
+}
+
+/// Raises TransferError if a kernel recorded a bad device-resident index since the last check.
+#[pyfunction]
+fn check_device_errors(py: Python<'_>) -> PyResult<()> {
+    cuda::check_device_errors().map_err(|e| to_py(py, e))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyHostRegion>()?;
+    m.add_class::<PyPoolCore>()?;
+    m.add("TransferError", transfer_error_type(py)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
+    m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
+    Ok(())
+}
