@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import psutil
@@ -23,8 +24,9 @@ def ranks_per_host() -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             nnodes = int(os.environ.get("SGLANG_NNODES", os.environ.get("NNODES", "1")) or 1)
             return max(dist.get_world_size() // max(nnodes, 1), 1)
-    except Exception:  # a half-initialised process group must not break pool construction
-        pass
+    except (RuntimeError, ValueError, ImportError) as exc:
+        # A half-initialised process group must not break pool construction.
+        logging.getLogger(__name__).debug("ranks_per_host: no usable process group (%s)", exc)
     return 1
 
 
@@ -65,6 +67,21 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
             )
         region.register_cuda(registration_granularity, register_chunk_limit_bytes())
     return region
+
+
+_CPU_ENGINES = ("plan", "emulated")
+
+
+def cpu_engine() -> str:
+    """Engine for transfers against CPU device pools, from HOSTKV_CPU_ENGINE: "plan" (default,
+    the validated copy plan) or "emulated" (the kernel backend's CUDA code under the CPU shim;
+    for tests)."""
+    value = os.environ.get("HOSTKV_CPU_ENGINE", "").strip().lower() or "plan"
+    if value not in _CPU_ENGINES:
+        raise ValueError(
+            f"HOSTKV_CPU_ENGINE must be one of {', '.join(_CPU_ENGINES)}, got {value!r}"
+        )
+    return value
 
 
 def _numa_node() -> int | None:

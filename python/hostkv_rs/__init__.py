@@ -1,0 +1,43 @@
+"""hostkv_rs: drop-in replacements for SGLang's HiCache host KV pools, with a Rust core.
+
+Importing the package never touches CUDA: the core probes the driver only when asked
+(`cuda_available()`), and torch.cuda is used only for CUDA device pools.
+"""
+
+from hostkv_rs._core import TransferError, cuda_available, runtime_info
+from hostkv_rs._core import __version__ as __version__
+from hostkv_rs.base import HostKVCache
+from hostkv_rs.device_pools import MHATokenToKVPool, MLATokenToKVPool
+from hostkv_rs.mha import (
+    AsymmetricMHATokenToKVPoolHost,
+    MHATokenToKVPoolHost,
+    get_mha_host_pool_cls,
+)
+from hostkv_rs.mla import MLATokenToKVPoolHost
+
+_V4_NAMES = ("DeepSeekV4PagedHostPool", "LogicalHostPool")
+
+
+def __getattr__(name):
+    if name in _V4_NAMES:
+        from hostkv_rs import v4
+
+        return getattr(v4, name)
+    raise AttributeError(f"module 'hostkv_rs' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsymmetricMHATokenToKVPoolHost",
+    "DeepSeekV4PagedHostPool",
+    "HostKVCache",
+    "LogicalHostPool",
+    "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
+    "MLATokenToKVPool",
+    "MLATokenToKVPoolHost",
+    "TransferError",
+    "__version__",
+    "cuda_available",
+    "get_mha_host_pool_cls",
+    "runtime_info",
+]

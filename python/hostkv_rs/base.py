@@ -1,0 +1,506 @@
+"""`HostKVCache`: SGLang's abstract HiCache host pool (sizing, memory check, slot allocator,
+`destroy`) plus the helpers every concrete pool uses to hand a transfer to the Rust core.
+
+The allocator and helpers only read `size`, `page_size`, `lock`, `device` and the optional
+`logical_size` / `logical_page_size` / `dcp_size`, so pools that skip `HostKVCache.__init__`
+(the DeepSeek V4 pools) can use them after setting those attributes themselves.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import operator
+import threading
+from collections.abc import Sequence
+from functools import wraps
+from typing import NamedTuple
+
+import torch
+
+from hostkv_rs import _core, _memory
+from hostkv_rs._indices import as_index_array
+
+logger = logging.getLogger(__name__)
+
+HICACHE_HOST_MEMORY_RESERVE_BYTES = _memory.HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+# Storage backends whose own allocator owns the host memory in SGLang; hostkv_rs always allocates in
+# Rust, so selecting one of these deserves a warning rather than silence.
+_STORAGE_OWNED_ALLOCATORS = ("mooncake", "mori", "shm", "tensorcast")
+
+# Creating a missing per-pool lock must itself be race-free (pools that skip __init__).
+_LOCK_CREATION = threading.Lock()
+
+
+def _pool_lock(pool) -> threading.RLock:
+    lock = getattr(pool, "lock", None)
+    if lock is None:
+        with _LOCK_CREATION:
+            lock = getattr(pool, "lock", None)
+            if lock is None:
+                lock = threading.RLock()
+                pool.lock = lock
+    return lock
+
+
+def synchronized(func):
+    """Run the method while holding the pool's one `RLock` (`self.lock`)."""
+
+    @wraps(func)
+    def wrapper(self, *args, **kwargs):
+        with _pool_lock(self):
+            return func(self, *args, **kwargs)
+
+    return wrapper
+
+
+def as_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def positive_int(name: str, value) -> int:
+    value = as_int(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def sync_fixed_hicache_size(size: int, host_size) -> int:
+    """MIN-reduce a fixed-size (`--hicache-size`) token capacity over SGLang's PP group, so every
+    pipeline stage exposes the same host capacity. A no-op outside a distributed SGLang run."""
+    if host_size <= 0:
+        return size
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return size
+        from sglang.srt.distributed.parallel_state import get_pp_group
+
+        pp_group = get_pp_group()
+    except (ImportError, AssertionError):
+        return size
+    if pp_group.world_size <= 1:
+        return size
+    tensor = torch.tensor(size, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=pp_group.cpu_group)
+    synced = int(tensor.item())
+    if synced != size:
+        logger.info("Sync fixed-size HiCache host token capacity from %d to %d.", size, synced)
+    return synced
+
+
+def check_host_memory(requested_bytes: int) -> int:
+    """Raise SGLang's ValueError when `requested_bytes` exceeds the G-Aug26 host budget; returns
+    the budget. The budget is read through `_memory` at call time so tests can patch it."""
+    available_bytes = _memory.host_memory_budget_bytes()
+    if requested_bytes > available_bytes:
+        raise ValueError(
+            f"Not enough host memory available. Requesting {requested_bytes / 1e9:.2f} GB but "
+            f"only have {available_bytes / 1e9:.2f} GB free. Please reduce the size of the "
+            f"hierarchical cache."
+        )
+    return available_bytes
+
+
+class DeviceLayers(NamedTuple):
+    """The device side of one transfer, as `PoolCore.backup/load` take it."""
+
+    ptrs: list[int]
+    rows: int
+    device: str  # "cpu" | "cuda"
+    stream: int
+    engine: str
+
+
+def device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: str) -> DeviceLayers:
+    """Check per-plane lists of device layer tensors and return their base pointers (plane-major).
+
+    Every tensor must be a dense layer-first array whose rows are exactly the host item size of
+    its plane; all must sit on one device type (CPU or CUDA). `rows` is the smallest dim 0, so
+    the core's bounds check covers every layer.
+    """
+    ptrs: list[int] = []
+    rows: int | None = None
+    device_type: str | None = None
+    cuda_device = None
+    for plane, (tensors, want) in enumerate(zip(planes, item_bytes, strict=True)):
+        for layer, tensor in enumerate(tensors):
+            where = f"{what} plane {plane} layer {layer}"
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"{where}: device pools must be on CPU or CUDA, got {tensor.device}"
+                )
+            if device_type is None:
+                device_type = tensor.device.type
+                cuda_device = tensor.device if device_type == "cuda" else None
+            elif tensor.device.type != device_type:
+                raise ValueError(
+                    f"{where}: device tensors mix {device_type} and {tensor.device.type}"
+                )
+            if tensor.dim() < 1:
+                raise ValueError(f"{where}: expected a tensor with a token dimension")
+            if not tensor.is_contiguous():
+                raise ValueError(f"{where}: device layer tensors must be contiguous")
+            row_bytes = tensor.element_size()
+            for extent in tensor.shape[1:]:
+                row_bytes *= extent
+            if row_bytes != want:
+                raise ValueError(
+                    f"{where}: device rows are {row_bytes} bytes but the host pool's item size is "
+                    f"{want} bytes (dtype or head geometry differs from the host pool)"
+                )
+            n = tensor.shape[0]
+            rows = n if rows is None else min(rows, n)
+            ptrs.append(tensor.data_ptr())
+    if device_type is None:
+        raise ValueError(f"{what}: no device layer tensors")
+    if device_type == "cuda":
+        # Only a CUDA device pool may touch torch.cuda: CPU-only runs never initialise it.
+        stream = torch.cuda.current_stream(cuda_device).cuda_stream
+        engine = "plan"
+    else:
+        stream = 0
+        engine = _memory.cpu_engine()
+    return DeviceLayers(ptrs, rows or 0, device_type, stream, engine)
+
+
+def transfer_indices(host_indices, device_indices, io_backend: str, device: str):
+    """Index tensors in the form the core reads: contiguous int32/int64. CPU device pools and the
+    direct backend read them on the host; a CUDA kernel transfer keeps device-resident indices
+    where they are (the kernel bounds-checks them itself)."""
+    target = None if (device == "cuda" and io_backend == "kernel") else torch.device("cpu")
+    return as_index_array(host_indices, target), as_index_array(device_indices, target)
+
+
+def check_layer_id(layer_id, device_layers_count: int, host_layers: int) -> int:
+    """A local device layer id valid on both sides (Python would otherwise wrap negatives)."""
+    layer = as_int("layer_id", layer_id)
+    limit = min(device_layers_count, host_layers)
+    if not 0 <= layer < limit:
+        raise _core.TransferError(
+            f"layer_id {layer} is out of range: the device pool has {device_layers_count} layers "
+            f"and the host pool {host_layers}"
+        )
+    return layer
+
+
+def check_layer_count(what: str, tensors: Sequence, expected: int) -> list:
+    tensors = list(tensors)
+    if len(tensors) != expected:
+        raise _core.TransferError(
+            f"{what} has {len(tensors)} layers but the host pool holds {expected}"
+        )
+    return tensors
+
+
+class HostKVCache(abc.ABC):
+    """Abstract HiCache host pool with SGLang's constructor sequence and slot allocator."""
+
+    # Class defaults so that subclasses which skip __init__ still work (as in SGLang).
+    dcp_size = 1
+    dcp_rank = 0
+    pool_label = "kv"
+    can_use_write_back_jit = False
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size,
+        page_size: int,
+        layout: str,
+        pin_memory: bool,
+        device: str,
+        allocator_type: str = "default",
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        *,
+        pool_label: str = "kv",
+    ):
+        self.device_pool = device_pool
+        self.pool_label = pool_label
+        self.dcp_size = dcp_size
+        self.dcp_rank = dcp_rank
+        page_size = positive_int("page_size", page_size)
+        dcp_size = positive_int("dcp_size", dcp_size)
+        if page_size % dcp_size != 0:
+            raise AssertionError(
+                f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
+                f"({dcp_size}); expected the widened page from the DCP paged allocator."
+            )
+        if dcp_size != 1 or dcp_rank != 0:
+            raise NotImplementedError(
+                f"hostkv_rs host pools do not implement decode context parallelism yet "
+                f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
+            )
+        self.page_size = page_size // dcp_size
+        self.layout = layout
+        self.pin_memory = pin_memory
+        if device != "cpu":
+            raise AssertionError(
+                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
+            )
+        self.device = device
+        self.allocator_type = allocator_type
+        # Host memory always comes from the Rust core (HostRegion), never a storage allocator.
+        self.allocator = None
+        if allocator_type in _STORAGE_OWNED_ALLOCATORS:
+            logger.warning(
+                "hostkv_rs allocates HiCache host memory itself; the %r storage allocator is "
+                "not used for the %s host pool.",
+                allocator_type,
+                pool_label,
+            )
+        self.can_use_write_back_jit = False
+
+        self.dtype = device_pool.store_dtype
+        self.size_per_token = self.get_size_per_token()
+        if self.size_per_token <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: bytes per token must be positive, got "
+                f"{self.size_per_token} (check the device pool's layer and head geometry)"
+            )
+        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
+        self.logical_size = self.size * dcp_size
+        self.logical_page_size = self.page_size * dcp_size
+        self.start_layer = device_pool.start_layer
+        self.end_layer = device_pool.end_layer
+
+        if self.size <= device_pool.size:
+            logger.warning(
+                "HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens);"
+                "L2 cache effectiveness is reduced."
+                "Consider increasing --hicache-ratio (or --hicache-size) for higher L2 cache hit "
+                "rate.",
+                pool_label,
+                self.size,
+                device_pool.size,
+            )
+
+        requested_bytes = self.size * self.size_per_token
+        check_host_memory(requested_bytes)
+        logger.info(
+            "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory.",
+            pool_label,
+            self.size,
+            requested_bytes / 1e9,
+        )
+
+        self.kv_buffer = self.init_kv_buffer()
+        self.fd = getattr(self.allocator, "fd", None)
+        self.lock = threading.RLock()
+        self.clear()
+
+    def _host_capacity(self, device_pool, host_to_device_ratio, host_size) -> tuple[int, int]:
+        """(size, page_num): decimal GB / bytes per token (floor) or ratio x device size, then one
+        extra page, always (SGLang's `size // page_size + 1`)."""
+        if host_size > 0:
+            size = int(host_size * 1e9 // self.size_per_token)
+            size = sync_fixed_hicache_size(size, host_size)
+        else:
+            if host_to_device_ratio < 0:
+                raise ValueError(
+                    f"host_to_device_ratio must not be negative, got {host_to_device_ratio}"
+                )
+            size = int(device_pool.size * host_to_device_ratio)
+        page_num = size // self.page_size + 1
+        return page_num * self.page_size, page_num
+
+    # ----------------------------------------------------------------- geometry (abstract)
+
+    @abc.abstractmethod
+    def get_size_per_token(self):
+        """Bytes per token over all layers; sets the geometry attributes as a side effect."""
+        raise NotImplementedError()
+
+    @abc.abstractmethod
+    def init_kv_buffer(self):
+        """Allocate and return `kv_buffer` (sets `token_stride_size` / `layout_dim`)."""
+        raise NotImplementedError()
+
+    def get_ksize_per_token(self):
+        return self.get_size_per_token()
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        logger.warning(
+            "%s does not implement is_stride_page_aligned(); assuming not aligned. "
+            "O_DIRECT with a file-based NIXL backend will fall back to copy mode for this pool.",
+            type(self).__name__,
+        )
+        return False
+
+    # ----------------------------------------------------------------- slot allocator
+
+    def _logical_size(self) -> int:
+        value = getattr(self, "logical_size", None)
+        return int(value) if value is not None else int(self.size) * int(self.dcp_size)
+
+    def _logical_page_size(self) -> int:
+        value = getattr(self, "logical_page_size", None)
+        return int(value) if value is not None else int(self.page_size) * int(self.dcp_size)
+
+    @synchronized
+    def clear(self):
+        """Forget every allocation: a fresh pool hands out slots 0, 1, 2, ... again."""
+        n = self._logical_size()
+        # Legacy and unused by SGLang's callers, but part of the pool's surface.
+        self.mem_state = torch.zeros((n,), dtype=torch.uint8, device=getattr(self, "device", "cpu"))
+        self.free_slots = torch.arange(n, dtype=torch.int64)
+        # Freed chunks wait here until alloc needs them (one torch.cat per merge, not per free).
+        self.release_slots = []
+        self.num_release_slots = 0
+        self.slot_used = torch.zeros(n, dtype=torch.bool)
+
+    @synchronized
+    def available_size(self):
+        return len(self.free_slots) + self.num_release_slots
+
+    def _merge_release_slots(self):
+        if self.num_release_slots == 0:
+            return
+        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
+            self.free_slots = self.release_slots[0]
+        else:
+            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    @synchronized
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """`need_size` slots (a page multiple) in FIFO order, or None when the pool is short.
+
+        Returns a view of the free list, as SGLang does; clone it to keep it long-term.
+        """
+        need_size = as_int("need_size", need_size)
+        if need_size < 0:
+            raise ValueError(f"need_size must not be negative, got {need_size}")
+        if need_size % self._logical_page_size() != 0:
+            raise AssertionError("The requested size should be a multiple of the page size.")
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self._merge_release_slots()
+        select_index = self.free_slots[:need_size]
+        already = self.slot_used[select_index]
+        if bool(already.any()):
+            raise AssertionError(
+                f"Double-alloc detected: slots already allocated: {select_index[already].tolist()}."
+            )
+        self.free_slots = self.free_slots[need_size:]
+        self.slot_used[select_index] = True
+        return select_index
+
+    @synchronized
+    def free(self, indices) -> int:
+        """Return slots to the pool (any tensor, GPU included); returns how many were freed.
+
+        A slot that is not currently allocated, or that appears twice in one call, is a double
+        free: AssertionError, and nothing is released.
+        """
+        slots = as_index_array(indices, torch.device("cpu")).to(torch.int64)
+        if slots.numel() == 0:
+            return 0
+        n = self.slot_used.numel()
+        out_of_range = (slots < 0) | (slots >= n)
+        if bool(out_of_range.any()):
+            raise ValueError(
+                f"free: host slots must lie in [0, {n}), got {slots[out_of_range][:16].tolist()}"
+            )
+        used = self.slot_used[slots]
+        if not bool(used.all()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: {slots[~used].tolist()}."
+            )
+        unique, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: "
+                f"{unique[counts > 1].tolist()}."
+            )
+        # Own the storage: the caller may keep writing to the tensor it passed in.
+        if slots.data_ptr() == getattr(indices, "data_ptr", lambda: None)():
+            slots = slots.clone()
+        self.slot_used[slots] = False
+        self.release_slots.append(slots)
+        self.num_release_slots += slots.numel()
+        return slots.numel()
+
+    def maybe_dcp_kernel_indices(self, indices):
+        """Per-rank physical slots of DCP-widened logical slots (identity when dcp_size == 1)."""
+        dcp_size = int(self.dcp_size)
+        if dcp_size == 1 or indices is None:
+            return indices
+        if indices.numel() % dcp_size != 0:
+            raise AssertionError(
+                f"HiCache DCP translation expects runs of whole widened pages; got "
+                f"{indices.numel()} logical slots with dcp_size={dcp_size}."
+            )
+        return indices[int(self.dcp_rank) :: dcp_size] // dcp_size
+
+    # ----------------------------------------------------------------- page addressing
+
+    def _page_slot(self, index, page_major: bool) -> int:
+        """First token slot of an L3 data page, checked so the page lies inside the pool.
+        Page-major layouts floor any slot to its page, as SGLang does; token-major layouts need
+        `index + page_size <= size`."""
+        index = as_int("index", index)
+        if page_major:
+            if not 0 <= index < self.size:
+                raise IndexError(f"page index {index} is outside the host pool [0, {self.size})")
+        elif not 0 <= index <= self.size - self.page_size:
+            raise IndexError(
+                f"page starting at slot {index} does not fit in the host pool of {self.size} slots"
+            )
+        return index
+
+    def _meta_page_starts(self, indices, page_major: bool) -> list[int]:
+        """First slot of each page of `indices` (every page_size-th entry), each checked to name a
+        whole page inside the pool; page-major layouts also need page-aligned starts, because
+        their pointer formulas assume one."""
+        starts = as_index_array(indices, torch.device("cpu")).tolist()
+        if len(starts) % self.page_size != 0:
+            raise AssertionError(
+                f"{len(starts)} indices is not a multiple of the page size {self.page_size}"
+            )
+        starts = starts[:: self.page_size]
+        for t in starts:
+            if not 0 <= t <= self.size - self.page_size:
+                raise ValueError(
+                    f"page starting at slot {t} does not fit in the host pool of {self.size} slots"
+                )
+            if page_major and t % self.page_size != 0:
+                raise ValueError(
+                    f"slot {t} is not the first slot of a page (page size {self.page_size})"
+                )
+        return starts
+
+    # ----------------------------------------------------------------- lifetime
+
+    def destroy(self):
+        """Unregister the pool's CUDA host registrations now rather than at process exit (the
+        kernel unpinning huge ranges on SIGKILL can stall teardown). Idempotent.
+
+        The Rust regions themselves stay alive while any view of them does, so a transfer racing
+        with destroy never touches freed memory; later transfers raise instead.
+        """
+        if getattr(self, "_destroyed", False):
+            return
+        self._destroyed = True
+        for region in getattr(self, "_host_regions", ()):
+            region.unregister_cuda()
+        self.kv_buffer = None
+
+    def _live_core(self):
+        core = getattr(self, "_pool_core", None)
+        if getattr(self, "_destroyed", False) or core is None:
+            raise RuntimeError(f"{type(self).__name__} has been destroyed; it cannot transfer")
+        return core

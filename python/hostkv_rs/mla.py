@@ -1,0 +1,384 @@
+"""`MLATokenToKVPoolHost`: the host mirror of SGLang's `MLATokenToKVPool` (one latent plane of
+`kv_cache_dim` elements per token and layer, in one Rust region)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from hostkv_rs import _core, _memory
+from hostkv_rs._indices import index_arg
+from hostkv_rs.base import (
+    HostKVCache,
+    check_layer_count,
+    check_layer_id,
+    device_layers,
+    positive_int,
+    sync_fixed_hicache_size,
+    transfer_indices,
+)
+from hostkv_rs.mha import _not_implemented_mtp, _pin_dummy_pages
+
+logger = logging.getLogger(__name__)
+
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+_SUPPORTED = {
+    "kernel": ("layer_first", "page_first"),
+    "direct": ("layer_first", "page_first_direct"),
+}
+
+
+class MLATokenToKVPoolHost(HostKVCache):
+    """Supported (io_backend, layout): kernel + layer_first/page_first, direct +
+    layer_first/page_first_direct. `kernel_ascend` serves only the Ascend `page_first_kv_split`
+    layout, which this package does not build, so it is refused with SGLang's
+    `Unsupported layout: {layout}`.
+
+    `is_dummy=True` sizes the pool and runs the slot allocator without allocating any bytes
+    (`kv_buffer = data_refs = data_ptrs = None`); transfers on it fail SGLang's asserts.
+    """
+
+    mtp_draft_device_pools: tuple = ()
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        override_kv_cache_dim: int | None = None,
+        mtp_draft_device_pools: Sequence = (),
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        *,
+        pool_label: str = "kv",
+        is_dummy: bool = False,
+    ):
+        self.override_kv_cache_dim = override_kv_cache_dim
+        self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
+        self._is_dummy = bool(is_dummy)
+        if self.mtp_draft_device_pools:
+            raise _not_implemented_mtp()
+        if self._is_dummy:
+            self._init_dummy(
+                device_pool,
+                host_to_device_ratio,
+                host_size,
+                page_size,
+                layout,
+                pin_memory,
+                device,
+                allocator_type,
+                dcp_size,
+                dcp_rank,
+                pool_label,
+            )
+            return
+        super().__init__(
+            device_pool,
+            host_to_device_ratio,
+            host_size,
+            page_size,
+            layout,
+            pin_memory,
+            device,
+            allocator_type,
+            dcp_size=dcp_size,
+            dcp_rank=dcp_rank,
+            pool_label=pool_label,
+        )
+        self.can_use_jit = False
+        if self.layout == "page_first":
+            view = self.kv_buffer.transpose(0, 1)
+        else:
+            # page_first_direct: dim 0 is the page, so these are page slabs, as in SGLang.
+            view = self.kv_buffer
+        count = min(self.layer_num, view.shape[0])
+        self.data_refs = [view[i] for i in range(count)]
+        self.data_ptrs = torch.tensor(
+            [t.data_ptr() for t in self.data_refs],
+            dtype=torch.uint64,
+            device=self.device_pool.device,
+        )
+        self._pool_core = _core.PoolCore(
+            self.layout,
+            self.layer_num,
+            self.size,
+            self.page_size,
+            [self.token_stride_size],
+            [self.kv_buffer.data_ptr()],
+            1,
+        )
+
+    def _init_dummy(
+        self,
+        device_pool,
+        host_to_device_ratio,
+        host_size,
+        page_size,
+        layout,
+        pin_memory,
+        device,
+        allocator_type,
+        dcp_size,
+        dcp_rank,
+        pool_label,
+    ) -> None:
+        """Allocator-only pool (one TP rank keeps the MLA bytes, the others only the slots)."""
+        self.device_pool = device_pool
+        self.pool_label = pool_label
+        self.dcp_size = dcp_size
+        self.dcp_rank = dcp_rank
+        page_size = positive_int("page_size", page_size)
+        dcp_size = positive_int("dcp_size", dcp_size)
+        if page_size % dcp_size != 0:
+            raise AssertionError(
+                f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
+                f"({dcp_size})."
+            )
+        if dcp_size != 1 or dcp_rank != 0:
+            raise NotImplementedError(
+                f"hostkv_rs host pools do not implement decode context parallelism yet "
+                f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
+            )
+        self.page_size = page_size // dcp_size
+        self.layout = layout
+        self.pin_memory = pin_memory
+        self.device = device
+        self.allocator_type = allocator_type
+        self.allocator = None
+        self.dtype = device_pool.store_dtype
+        self.size_per_token = self.get_size_per_token()
+        if self.size_per_token <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: bytes per token must be positive, got "
+                f"{self.size_per_token} (check the device pool's layer geometry)"
+            )
+        if host_size > 0:
+            size = sync_fixed_hicache_size(int(host_size * 1e9 // self.size_per_token), host_size)
+        else:
+            size = int(device_pool.size * host_to_device_ratio)
+        self.page_num = size // self.page_size + 1
+        self.size = self.page_num * self.page_size
+        self.logical_size = self.size * dcp_size
+        self.logical_page_size = self.page_size * dcp_size
+        self.start_layer = device_pool.start_layer
+        self.end_layer = device_pool.end_layer
+        self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        self.kv_buffer = None
+        self.data_refs = None
+        self.data_ptrs = None
+        self.fd = None
+        logger.info(
+            "MLATokenToKVPoolHost dummy mode: allocator-only, size=%d tokens, saving %.2f GB "
+            "host memory",
+            self.size,
+            self.size * self.size_per_token / 1e9,
+        )
+        self.lock = threading.RLock()
+        self.clear()
+
+    # ----------------------------------------------------------------- geometry
+
+    def get_size_per_token(self):
+        dp = self.device_pool
+        self.kv_lora_rank = dp.kv_lora_rank
+        self.qk_rope_head_dim = dp.qk_rope_head_dim
+        self.target_layer_num = dp.layer_num
+        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
+        self.kv_cache_dim = self.override_kv_cache_dim or (
+            self.kv_lora_rank + self.qk_rope_head_dim
+        )
+        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
+
+    def get_ksize_per_token(self):
+        return self.get_size_per_token()
+
+    def init_kv_buffer(self):
+        L, S, P, Pn, C = self.layer_num, self.size, self.page_size, self.page_num, self.kv_cache_dim
+        if self.layout == "layer_first":
+            dims = (L, S, 1, C)
+        elif self.layout == "page_first":
+            dims = (S, L, 1, C)
+        elif self.layout == "page_first_direct":
+            dims = (Pn, L, P, 1, C)
+        else:
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        self.token_stride_size = C * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * L
+        granularity = (
+            P * self.layout_dim if self.layout in ("page_first", "page_first_direct") else 0
+        )
+        region = _memory.alloc_host_region(
+            L * S * self.token_stride_size, self.pin_memory, granularity
+        )
+        self._host_regions = [region]
+        return _memory.region_view(region, self.dtype, dims)
+
+    def get_contiguous_buf_infos(self):
+        """(per-layer host pointers, per-layer byte lengths, bytes per page) for registering the
+        host pool with a disaggregation transfer engine. Per-layer slabs exist only in
+        layer_first; other layouts are refused rather than reporting page slabs as layers."""
+        if self._is_dummy:
+            return [], [], []
+        if self.layout != "layer_first":
+            raise ValueError(
+                f"get_contiguous_buf_infos needs per-layer contiguous buffers (layout="
+                f"'layer_first'); this pool uses {self.layout!r}"
+            )
+        data_ptrs = [self.kv_buffer[i].data_ptr() for i in range(self.layer_num)]
+        data_lens = [self.kv_buffer[i].nbytes for i in range(self.layer_num)]
+        item_lens = [self.token_stride_size * self.page_size] * self.layer_num
+        return data_ptrs, data_lens, item_lens
+
+    def get_hybrid_pool_buffer(self):
+        return [] if self.kv_buffer is None else [self.kv_buffer]
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
+            return False
+        stride = self.page_size * self.layout_dim
+        return self.kv_buffer.data_ptr() % page_size_bytes == 0 and stride % page_size_bytes == 0
+
+    # ----------------------------------------------------------------- transfers
+
+    def _check_io(self, io_backend: str):
+        if io_backend in _SUPPORTED:
+            if self.layout not in _SUPPORTED[io_backend]:
+                raise ValueError(f"Unsupported layout: {self.layout}")
+        elif io_backend == "kernel_ascend":
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        else:
+            raise ValueError(f"Unsupported IO backend: {io_backend}")
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ):
+        if self._is_dummy:
+            raise AssertionError("load on a dummy (non-src MLA) host pool")
+        self._check_io(io_backend)
+        if is_draft:
+            raise _not_implemented_mtp()
+        core = self._live_core()
+        layers = list(device_pool.kv_buffer)
+        layer = check_layer_id(layer_id, len(layers), self.layer_num)
+        dev = device_layers([[layers[layer]]], [self.token_stride_size], "device pool")
+        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        core.load(
+            io_backend,
+            layer,
+            dev.ptrs,
+            dev.rows,
+            index_arg(host_idx),
+            index_arg(dev_idx),
+            dev.device,
+            dev.stream,
+            dev.engine,
+        )
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        if self._is_dummy:
+            raise AssertionError("backup on a dummy (non-src MLA) host pool")
+        self._check_io(io_backend)
+        core = self._live_core()
+        layers = check_layer_count("device pool kv_buffer", device_pool.kv_buffer, self.layer_num)
+        dev = device_layers([layers], [self.token_stride_size], "device pool")
+        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        core.backup(
+            io_backend,
+            dev.ptrs,
+            dev.rows,
+            index_arg(host_idx),
+            index_arg(dev_idx),
+            dev.device,
+            dev.stream,
+            dev.engine,
+        )
+
+    # ----------------------------------------------------------------- L3 flat pages
+
+    def _page_shape(self):
+        L, P, C = self.layer_num, self.page_size, self.kv_cache_dim
+        return {
+            "layer_first": (L, P, 1, C),
+            "page_first": (P, L, 1, C),
+            "page_first_direct": (1, L, P, 1, C),
+        }.get(self.layout)
+
+    def _require_bytes(self):
+        if self.kv_buffer is None:
+            raise RuntimeError(
+                "this MLA host pool holds no KV bytes (dummy mode or destroyed); it has no pages"
+            )
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        if self._page_shape() is None:
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
+        index = self._page_slot(index, self.layout == "page_first_direct")
+        P = self.page_size
+        if self.layout == "layer_first":
+            data_page = self.kv_buffer[:, index : index + P]
+        elif self.layout == "page_first":
+            data_page = self.kv_buffer[index : index + P]
+        else:
+            data_page = self.kv_buffer[index // P : index // P + 1]
+        return data_page.flatten() if flat else data_page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(
+            (self.layer_num, self.page_size, 1, self.kv_cache_dim),
+            dtype=self.dtype,
+            device=self.device,
+            pin_memory=_pin_dummy_pages(self.pin_memory),
+        ).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        shape = self._page_shape()
+        if shape is None:
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
+        index = self._page_slot(index, self.layout == "page_first_direct")
+        expected = self.layer_num * self.page_size * self.kv_cache_dim
+        if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
+            got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
+            raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
+        page = data_page.reshape(shape)
+        P = self.page_size
+        if self.layout == "layer_first":
+            self.kv_buffer[:, index : index + P] = page
+        elif self.layout == "page_first":
+            self.kv_buffer[index : index + P] = page
+        else:
+            self.kv_buffer[index // P : index // P + 1] = page
+
+    # ----------------------------------------------------------------- zero-copy metadata
+
+    def get_page_buffer_meta(self, indices):
+        """(pointers, sizes): layer_first gives one pointer per layer per page; the page layouts
+        one pointer per page covering all layers."""
+        if self.layout not in MLA_LAYOUTS:
+            raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
+        starts = self._meta_page_starts(indices, self.layout == "page_first_direct")
+        T, L, S, P = self.token_stride_size, self.layer_num, self.size, self.page_size
+        base = self.kv_buffer.data_ptr()
+        ptrs: list[int] = []
+        if self.layout == "layer_first":
+            for t in starts:
+                ptrs += [base + t * T + layer * S * T for layer in range(L)]
+            size = P * T
+        else:
+            ptrs = [base + t * L * T for t in starts]
+            size = L * P * T
+        return ptrs, [size] * len(ptrs)
