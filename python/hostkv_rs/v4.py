@@ -1,0 +1,642 @@
+"""DeepSeek V4 host pools: the paged page-row mirror and the byte-less logical anchor.
+
+`DeepSeekV4PagedHostPool` mirrors one V4 compressed paged sub-pool (C4, C128, indexer ...). Its
+unit is a *page row*: one device row holds one slot page (`slot_page_size` tokens) of one layer,
+`item_bytes` bytes. Rust owns the bytes (one `HostRegion`) and moves them (`PoolCore`); this
+module only builds torch views, checks arguments and maps token indices to rows.
+
+`LogicalHostPool` hands out page-aligned token slots and owns no bytes; V4 side pools use its
+slots as stable page anchors.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hostkv_rs import _core, _memory
+from hostkv_rs._indices import as_index_array, index_arg
+from hostkv_rs.base import HostKVCache, as_int, synchronized
+
+_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# (io_backend, layout) pairs SGLang serves for page-aligned V4 transfers (contract §3.5).
+_PAGE_PAIRS = {
+    ("kernel", "layer_first"),
+    ("kernel", "page_first"),
+    ("direct", "layer_first"),
+    ("direct", "page_first_direct"),
+}
+# Token-granular transfers need per-layer host row pointers, which only layer_first has.
+_TOKEN_PAIRS = {("kernel", "layer_first"), ("direct", "layer_first")}
+
+# SGLang's token-granular path is `transfer_cache_dsv4_mla` (jit_kernel/hisparse.py + csrc
+# hisparse.cuh, page arithmetic in include/sgl_kernel/deepseek_v4/kvcacheio.cuh). It ignores
+# item_bytes and assumes the page-padded C4 row on *both* sides: 64 tokens per page, the 576-byte
+# values of tokens 0..63 first, then their 8-byte scales, the row padded to a multiple of 576
+# (FlashMLA's page alignment) = 37440 bytes. Token t lives in row t // 64, value at
+# (t % 64) * 576, scale at 64 * 576 + (t % 64) * 8. We copy exactly those two segments per token
+# and layer, and refuse other geometries, where SGLang's fixed constants would address bytes
+# outside the rows.
+_C4_PAGE_TOKENS = 64
+_C4_VALUE_BYTES = 576
+_C4_SCALE_BYTES = 8
+_C4_ROW_BYTES = -(-(_C4_VALUE_BYTES + _C4_SCALE_BYTES) * _C4_PAGE_TOKENS // 576) * 576
+_C4_SCALE_OFFSET = _C4_VALUE_BYTES * _C4_PAGE_TOKENS
+
+
+def _index_tensor(indices) -> torch.Tensor:
+    if isinstance(indices, torch.Tensor):
+        return indices
+    return torch.as_tensor(indices, dtype=torch.int64)
+
+
+def _pin_ok(pin_memory: bool) -> bool:
+    # torch refuses pinned allocations on a machine without a CUDA driver.
+    return bool(pin_memory) and torch.cuda.is_available()
+
+
+class DeepSeekV4PagedHostPool(HostKVCache):
+    """Host mirror of a DeepSeek V4 paged KV/indexer sub-pool, in page-row units."""
+
+    # HostKVCache.__init__ is not called (as in SGLang), so the DCP defaults live here too.
+    dcp_size = 1
+    dcp_rank = 0
+
+    def __init__(
+        self,
+        pool_name: str,
+        device_buffers: list[torch.Tensor],
+        item_bytes: int,
+        num_host_pages: int,
+        slot_page_size: int,
+        layout: str = "layer_first",
+        device: str = "cpu",
+        pin_memory: bool = True,
+        allocator_type: str = "default",
+    ):
+        self.pool_name = pool_name
+        device_buffers = list(device_buffers)
+        item_bytes = as_int("item_bytes", item_bytes)
+        num_host_pages = as_int("num_host_pages", num_host_pages)
+        slot_page_size = as_int("slot_page_size", slot_page_size)
+        if item_bytes <= 0:
+            raise ValueError(f"{pool_name}: item_bytes must be positive, got {item_bytes}")
+        if num_host_pages < 0:
+            raise ValueError(
+                f"{pool_name}: num_host_pages must not be negative, got {num_host_pages}"
+            )
+        if slot_page_size <= 0:
+            raise ValueError(f"{pool_name}: slot_page_size must be positive, got {slot_page_size}")
+
+        self.layer_num = len(device_buffers)
+        self.item_bytes = item_bytes
+        self.num_host_pages = num_host_pages
+        self.slot_page_size = slot_page_size
+        self.dtype = torch.uint8
+        self.device = device
+        self.pin_memory = pin_memory
+        self.allocator_type = allocator_type
+        self.allocator = None
+        self.fd = None
+        self.page_size = slot_page_size
+        self.size = num_host_pages * slot_page_size
+        self.logical_size = self.size
+        self.page_num = num_host_pages
+        self.layout = layout
+        self.size_per_token = item_bytes
+        self.start_layer = 0
+        self.end_layer = self.layer_num
+        self.lock = threading.RLock()
+        self.device_buffers = device_buffers
+        self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
+        self._device_rows = self._check_device_buffers(device_buffers)
+
+        requested_bytes = self.layer_num * num_host_pages * item_bytes
+        available_bytes = _memory.host_memory_budget_bytes()
+        if requested_bytes > available_bytes:
+            raise ValueError(
+                f"Not enough host memory for V4 paged pool {pool_name}. "
+                f"Requesting {requested_bytes / 1e9:.2f} GB but only have "
+                f"{available_bytes / 1e9:.2f} GB free."
+            )
+        if layout not in _LAYOUTS:
+            raise ValueError(f"Unsupported layout: {layout}")
+
+        # Page layouts must not split one page (all layers of a row) across two CUDA
+        # registrations; layer_first must not split one row.
+        granularity = item_bytes if layout == "layer_first" else self.layer_num * item_bytes
+        self._region = None
+        if requested_bytes > 0:
+            self._region = _memory.alloc_host_region(requested_bytes, pin_memory, granularity)
+        self._base = self._region.address if self._region is not None else 0
+
+        L, Nh, IB = self.layer_num, num_host_pages, item_bytes
+        self.data_refs = []
+        if layout == "layer_first":
+            # One region laid out layer-first, so PoolCore's layer_first plane arithmetic
+            # (l*S*I + t*I) addresses exactly these per-layer views.
+            self.kv_buffer = [self._view((Nh, IB), offset=layer * Nh * IB) for layer in range(L)]
+            self.data_refs = list(self.kv_buffer)
+        elif layout == "page_first":
+            self.kv_buffer = self._view((Nh, L, IB))
+        else:
+            self.kv_buffer = self._view((Nh, L, 1, IB))
+
+        self.device_ptrs = torch.tensor(
+            [b.data_ptr() for b in device_buffers], dtype=torch.uint64, device=self.gpu_device
+        )
+        self.data_ptrs = (
+            torch.tensor(
+                [r.data_ptr() for r in self.data_refs], dtype=torch.uint64, device=self.gpu_device
+            )
+            if self.data_refs
+            else None
+        )
+        self.scale_kv_buffer = None
+        self.scale_device_buffers = None
+        self.scale_item_bytes = 0
+        self.scale_data_refs = []
+        self.scale_data_ptrs = None
+        self.scale_device_ptrs = None
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        # Staging buffers belong to the GPU write-back JIT, which this pool never enables.
+        self.staging_buffer = None
+        self._destroyed = False
+        self._page_core = self._make_core(Nh, IB)
+        self._token_cores = None
+        if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
+            self._token_cores = (
+                self._make_core(Nh * (IB // _C4_VALUE_BYTES), _C4_VALUE_BYTES),
+                self._make_core(Nh * (IB // _C4_SCALE_BYTES), _C4_SCALE_BYTES),
+            )
+        self.clear()
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    def _check_device_buffers(self, buffers) -> list[int]:
+        rows = []
+        for i, buf in enumerate(buffers):
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(f"{self.pool_name}: device buffer {i} is not a tensor")
+            if buf.device != self.gpu_device:
+                raise ValueError(
+                    f"{self.pool_name}: device buffer {i} is on {buf.device}, "
+                    f"expected {self.gpu_device}"
+                )
+            nbytes = buf.numel() * buf.element_size()
+            if not buf.is_contiguous() or nbytes % self.item_bytes != 0:
+                raise ValueError(
+                    f"{self.pool_name}: device buffer {i} must be contiguous rows of "
+                    f"item_bytes={self.item_bytes}, got shape {tuple(buf.shape)} "
+                    f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
+                )
+            rows.append(nbytes // self.item_bytes)
+        return rows
+
+    def _view(self, shape, offset: int = 0) -> torch.Tensor:
+        if self._region is None:
+            return torch.empty(shape, dtype=torch.uint8)
+        return _memory.region_view(self._region, torch.uint8, shape, offset)
+
+    def _make_core(self, rows: int, item: int):
+        if self._region is None:
+            return None
+        return _core.PoolCore(self.layout, self.layer_num, rows, 1, [item], [self._base])
+
+    # ---- geometry getters ------------------------------------------------------------------
+
+    def get_size_per_token(self):
+        return self.item_bytes
+
+    def get_ksize_per_token(self):
+        return self.item_bytes
+
+    def init_kv_buffer(self):
+        return self.kv_buffer
+
+    def get_hybrid_pool_buffer(self):
+        return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
+
+    def get_contiguous_buf_infos(self):
+        """Per-layer page-row buffers for PD direct-to-host transfer (layer_first only: the page
+        layouts have no per-layer host buffers, SGLang fails there on `data_ptrs = None`)."""
+        self._require_live()
+        if self.layout != "layer_first":
+            raise ValueError(
+                f"{self.pool_name} get_contiguous_buf_infos requires layer_first layout, "
+                f"got {self.layout}"
+            )
+        data_ptrs = [ref.data_ptr() for ref in self.data_refs]
+        data_lens = [ref.nbytes for ref in self.data_refs]
+        item_lens = [self.item_bytes] * self.layer_num
+        return data_ptrs, data_lens, item_lens
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        if self.layout not in ("page_first", "page_first_direct") or self.kv_buffer is None:
+            return False
+        page_bytes = self.layer_num * self.item_bytes
+        return (
+            self.kv_buffer.data_ptr() % page_size_bytes == 0 and page_bytes % page_size_bytes == 0
+        )
+
+    # ---- slot allocator (page-row units, lazy release, no used-tracking) --------------------
+
+    def clear(self):
+        self.free_slots = torch.arange(self.size, dtype=torch.int64)
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    # available_size and the lazy merge are HostKVCache's; alloc and free differ from it (page
+    # rounding instead of an assert, no double-free tracking), as in SGLang.
+
+    @synchronized
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        need_size = as_int("need_size", need_size)
+        if need_size < 0:
+            raise ValueError(
+                f"{self.pool_name} alloc: need_size must not be negative, got {need_size}"
+            )
+        P = self.slot_page_size
+        need_size = (need_size + P - 1) // P * P
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self._merge_release_slots()
+        # A view of the free list, as in SGLang; callers clone what they keep.
+        select_index = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return select_index
+
+    def alloc_page(self, num_pages: int) -> torch.Tensor | None:
+        return self.alloc(as_int("num_pages", num_pages) * self.page_size)
+
+    @synchronized
+    def free(self, indices) -> int:
+        indices_cpu = _index_tensor(indices).detach().to("cpu").reshape(-1).to(torch.int64)
+        n = indices_cpu.numel()
+        if n == 0:
+            return 0
+        lo, hi = int(indices_cpu.min()), int(indices_cpu.max())
+        if lo < 0 or hi >= self.size:
+            raise ValueError(
+                f"{self.pool_name} free: indices must lie in [0, {self.size}), "
+                f"got min={lo}, max={hi}"
+            )
+        self.release_slots.append(indices_cpu)
+        self.num_release_slots += n
+        return n
+
+    # ---- transfers --------------------------------------------------------------------------
+
+    def _require_live(self):
+        if self._destroyed:
+            raise RuntimeError(f"{self.pool_name} host pool has been destroyed")
+
+    def _transfer_indices(self, host_indices, device_indices):
+        """Both index tensors, or None when there is nothing to move."""
+        if host_indices is None or device_indices is None:
+            return None
+        host_indices = _index_tensor(host_indices)
+        device_indices = _index_tensor(device_indices)
+        n, m = host_indices.numel(), device_indices.numel()
+        if n != m:
+            raise ValueError(f"{self.pool_name} transfer index size mismatch: host={n}, device={m}")
+        if n == 0:
+            return None
+        return host_indices, device_indices
+
+    def _engine(self) -> tuple[str, int, str]:
+        """(device, stream, engine) for the core: torch's current stream on CUDA, else the CPU
+        engine chosen by HOSTKV_CPU_ENGINE."""
+        if self.gpu_device.type == "cuda":
+            return "cuda", torch.cuda.current_stream(self.gpu_device).cuda_stream, "plan"
+        return "cpu", 0, _memory.cpu_engine()
+
+    def _index_device(self, io_backend: str) -> torch.device:
+        # The copy engine plans direct copies on the host; kernels read indices on the GPU.
+        if self.gpu_device.type == "cuda" and io_backend == "kernel":
+            return self.gpu_device
+        return torch.device("cpu")
+
+    def _to_page_rows(self, indices: torch.Tensor) -> torch.Tensor:
+        P = self.slot_page_size
+        return indices.reshape(-1, P)[:, 0] // P
+
+    def _check_token_range(self, host: torch.Tensor, dev: torch.Tensor, dev_rows: int):
+        P = self.slot_page_size
+        for name, idx, limit in (("host", host, self.num_host_pages), ("device", dev, dev_rows)):
+            if idx.is_cuda:
+                continue  # device-resident indices are bounds-checked by the kernel
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= limit * P:
+                raise ValueError(
+                    f"{self.pool_name} token-granular transfer: {name} token indices must lie "
+                    f"in [0, {limit * P}), got min={lo}, max={hi}"
+                )
+
+    def _plan(self, io_backend, host_indices, device_indices, layer):
+        """Validate one transfer (`layer` None for a backup) and return the core calls as
+        (core, host_rows, device_rows, device_row_count), or None when there is nothing to move.
+        Everything that can be refused is refused here, before any byte moves."""
+        self._require_live()
+        pair = self._transfer_indices(host_indices, device_indices)
+        if pair is None:
+            return None
+        host, dev = pair
+        P = self.slot_page_size
+        token_granular = host.numel() % P != 0
+        pairs = _TOKEN_PAIRS if token_granular else _PAGE_PAIRS
+        if (io_backend, self.layout) not in pairs:
+            raise ValueError(
+                f"Unsupported V4 paged host layout/backend: {self.layout}/{io_backend}"
+            )
+        if token_granular and self._token_cores is None and self._region is not None:
+            raise ValueError(
+                f"{self.pool_name} token-granular transfers need the DSV4 C4 page row "
+                f"(slot_page_size={_C4_PAGE_TOKENS}, item_bytes={_C4_ROW_BYTES}), got "
+                f"slot_page_size={P}, item_bytes={self.item_bytes}"
+            )
+        if layer is None:
+            dev_rows = min(self._device_rows, default=0)
+        else:
+            dev_rows = self._device_rows[self._check_layer(layer)]
+        if self._region is None:
+            if layer is None and self.layer_num == 0:
+                return None  # no layers, nothing to back up
+            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
+        target = self._index_device(io_backend)
+        if not token_granular:
+            host_rows = self._to_page_rows(as_index_array(host, target))
+            dev_row_idx = self._to_page_rows(as_index_array(dev, target))
+            return [(self._page_core, host_rows, dev_row_idx, dev_rows)]
+
+        host = as_index_array(host, target).to(torch.int64)
+        dev = as_index_array(dev, target).to(torch.int64)
+        self._check_token_range(host, dev, dev_rows)
+        # The two segments of a C4 token become rows of two finer geometries over the same
+        # bytes: 576-byte value rows (65 per page row) and 8-byte scale rows (4680 per page row).
+        value_core, scale_core = self._token_cores
+        value_per_row = self.item_bytes // _C4_VALUE_BYTES
+        scale_per_row = self.item_bytes // _C4_SCALE_BYTES
+        scale_first = _C4_SCALE_OFFSET // _C4_SCALE_BYTES
+
+        def value_rows(t):
+            return (t // P) * value_per_row + t % P
+
+        def scale_rows(t):
+            return (t // P) * scale_per_row + scale_first + t % P
+
+        return [
+            (value_core, value_rows(host), value_rows(dev), dev_rows * value_per_row),
+            (scale_core, scale_rows(host), scale_rows(dev), dev_rows * scale_per_row),
+        ]
+
+    def _check_layer(self, layer_id) -> int:
+        layer = as_int("layer_id", layer_id)
+        if not 0 <= layer < self.layer_num:
+            raise ValueError(
+                f"{self.pool_name} layer_id {layer_id} out of range [0, {self.layer_num})"
+            )
+        return layer
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        calls = self._plan(io_backend, host_indices, device_indices, None)
+        if calls is None:
+            return
+        where, stream, engine = self._engine()
+        dev_ptrs = [b.data_ptr() for b in self.device_buffers]
+        for core, h, d, rows in calls:
+            h, d = h.contiguous(), d.contiguous()
+            core.backup(
+                io_backend, dev_ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
+            )
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, **_kwargs
+    ):
+        calls = self._plan(io_backend, host_indices, device_indices, layer_id)
+        if calls is None:
+            return
+        layer = int(layer_id)
+        where, stream, engine = self._engine()
+        dev_ptrs = [self.device_buffers[layer].data_ptr()]
+        for core, h, d, rows in calls:
+            h, d = h.contiguous(), d.contiguous()
+            core.load(
+                io_backend, layer, dev_ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
+            )
+
+    # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
+
+    def _page_row(self, index) -> int:
+        index = as_int("index", index)
+        row = index // self.slot_page_size
+        if index < 0 or row >= self.num_host_pages:
+            raise ValueError(f"{self.pool_name} page index {index} out of range [0, {self.size})")
+        return row
+
+    def get_data_page(self, index, flat=True):
+        self._require_live()
+        row = self._page_row(index)
+        if self.layout == "layer_first":
+            data_page = torch.stack([buf[row] for buf in self.kv_buffer])
+        else:
+            data_page = self.kv_buffer[row]
+        return data_page.flatten() if flat else data_page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(
+            (self.layer_num, self.item_bytes),
+            dtype=self.dtype,
+            device=self.device,
+            pin_memory=_pin_ok(self.pin_memory),
+        ).flatten()
+
+    def set_from_flat_data_page(self, index, data_page):
+        self._require_live()
+        row = self._page_row(index)
+        expected = self.layer_num * self.item_bytes
+        got = data_page.numel() * data_page.element_size()
+        if got != expected:
+            raise ValueError(
+                f"{self.pool_name} set_from_flat_data_page: expected {expected} bytes "
+                f"({self.layer_num} x {self.item_bytes}), got {got}"
+            )
+        data = data_page.contiguous().view(self.dtype)
+        if self.layout == "layer_first":
+            data = data.reshape(self.layer_num, self.item_bytes)
+            for buf, layer_bytes in zip(self.kv_buffer, data):
+                buf[row].copy_(layer_bytes)
+        elif self.layout == "page_first":
+            self.kv_buffer[row].copy_(data.reshape(self.layer_num, self.item_bytes))
+        else:
+            self.kv_buffer[row].copy_(data.reshape(self.layer_num, 1, self.item_bytes))
+
+    def get_page_buffer_meta(self, indices):
+        self._require_live()
+        indices = _index_tensor(indices).reshape(-1)
+        P = self.slot_page_size
+        if indices.numel() % P != 0:
+            raise ValueError(
+                f"{self.pool_name} get_page_buffer_meta needs whole pages: got "
+                f"{indices.numel()} indices for page size {P}"
+            )
+        rows = self._to_page_rows(indices.to("cpu", torch.int64)).tolist()
+        for row, first in zip(rows, indices[::P].tolist()):
+            if first < 0 or row >= self.num_host_pages:
+                raise ValueError(
+                    f"{self.pool_name} page index {first} out of range [0, {self.size})"
+                )
+        ptr_list = []
+        if self.layout == "layer_first":
+            bases = [ref.data_ptr() for ref in self.data_refs]
+            for row in rows:
+                ptr_list.extend(base + row * self.item_bytes for base in bases)
+            return ptr_list, [self.item_bytes] * len(ptr_list)
+        page_bytes = self.layer_num * self.item_bytes
+        base = self.kv_buffer.data_ptr()
+        ptr_list = [base + row * page_bytes for row in rows]
+        return ptr_list, [page_bytes] * len(ptr_list)
+
+    # ---- teardown -----------------------------------------------------------------------------
+
+    def destroy(self):
+        """Unregister the CUDA host registration now rather than at exit (idempotent)."""
+        if getattr(self, "_destroyed", True):
+            return
+        self._destroyed = True
+        if self._region is not None and self._region.pinned:
+            self._region.unregister_cuda()
+        self._page_core = None
+        self._token_cores = None
+        self.kv_buffer = None
+        self.data_refs = []
+        self.data_ptrs = None
+
+
+class LogicalHostPool:
+    """Page-aligned token slots without any KV bytes: the V4 HiCache anchor pool."""
+
+    # G-Sep26 storage hooks; a logical anchor has no physical page envelope.
+    shared_allocation_domain = None
+    stores_page_envelope = False
+    storage_format_tag = None
+
+    def __init__(self, size: int, page_size: int, layout: str = "layer_first"):
+        size, page_size = as_int("size", size), as_int("page_size", page_size)
+        if page_size <= 0:
+            raise ValueError(f"LogicalHostPool page_size must be positive, got {page_size}")
+        if size < 0:
+            raise ValueError(f"LogicalHostPool size must not be negative, got {size}")
+        if size % page_size != 0:
+            raise ValueError(
+                f"LogicalHostPool size must be page-aligned, got size={size}, page_size={page_size}"
+            )
+        self.size = size
+        # Stands in for a host pool (and group anchor); DCP never widens it.
+        self.logical_size = size
+        self.page_size = page_size
+        self.device = "cpu"
+        self.layout = layout
+        self.dtype = torch.uint8
+        self.layer_num = 0
+        self.start_layer = 0
+        self.end_layer = 0
+        self.kv_buffer = None
+        self.size_per_token = 0
+        self.allocator = None
+        # True on purpose: a group's flag is the AND over its pools, and the anchor must not
+        # veto the staged write-back of the pools that do carry bytes.
+        self.can_use_write_back_jit = True
+        self.lock = threading.RLock()
+        self.clear()
+
+    @synchronized
+    def clear(self):
+        self.free_slots = torch.arange(self.size, dtype=torch.int64)
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    def destroy(self) -> None:
+        return None
+
+    def available_size(self):
+        return len(self.free_slots) + self.num_release_slots
+
+    def _merge_release_slots(self):
+        if self.num_release_slots == 0:
+            return
+        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
+            self.free_slots = self.release_slots[0]
+        else:
+            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    @synchronized
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        need_size = as_int("need_size", need_size)
+        if need_size % self.page_size != 0:
+            raise ValueError(
+                "LogicalHostPool allocation must be page-aligned, "
+                f"got need_size={need_size}, page_size={self.page_size}"
+            )
+        if need_size < 0:
+            raise ValueError(f"LogicalHostPool allocation must not be negative, got {need_size}")
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self._merge_release_slots()
+        select_index = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return select_index
+
+    @synchronized
+    def free(self, indices) -> int:
+        indices = _index_tensor(indices)
+        n = len(indices)
+        if n % self.page_size != 0:
+            raise ValueError(
+                "LogicalHostPool free must be page-aligned, "
+                f"got len(indices)={n}, page_size={self.page_size}"
+            )
+        indices_cpu = indices.to(dtype=torch.int64, device="cpu").flatten()
+        if indices_cpu.numel() == 0:
+            return 0
+        lo, hi = int(indices_cpu.min()), int(indices_cpu.max())
+        if lo < 0 or hi >= self.size:
+            raise ValueError(
+                f"LogicalHostPool free: indices must lie in [0, {self.size}), "
+                f"got min={lo}, max={hi}"
+            )
+        self.release_slots.append(indices_cpu)
+        self.num_release_slots += indices_cpu.numel()
+        return n
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        pass
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ):
+        pass
+
+    def get_data_page(self, index, flat=True):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def get_dummy_flat_data_page(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index, data_page):
+        pass
+
+    def get_page_buffer_meta(self, indices):
+        return None
+
+    def get_page_buffer_element_size(self, split_factor: int = 1):
+        return None
+
+    def get_ksize_per_token(self):
+        return 0

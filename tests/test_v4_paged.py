@@ -1,0 +1,665 @@
+"""DeepSeekV4PagedHostPool against the contract (host-pool-contract.md §1.5, §2.4, §3.5, §4.1,
+§4.4, §4.5). Every expected byte is computed here from the contract's shapes, never by asking the
+pool where a row lives."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from hostkv_rs import _memory
+from hostkv_rs.base import HostKVCache
+from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+
+SUPPORTED = [
+    ("kernel", "layer_first"),
+    ("kernel", "page_first"),
+    ("direct", "layer_first"),
+    ("direct", "page_first_direct"),
+]
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+BACKENDS = ["kernel", "direct", "kernel_ascend", "bogus"]
+UNSUPPORTED = [(b, lay) for b in BACKENDS for lay in LAYOUTS if (b, lay) not in SUPPORTED]
+
+# DSV4 C4 page row as sglang's transfer_cache_dsv4_mla lays it out (see v4.py): 64 tokens,
+# values of 576 bytes first, then 8-byte scales, the row padded to a multiple of 576.
+C4_P, C4_VALUE, C4_SCALE = 64, 576, 8
+C4_ROW = -(-(C4_VALUE + C4_SCALE) * C4_P // 576) * 576
+C4_SCALE_AT = C4_VALUE * C4_P
+
+
+def make_pool(layout="layer_first", L=3, item=656, pages=6, P=4, dev_pages=7, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    dev = [
+        torch.randint(0, 256, (dev_pages, item), dtype=torch.uint8, generator=g) for _ in range(L)
+    ]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, item, pages, P, layout=layout, **kw)
+    return pool, dev
+
+
+def host_row(pool, row, layer) -> torch.Tensor:
+    """Bytes of (page row, layer) read through the contract's kv_buffer shapes."""
+    if pool.layout == "layer_first":
+        return pool.kv_buffer[layer][row]
+    if pool.layout == "page_first":
+        return pool.kv_buffer[row, layer]
+    return pool.kv_buffer[row, layer, 0]
+
+
+def host_bytes(pool) -> torch.Tensor:
+    """The whole host pool as (Nh, L, item) for comparisons."""
+    if pool.layout == "layer_first":
+        return torch.stack(list(pool.kv_buffer), dim=1).clone()
+    return pool.kv_buffer.reshape(pool.num_host_pages, pool.layer_num, pool.item_bytes).clone()
+
+
+def poison(pool, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for r in range(pool.num_host_pages):
+        for layer in range(pool.layer_num):
+            host_row(pool, r, layer).copy_(
+                torch.randint(0, 256, (pool.item_bytes,), dtype=torch.uint8, generator=g)
+            )
+
+
+def token_indices(pages, P, dtype=torch.int64):
+    if not len(pages):
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([torch.arange(p * P, (p + 1) * P) for p in pages]).to(dtype)
+
+
+def pick(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=g)[:k].tolist()
+
+
+def snapshot(pool, dev):
+    return host_bytes(pool), [d.clone() for d in dev]
+
+
+def assert_unchanged(pool, dev, snap):
+    host, devs = snap
+    assert torch.equal(host_bytes(pool), host)
+    for d, s in zip(dev, devs):
+        assert torch.equal(d, s)
+
+
+# ---- construction and attributes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attributes_follow_the_contract(layout):
+    L, item, pages, P = 5, 1152, 6, 4
+    pool, dev = make_pool(layout, L=L, item=item, pages=pages, P=P)
+    assert isinstance(pool, HostKVCache)
+    assert pool.size == pages * P  # no +1 page
+    assert pool.page_size == P
+    assert pool.size_per_token == item
+    assert pool.get_size_per_token() == item
+    assert pool.get_ksize_per_token() == item
+    assert pool.dtype == torch.uint8
+    assert pool.layer_num == L
+    assert (pool.start_layer, pool.end_layer) == (0, L)
+    assert pool.gpu_device == dev[0].device
+    assert pool.layout == layout
+    assert pool.can_use_jit is False
+    assert pool.can_use_write_back_jit is False
+    assert pool.scale_kv_buffer is None
+    assert pool.scale_item_bytes == 0
+    assert pool.device_ptrs.dtype == torch.uint64
+    assert pool.device_ptrs.device == dev[0].device
+    assert pool.device_ptrs.tolist() == [d.data_ptr() for d in dev]
+    if layout == "layer_first":
+        assert isinstance(pool.kv_buffer, list) and len(pool.kv_buffer) == L
+        base = pool.kv_buffer[0].data_ptr()
+        for layer, buf in enumerate(pool.kv_buffer):
+            assert buf.shape == (pages, item) and buf.dtype == torch.uint8
+            # one region laid out layer-first
+            assert buf.data_ptr() == base + layer * pages * item
+        assert pool.data_refs == pool.kv_buffer
+        assert pool.data_ptrs.dtype == torch.uint64
+        assert pool.data_ptrs.tolist() == [b.data_ptr() for b in pool.kv_buffer]
+        assert pool.get_hybrid_pool_buffer() == pool.kv_buffer
+    else:
+        shape = (pages, L, item) if layout == "page_first" else (pages, L, 1, item)
+        assert pool.kv_buffer.shape == shape
+        assert pool.kv_buffer.is_contiguous()
+        assert pool.data_refs == []
+        assert pool.data_ptrs is None
+        hybrid = pool.get_hybrid_pool_buffer()
+        assert len(hybrid) == 1 and hybrid[0] is pool.kv_buffer
+    assert pool.init_kv_buffer() is pool.kv_buffer
+
+
+def test_unsupported_layout_is_refused():
+    with pytest.raises(ValueError) as e:
+        make_pool("page_head")
+    assert str(e.value) == "Unsupported layout: page_head"
+
+
+def test_memory_check_message(monkeypatch):
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 1_500_000_000)
+    dev = [torch.zeros((2, 1000), dtype=torch.uint8) for _ in range(3)]
+    with pytest.raises(ValueError) as e:
+        DeepSeekV4PagedHostPool("c128_kv", dev, 1000, 1_000_000, 4)
+    assert str(e.value) == (
+        "Not enough host memory for V4 paged pool c128_kv. "
+        "Requesting 3.00 GB but only have 1.50 GB free."
+    )
+    # exactly at the budget is allowed (requested = L * Nh * item_bytes)
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 3 * 4 * 1000)
+    pool = DeepSeekV4PagedHostPool("c128_kv", dev, 1000, 4, 4)
+    assert pool.size == 16
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"item": 0}, "c4_kv: item_bytes must be positive, got 0"),
+        ({"pages": -1}, "c4_kv: num_host_pages must not be negative, got -1"),
+        ({"P": 0}, "c4_kv: slot_page_size must be positive, got 0"),
+    ],
+)
+def test_bad_geometry_is_refused(kwargs, text):
+    args = {"L": 2, "item": 16, "pages": 2, "P": 4}
+    args.update(kwargs)
+    dev = [torch.zeros((2, 16), dtype=torch.uint8) for _ in range(args["L"])]
+    with pytest.raises(ValueError) as e:
+        DeepSeekV4PagedHostPool("c4_kv", dev, args["item"], args["pages"], args["P"])
+    assert str(e.value) == text
+
+
+def test_device_buffer_that_is_not_whole_rows_is_refused():
+    dev = [torch.zeros((4, 10), dtype=torch.uint8), torch.zeros((4, 9), dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="device buffer 1 must be contiguous rows"):
+        DeepSeekV4PagedHostPool("c4_kv", dev, 10, 2, 4)
+    strided = torch.zeros((4, 20), dtype=torch.uint8)[:, :10]
+    with pytest.raises(ValueError, match="device buffer 0 must be contiguous rows"):
+        DeepSeekV4PagedHostPool("c4_kv", [strided], 10, 2, 4)
+
+
+def test_device_buffers_of_any_dtype_count_in_bytes():
+    dev = [torch.zeros((3, 8), dtype=torch.float32) for _ in range(2)]  # 32-byte rows
+    pool = DeepSeekV4PagedHostPool("idx", dev, 32, 2, 1)
+    dev[1][2] = torch.arange(8, dtype=torch.float32)
+    pool.backup_from_device_all_layer(None, torch.tensor([1]), torch.tensor([2]), "kernel")
+    assert torch.equal(pool.kv_buffer[1][1], dev[1][2].view(torch.uint8))
+
+
+# ---- page-aligned transfers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, layout", SUPPORTED)
+@pytest.mark.parametrize("L, item, P", [(3, 656, 4), (7, 1152, 1), (5, 13, 64)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_page_round_trip_is_byte_exact(backend, layout, L, item, P, dtype):
+    pages, dev_pages = 6, 7
+    pool, dev = make_pool(layout, L=L, item=item, pages=pages, P=P, dev_pages=dev_pages)
+    poison(pool)
+    host_pages = pick(pages, 4, seed=L)
+    dev_src = pick(dev_pages, 4, seed=item)
+    before, dev_before = snapshot(pool, dev)
+
+    pool.backup_from_device_all_layer(
+        None, token_indices(host_pages, P, dtype), token_indices(dev_src, P, dtype), backend
+    )
+    expected = before.clone()
+    for hp, dp in zip(host_pages, dev_src):
+        for layer in range(L):
+            expected[hp, layer] = dev[layer][dp]
+    assert torch.equal(host_bytes(pool), expected)
+    for d, s in zip(dev, dev_before):
+        assert torch.equal(d, s)  # a backup never writes the device
+
+    # load every layer back into other device pages
+    for d in dev:
+        d.fill_(0xA5)
+    dev_dst = pick(dev_pages, 4, seed=item + 1)
+    for layer in range(L):
+        pool.load_to_device_per_layer(
+            None,
+            token_indices(host_pages, P, dtype),
+            token_indices(dev_dst, P, dtype),
+            layer,
+            backend,
+        )
+    for layer in range(L):
+        want = torch.full((dev_pages, item), 0xA5, dtype=torch.uint8)
+        for hp, dp in zip(host_pages, dev_dst):
+            want[dp] = expected[hp, layer]
+        assert torch.equal(dev[layer], want)
+    assert torch.equal(host_bytes(pool), expected)  # a load never writes the host
+
+
+@pytest.mark.parametrize("backend, layout", SUPPORTED)
+def test_load_touches_only_its_layer(backend, layout):
+    pool, dev = make_pool(layout, L=5, item=40, pages=4, P=2, dev_pages=4)
+    poison(pool)
+    snap = snapshot(pool, dev)
+    pool.load_to_device_per_layer(None, token_indices([3], 2), token_indices([1], 2), 2, backend)
+    for layer in range(5):
+        want = snap[1][layer].clone()
+        if layer == 2:
+            want[1] = host_row(pool, 3, 2)
+        assert torch.equal(dev[layer], want)
+
+
+def test_page_rows_come_from_the_first_token_of_each_page():
+    # Page ops read indices[i * P] // P only; the other tokens of a page are not consulted.
+    pool, dev = make_pool("layer_first", L=2, item=24, pages=4, P=4, dev_pages=4)
+    poison(pool)
+    snap = snapshot(pool, dev)
+    host = torch.tensor([8, 99, -5, 1000])  # page 2, garbage after the first token
+    devi = torch.tensor([12, 0, 0, 0])  # page 3
+    pool.backup_from_device_all_layer(None, host, devi, "kernel")
+    expected = snap[0].clone()
+    expected[2, 0], expected[2, 1] = dev[0][3], dev[1][3]
+    assert torch.equal(host_bytes(pool), expected)
+
+
+def test_list_indices_are_accepted():
+    pool, dev = make_pool("page_first", L=2, item=32, pages=3, P=2, dev_pages=3)
+    pool.backup_from_device_all_layer(None, [4, 5], [0, 1], "kernel")
+    assert torch.equal(pool.kv_buffer[2, 1], dev[1][0])
+
+
+# ---- token-granular transfers (DSV4 C4 page rows) --------------------------------------------
+
+
+def c4_copy(dst: torch.Tensor, dst_tok: int, src: torch.Tensor, src_tok: int):
+    """sglang transfer_cache_dsv4_mla for one token of one layer: value and scale segments."""
+    dr, ds = divmod(dst_tok, C4_P)
+    sr, ss = divmod(src_tok, C4_P)
+    dst[dr, ds * C4_VALUE : (ds + 1) * C4_VALUE] = src[sr, ss * C4_VALUE : (ss + 1) * C4_VALUE]
+    d0, s0 = C4_SCALE_AT + ds * C4_SCALE, C4_SCALE_AT + ss * C4_SCALE
+    dst[dr, d0 : d0 + C4_SCALE] = src[sr, s0 : s0 + C4_SCALE]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("count", [1, 37, 65, 127])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_token_granular_round_trip_is_byte_exact(backend, count, dtype):
+    L, pages, dev_pages = 3, 3, 4
+    assert C4_ROW == 37440
+    pool, dev = make_pool("layer_first", L=L, item=C4_ROW, pages=pages, P=C4_P, dev_pages=dev_pages)
+    poison(pool)
+    host_tok = pick(pages * C4_P, count, seed=count)
+    dev_tok = pick(dev_pages * C4_P, count, seed=count + 1)
+    before, dev_before = snapshot(pool, dev)
+
+    pool.backup_from_device_all_layer(
+        None, torch.tensor(host_tok, dtype=dtype), torch.tensor(dev_tok, dtype=dtype), backend
+    )
+    expected = [before[:, layer].clone() for layer in range(L)]
+    for ht, dt in zip(host_tok, dev_tok):
+        for layer in range(L):
+            c4_copy(expected[layer], ht, dev[layer], dt)
+    for layer in range(L):
+        assert torch.equal(pool.kv_buffer[layer], expected[layer])
+        assert torch.equal(dev[layer], dev_before[layer])
+
+    for d in dev:
+        d.fill_(0x3C)
+    for layer in (2, 0):
+        pool.load_to_device_per_layer(
+            None,
+            torch.tensor(host_tok, dtype=dtype),
+            torch.tensor(dev_tok, dtype=dtype),
+            layer,
+            backend,
+        )
+    for layer in range(L):
+        want = torch.full((dev_pages, C4_ROW), 0x3C, dtype=torch.uint8)
+        if layer != 1:
+            for ht, dt in zip(host_tok, dev_tok):
+                c4_copy(want, dt, expected[layer], ht)
+        assert torch.equal(dev[layer], want)
+
+
+def test_token_granular_leaves_padding_alone():
+    pool, dev = make_pool("layer_first", L=1, item=C4_ROW, pages=1, P=C4_P, dev_pages=1)
+    for d in dev:
+        d.fill_(0xFF)
+    pool.kv_buffer[0].zero_()
+    pool.backup_from_device_all_layer(None, torch.arange(63), torch.arange(63), "direct")
+    row = pool.kv_buffer[0][0]
+    assert row[: 63 * C4_VALUE].eq(0xFF).all()
+    assert row[63 * C4_VALUE : C4_SCALE_AT].eq(0).all()  # token 63 not moved
+    assert row[C4_SCALE_AT : C4_SCALE_AT + 63 * C4_SCALE].eq(0xFF).all()
+    assert row[C4_SCALE_AT + 63 * C4_SCALE :].eq(0).all()  # its scale and the padding
+
+
+@pytest.mark.parametrize(
+    "layout, backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
+)
+def test_token_granular_needs_layer_first(layout, backend):
+    pool, dev = make_pool(layout, L=2, item=C4_ROW, pages=2, P=C4_P, dev_pages=2)
+    snap = snapshot(pool, dev)
+    for call in (
+        lambda: pool.backup_from_device_all_layer(None, torch.arange(3), torch.arange(3), backend),
+        lambda: pool.load_to_device_per_layer(None, torch.arange(3), torch.arange(3), 0, backend),
+    ):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"Unsupported V4 paged host layout/backend: {layout}/{backend}"
+    assert_unchanged(pool, dev, snap)
+
+
+def test_token_granular_on_a_non_c4_row_is_refused():
+    pool, dev = make_pool("layer_first", L=2, item=656, pages=2, P=4, dev_pages=2)
+    snap = snapshot(pool, dev)
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(None, torch.arange(3), torch.arange(3), "kernel")
+    assert str(e.value) == (
+        "c4_kv token-granular transfers need the DSV4 C4 page row (slot_page_size=64, "
+        "item_bytes=37440), got slot_page_size=4, item_bytes=656"
+    )
+    assert_unchanged(pool, dev, snap)
+
+
+@pytest.mark.parametrize(
+    "host, devi, text",
+    [
+        ([5, 3 * C4_P], [0, 1], "host token indices must lie in [0, 192), got min=5, max=192"),
+        ([-1, 2], [0, 1], "host token indices must lie in [0, 192), got min=-1, max=2"),
+        ([0, 1], [0, 4 * C4_P], "device token indices must lie in [0, 256), got min=0, max=256"),
+    ],
+)
+def test_token_granular_out_of_range_changes_nothing(host, devi, text):
+    pool, dev = make_pool("layer_first", L=2, item=C4_ROW, pages=3, P=C4_P, dev_pages=4)
+    snap = snapshot(pool, dev)
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(None, torch.tensor(host), torch.tensor(devi), "kernel")
+    assert str(e.value) == f"c4_kv token-granular transfer: {text}"
+    with pytest.raises(ValueError):
+        pool.load_to_device_per_layer(None, torch.tensor(host), torch.tensor(devi), 1, "direct")
+    assert_unchanged(pool, dev, snap)
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, layout", UNSUPPORTED)
+def test_unsupported_pairs_are_refused_before_any_byte_moves(backend, layout):
+    pool, dev = make_pool(layout, L=3, item=48, pages=4, P=2, dev_pages=4)
+    poison(pool)
+    snap = snapshot(pool, dev)
+    text = f"Unsupported V4 paged host layout/backend: {layout}/{backend}"
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(
+            None, token_indices([1], 2), token_indices([2], 2), backend
+        )
+    assert str(e.value) == text
+    with pytest.raises(ValueError) as e:
+        pool.load_to_device_per_layer(
+            None, token_indices([1], 2), token_indices([2], 2), 1, backend
+        )
+    assert str(e.value) == text
+    assert_unchanged(pool, dev, snap)
+
+
+@pytest.mark.parametrize("backend, layout", SUPPORTED)
+def test_length_mismatch_is_refused(backend, layout):
+    pool, dev = make_pool(layout, L=2, item=48, pages=4, P=2, dev_pages=4)
+    snap = snapshot(pool, dev)
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(None, torch.arange(4), torch.arange(2), backend)
+    assert str(e.value) == "c4_kv transfer index size mismatch: host=4, device=2"
+    with pytest.raises(ValueError) as e:
+        pool.load_to_device_per_layer(None, torch.arange(2), torch.arange(6), 0, backend)
+    assert str(e.value) == "c4_kv transfer index size mismatch: host=2, device=6"
+    assert_unchanged(pool, dev, snap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_or_missing_indices_are_a_no_op(backend):
+    # Emptiness is checked before the layout/backend pair, as in sglang.
+    pool, dev = make_pool("page_first", L=2, item=48, pages=4, P=2, dev_pages=4)
+    snap = snapshot(pool, dev)
+    empty = torch.empty(0, dtype=torch.int64)
+    pool.backup_from_device_all_layer(None, empty, empty, backend)
+    pool.load_to_device_per_layer(None, empty, empty, 0, backend)
+    pool.backup_from_device_all_layer(None, None, empty, backend)
+    pool.load_to_device_per_layer(None, empty, None, 0, backend)
+    assert_unchanged(pool, dev, snap)
+
+
+@pytest.mark.parametrize("backend, layout", SUPPORTED)
+@pytest.mark.parametrize(
+    "host_pages, dev_pages_",
+    [([0, 4], [0, 1]), ([0, 1], [1, 4]), ([-1, 0], [0, 1])],
+)
+def test_out_of_range_pages_change_nothing(backend, layout, host_pages, dev_pages_):
+    pool, dev = make_pool(layout, L=3, item=40, pages=4, P=2, dev_pages=4)
+    poison(pool)
+    snap = snapshot(pool, dev)
+    h, d = token_indices(host_pages, 2), token_indices(dev_pages_, 2)
+    with pytest.raises(ValueError):
+        pool.backup_from_device_all_layer(None, h, d, backend)
+    with pytest.raises(ValueError):
+        pool.load_to_device_per_layer(None, h, d, 1, backend)
+    assert_unchanged(pool, dev, snap)
+
+
+@pytest.mark.parametrize("layer", [-1, 3, 100])
+def test_bad_layer_id_changes_nothing(layer):
+    pool, dev = make_pool("layer_first", L=3, item=40, pages=4, P=2, dev_pages=4)
+    snap = snapshot(pool, dev)
+    with pytest.raises(ValueError) as e:
+        pool.load_to_device_per_layer(
+            None, token_indices([0], 2), token_indices([0], 2), layer, "kernel"
+        )
+    assert str(e.value) == f"c4_kv layer_id {layer} out of range [0, 3)"
+    assert_unchanged(pool, dev, snap)
+
+
+def test_backup_bounds_use_the_smallest_device_buffer():
+    dev = [torch.zeros((6, 16), dtype=torch.uint8), torch.zeros((3, 16), dtype=torch.uint8)]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, 16, 4, 1)
+    with pytest.raises(ValueError):
+        pool.backup_from_device_all_layer(None, torch.tensor([0]), torch.tensor([4]), "kernel")
+    # a load reads only its own layer's buffer, so layer 0 may use row 4
+    pool.kv_buffer[0][1].fill_(7)
+    pool.load_to_device_per_layer(None, torch.tensor([1]), torch.tensor([4]), 0, "direct")
+    assert dev[0][4].eq(7).all()
+    with pytest.raises(ValueError):
+        pool.load_to_device_per_layer(None, torch.tensor([1]), torch.tensor([4]), 1, "direct")
+
+
+# ---- allocator --------------------------------------------------------------------------------
+
+
+def test_alloc_rounds_up_to_whole_pages_fifo():
+    pool, _ = make_pool(pages=8, P=4)
+    assert pool.available_size() == 32
+    first = pool.alloc(5)
+    assert first.tolist() == list(range(8))
+    assert pool.alloc(0).numel() == 0
+    assert pool.alloc(4).tolist() == list(range(8, 12))
+    assert pool.alloc_page(2).tolist() == list(range(12, 20))
+    assert pool.available_size() == 12
+    assert pool.alloc(13) is None  # rounds to 16 > 12
+    assert pool.available_size() == 12
+    assert pool.alloc(12).tolist() == list(range(20, 32))
+    assert pool.alloc(1) is None
+    with pytest.raises(ValueError):
+        pool.alloc(-4)
+
+
+def test_lazy_release_order():
+    pool, _ = make_pool(pages=8, P=4)
+    pool.alloc(8)
+    # free has no alignment check and returns the count
+    assert pool.free(torch.tensor([0, 1, 2])) == 3
+    assert pool.free(torch.tensor([], dtype=torch.int64)) == 0
+    assert pool.free(torch.tensor([4, 5, 6, 7, 3], dtype=torch.int32)) == 5
+    assert pool.num_release_slots == 8 and len(pool.release_slots) == 2
+    assert pool.available_size() == 32  # released slots count before they are merged
+    # the initial free list comes first, released chunks follow in release order
+    assert pool.alloc(24).tolist() == list(range(8, 32))
+    assert pool.num_release_slots == 8  # not merged: the free list was long enough
+    assert pool.alloc(4).tolist() == [0, 1, 2, 4]
+    assert pool.release_slots == [] and pool.num_release_slots == 0
+    assert pool.alloc(4).tolist() == [5, 6, 7, 3]
+    assert pool.alloc(4) is None
+
+
+def test_single_released_chunk_is_adopted():
+    pool, _ = make_pool(pages=2, P=4)
+    pool.alloc(8)
+    chunk = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])
+    pool.free(chunk)
+    assert pool.alloc(8).tolist() == chunk.tolist()
+
+
+def test_free_out_of_range_is_refused_and_clear_resets():
+    pool, _ = make_pool(pages=2, P=4)
+    pool.alloc(8)
+    with pytest.raises(ValueError) as e:
+        pool.free(torch.tensor([1, 8]))
+    assert str(e.value) == "c4_kv free: indices must lie in [0, 8), got min=1, max=8"
+    assert pool.num_release_slots == 0
+    pool.clear()
+    assert pool.available_size() == 8 and pool.free_slots.tolist() == list(range(8))
+    assert pool.release_slots == []
+
+
+# ---- flat data pages and zero-copy metadata ---------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flat_data_pages(layout):
+    L, item, P = 3, 24, 4
+    pool, _ = make_pool(layout, L=L, item=item, pages=5, P=P)
+    poison(pool)
+    dummy = pool.get_dummy_flat_data_page()
+    assert dummy.shape == (L * item,) and dummy.dtype == torch.uint8 and not dummy.any()
+
+    page = torch.randint(0, 256, (L * item,), dtype=torch.uint8)
+    before = host_bytes(pool)
+    pool.set_from_flat_data_page(2 * P, page)
+    expected = before.clone()
+    expected[2] = page.view(L, item)
+    assert torch.equal(host_bytes(pool), expected)
+
+    got = pool.get_data_page(2 * P + 3)  # any token of the page names the page
+    assert torch.equal(got, page)
+    raw = pool.get_data_page(2 * P, flat=False)
+    want_shape = {
+        "layer_first": (L, item),
+        "page_first": (L, item),
+        "page_first_direct": (L, 1, item),
+    }
+    assert raw.shape == want_shape[layout]
+    got.fill_(0)
+    # layer_first stacks a copy; page layouts hand out a view of the row
+    assert host_bytes(pool)[2].eq(0).all() == (layout != "layer_first")
+
+
+def test_set_from_flat_data_page_accepts_other_dtypes_of_the_right_size():
+    pool, _ = make_pool("page_first", L=2, item=16, pages=2, P=4)
+    page = torch.arange(8, dtype=torch.float32)  # 32 bytes = 2 x 16
+    pool.set_from_flat_data_page(4, page)
+    assert torch.equal(pool.kv_buffer[1].reshape(-1), page.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flat_page_errors_change_nothing(layout):
+    pool, _ = make_pool(layout, L=2, item=16, pages=2, P=4)
+    poison(pool)
+    before = host_bytes(pool)
+    with pytest.raises(ValueError) as e:
+        pool.set_from_flat_data_page(0, torch.zeros(31, dtype=torch.uint8))
+    assert str(e.value) == "c4_kv set_from_flat_data_page: expected 32 bytes (2 x 16), got 31"
+    for index in (8, -1):
+        with pytest.raises(ValueError) as e:
+            pool.set_from_flat_data_page(index, torch.zeros(32, dtype=torch.uint8))
+        assert str(e.value) == f"c4_kv page index {index} out of range [0, 8)"
+        with pytest.raises(ValueError):
+            pool.get_data_page(index)
+    assert torch.equal(host_bytes(pool), before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_buffer_meta(layout):
+    L, item, pages, P = 3, 40, 5, 4
+    pool, _ = make_pool(layout, L=L, item=item, pages=pages, P=P)
+    poison(pool)
+    rows = [3, 0, 4]
+    ptrs, sizes = pool.get_page_buffer_meta(token_indices(rows, P))
+    if layout == "layer_first":
+        bases = [b.data_ptr() for b in pool.kv_buffer]
+        assert ptrs == [bases[layer] + r * item for r in rows for layer in range(L)]
+        assert sizes == [item] * (len(rows) * L)
+        for (r, layer), p in zip([(r, layer) for r in rows for layer in range(L)], ptrs):
+            assert ctypes.string_at(p, item) == host_row(pool, r, layer).numpy().tobytes()
+    else:
+        base = pool.kv_buffer.data_ptr()
+        assert ptrs == [base + r * L * item for r in rows]
+        assert sizes == [L * item] * len(rows)
+        for r, p in zip(rows, ptrs):
+            want = b"".join(host_row(pool, r, layer).numpy().tobytes() for layer in range(L))
+            assert ctypes.string_at(p, L * item) == want
+
+
+def test_page_buffer_meta_refuses_pointers_outside_the_pool():
+    pool, _ = make_pool("page_first", L=2, item=16, pages=2, P=4)
+    with pytest.raises(ValueError) as e:
+        pool.get_page_buffer_meta(torch.arange(8, 12))
+    assert str(e.value) == "c4_kv page index 8 out of range [0, 8)"
+    with pytest.raises(ValueError) as e:
+        pool.get_page_buffer_meta(torch.arange(6))
+    assert (
+        str(e.value)
+        == "c4_kv get_page_buffer_meta needs whole pages: got 6 indices for page size 4"
+    )
+
+
+def test_contiguous_buf_infos():
+    pool, _ = make_pool("layer_first", L=3, item=40, pages=5, P=4)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert ptrs == [b.data_ptr() for b in pool.kv_buffer]
+    assert lens == [5 * 40] * 3
+    assert items == [40] * 3
+    for layout in ("page_first", "page_first_direct"):
+        pool, _ = make_pool(layout)
+        with pytest.raises(ValueError) as e:
+            pool.get_contiguous_buf_infos()
+        assert str(e.value) == (
+            f"c4_kv get_contiguous_buf_infos requires layer_first layout, got {layout}"
+        )
+
+
+def test_is_stride_page_aligned():
+    assert make_pool("layer_first", L=4, item=1024)[0].is_stride_page_aligned() is False
+    for layout in ("page_first", "page_first_direct"):
+        assert make_pool(layout, L=4, item=1024)[0].is_stride_page_aligned() is True
+        assert make_pool(layout, L=4, item=656)[0].is_stride_page_aligned() is False
+        assert make_pool(layout, L=2, item=1024)[0].is_stride_page_aligned(2048) is True
+
+
+# ---- teardown ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_destroy_is_idempotent_and_final(layout):
+    pool, _ = make_pool(layout)
+    pool.destroy()
+    pool.destroy()
+    assert pool.kv_buffer is None
+    assert pool.data_ptrs is None
+    with pytest.raises(RuntimeError, match="c4_kv host pool has been destroyed"):
+        pool.backup_from_device_all_layer(None, torch.arange(4), torch.arange(4), "direct")
+    with pytest.raises(RuntimeError):
+        pool.get_page_buffer_meta(torch.arange(4))
+
+
+def test_pool_without_rows():
+    dev = [torch.zeros((2, 8), dtype=torch.uint8)]
+    pool = DeepSeekV4PagedHostPool("empty", dev, 8, 0, 4)
+    assert pool.size == 0 and pool.alloc(1) is None
+    assert pool.kv_buffer[0].shape == (0, 8)
+    with pytest.raises(ValueError):
+        pool.backup_from_device_all_layer(None, torch.arange(4), torch.arange(4), "kernel")
+    pool.destroy()
