@@ -663,3 +663,93 @@ def test_pool_without_rows():
     with pytest.raises(ValueError):
         pool.backup_from_device_all_layer(None, torch.arange(4), torch.arange(4), "kernel")
     pool.destroy()
+
+
+# ---- HiSparse request rows --------------------------------------------------------------------
+
+
+def test_hisparse_request_rows_grow_page_by_page():
+    pool, _ = make_pool(pages=4, P=4)
+    rows = torch.full((2, 16), -1, dtype=torch.int64)
+    lens = torch.zeros(2, dtype=torch.int64)
+    assert pool.alloc_paged_token_slots(rows, lens, 1, 0, 0).numel() == 0
+    assert pool.alloc_paged_token_slots(rows, lens, 1, 0, 5).tolist() == [0, 1, 2, 3, 4]
+    assert lens.tolist() == [0, 8] and rows[1, :8].tolist() == list(range(8))
+    # inside the allocated pages: nothing new is taken
+    assert pool.alloc_paged_token_slots(rows, lens, 1, 5, 2).tolist() == [5, 6]
+    assert pool.available_size() == 8
+    assert pool.alloc_paged_token_slots(rows, lens, 1, 7, 3).tolist() == [7, 8, 9]
+    assert lens.tolist() == [0, 12]
+    assert pool.allocated_host_indices(rows, 1, 9).tolist() == list(range(12))
+    assert pool.allocated_host_indices(rows, 0, 9).tolist() == []
+    with pytest.raises(AssertionError):
+        pool.alloc_paged_token_slots(rows, lens, 0, 4, 1)  # past the allocated length
+    with pytest.raises(RuntimeError) as e:
+        pool.alloc_paged_token_slots(rows, lens, 0, 0, 8)  # 2 pages, 1 left
+    assert str(e.value) == "HiSparse host mem pool alloc failed for 2 pages"
+    with pytest.raises(ValueError, match="request row holds 16 slots, 20 needed"):
+        pool.alloc_paged_token_slots(rows, lens, 1, 12, 8)
+    assert lens.tolist() == [0, 12] and pool.available_size() == 4
+
+
+# ---- CUDA device pools (run where a GPU is present) ------------------------------------------
+
+
+def _cuda_ready():
+    from hostkv_rs import _core
+
+    return torch.cuda.is_available() and _core.cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend, layout", SUPPORTED)
+def test_cuda_page_round_trip(backend, layout):
+    L, item, P, pages, dev_pages = 3, 656, 4, 6, 7
+    g = torch.Generator().manual_seed(5)
+    cpu_dev = [
+        torch.randint(0, 256, (dev_pages, item), dtype=torch.uint8, generator=g) for _ in range(L)
+    ]
+    dev = [d.cuda() for d in cpu_dev]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, item, pages, P, layout=layout)
+    assert pool.device_ptrs.is_cuda
+    host_pages, dev_pages_ = [4, 1, 5], [0, 6, 2]
+    h, d = token_indices(host_pages, P), token_indices(dev_pages_, P)
+    pool.backup_from_device_all_layer(None, h, d, backend)
+    torch.cuda.synchronize()
+    for hp, dp in zip(host_pages, dev_pages_):
+        for layer in range(L):
+            assert torch.equal(host_row(pool, hp, layer), cpu_dev[layer][dp])
+    for x in dev:
+        x.zero_()
+    for layer in range(L):
+        pool.load_to_device_per_layer(None, h, d, layer, backend)
+    torch.cuda.synchronize()
+    for layer in range(L):
+        want = torch.zeros((dev_pages, item), dtype=torch.uint8)
+        for dp in dev_pages_:
+            want[dp] = cpu_dev[layer][dp]
+        assert torch.equal(dev[layer].cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_cuda_token_granular_round_trip(backend):
+    L, pages = 2, 3
+    g = torch.Generator().manual_seed(6)
+    cpu_dev = [
+        torch.randint(0, 256, (pages, C4_ROW), dtype=torch.uint8, generator=g) for _ in range(L)
+    ]
+    dev = [d.cuda() for d in cpu_dev]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, C4_ROW, pages, C4_P)
+    poison(pool)
+    before = host_bytes(pool)
+    host_tok, dev_tok = pick(pages * C4_P, 45, seed=1), pick(pages * C4_P, 45, seed=2)
+    pool.backup_from_device_all_layer(None, torch.tensor(host_tok), torch.tensor(dev_tok), backend)
+    torch.cuda.synchronize()
+    for layer in range(L):
+        want = before[:, layer].clone()
+        for ht, dt in zip(host_tok, dev_tok):
+            c4_copy(want, ht, cpu_dev[layer], dt)
+        assert torch.equal(pool.kv_buffer[layer], want)

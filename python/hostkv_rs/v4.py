@@ -269,8 +269,57 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         self.free_slots = self.free_slots[need_size:]
         return select_index
 
+    # ---- HiSparse request-row helpers (SGLang's HiSparseHostPoolMixin) -----------------------
+
+    def _round_up_to_page_size(self, size: int) -> int:
+        return (size + self.page_size - 1) // self.page_size * self.page_size
+
     def alloc_page(self, num_pages: int) -> torch.Tensor | None:
         return self.alloc(as_int("num_pages", num_pages) * self.page_size)
+
+    def alloc_paged_token_slots(
+        self,
+        req_to_host_pool: torch.Tensor,
+        req_to_host_pool_allocated_len: torch.Tensor,
+        req_pool_idx: int,
+        start_pos: int,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Grow request row `req_pool_idx` page by page up to `start_pos + num_tokens` and return
+        the token slots `[start_pos, start_pos + num_tokens)` of that row."""
+        device = req_to_host_pool.device
+        if num_tokens <= 0:
+            return torch.empty((0,), dtype=torch.int64, device=device)
+        allocated_len = int(req_to_host_pool_allocated_len[req_pool_idx])
+        end_pos = start_pos + num_tokens
+        page_end = self._round_up_to_page_size(end_pos)
+        if start_pos > allocated_len:
+            raise AssertionError(
+                f"start_pos {start_pos} is past the allocated length {allocated_len}"
+            )
+        if page_end > req_to_host_pool.shape[1]:
+            raise ValueError(
+                f"{self.pool_name}: request row holds {req_to_host_pool.shape[1]} slots, "
+                f"{page_end} needed"
+            )
+        if page_end > allocated_len:
+            num_new_pages = (page_end - allocated_len) // self.page_size
+            host_locs = self.alloc_page(num_new_pages)
+            if host_locs is None:
+                raise RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
+            req_to_host_pool[req_pool_idx, allocated_len:page_end] = host_locs.to(
+                device=device, non_blocking=True
+            )
+            req_to_host_pool_allocated_len[req_pool_idx] = page_end
+        return req_to_host_pool[req_pool_idx, start_pos:end_pos]
+
+    def allocated_host_indices(
+        self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
+    ) -> torch.Tensor:
+        """The non-negative host slots of a request row up to its page-rounded length."""
+        host_len = min(self._round_up_to_page_size(int(allocated_len)), req_to_host_pool.shape[1])
+        host_indices = req_to_host_pool[req_pool_idx, :host_len]
+        return host_indices[host_indices >= 0]
 
     @synchronized
     def free(self, indices) -> int:
