@@ -11,6 +11,8 @@ import torch
 from hostkv_rs import _memory
 from hostkv_rs.base import HostKVCache
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SUPPORTED = [
     ("kernel", "layer_first"),
@@ -262,6 +264,44 @@ def test_list_indices_are_accepted():
     pool, dev = make_pool("page_first", L=2, item=32, pages=3, P=2, dev_pages=3)
     pool.backup_from_device_all_layer(None, [4, 5], [0, 1], "kernel")
     assert torch.equal(pool.kv_buffer[2, 1], dev[1][0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pair=st.sampled_from(SUPPORTED),
+    L=st.integers(1, 6),
+    item=st.integers(1, 300),
+    P=st.sampled_from([1, 2, 3, 8]),
+    data=st.data(),
+)
+def test_page_transfers_match_a_reference_model(pair, L, item, P, data):
+    backend, layout = pair
+    pages, dev_pages = 5, 6
+    pool, dev = make_pool(layout, L=L, item=item, pages=pages, P=P, dev_pages=dev_pages)
+    poison(pool)
+    k = data.draw(st.integers(1, pages))
+    host_pages = data.draw(st.permutations(range(pages)))[:k]
+    dev_src = data.draw(st.lists(st.integers(0, dev_pages - 1), min_size=k, max_size=k))
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    expected = host_bytes(pool)
+    pool.backup_from_device_all_layer(
+        None, token_indices(host_pages, P, dtype), token_indices(dev_src, P, dtype), backend
+    )
+    for hp, dp in zip(host_pages, dev_src):
+        for layer in range(L):
+            expected[hp, layer] = dev[layer][dp]
+    assert torch.equal(host_bytes(pool), expected)
+
+    layer = data.draw(st.integers(0, L - 1))
+    dev_dst = data.draw(st.permutations(range(dev_pages)))[:k]
+    want = [d.clone() for d in dev]
+    for hp, dp in zip(host_pages, dev_dst):
+        want[layer][dp] = expected[hp, layer]
+    pool.load_to_device_per_layer(
+        None, token_indices(host_pages, P, dtype), token_indices(dev_dst, P, dtype), layer, backend
+    )
+    for d, w in zip(dev, want):
+        assert torch.equal(d, w)
 
 
 # ---- token-granular transfers (DSV4 C4 page rows) --------------------------------------------
