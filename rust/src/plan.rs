@@ -399,3 +399,533 @@ fn runs(host: &[u64], dev: &[u64]) -> Vec<(u64, u64, u64)> {
 pub fn total_bytes(ops: &[CopyOp]) -> u64 {
     ops.iter().map(|o| o.len).sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::{DeviceSide, HostGeometry};
+
+    /// xorshift: deterministic test data without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn shuffle<T>(&mut self, v: &mut [T]) {
+            for i in (1..v.len()).rev() {
+                v.swap(i, self.below(i as u64 + 1) as usize);
+            }
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    struct Case {
+        layout: Layout,
+        backend: Backend,
+        layers: usize,
+        rows: usize,
+        page: usize,
+        heads: usize,
+        items: Vec<usize>,
+        dev_rows: usize,
+        host_idx: Vec<i64>,
+        dev_idx: Vec<i64>,
+        width: IndexWidth,
+        op: Op,
+    }
+
+    struct World {
+        host: Vec<Vec<u8>>,
+        /// `[plane][layer]` device layers (all host layers for backup, one for load).
+        dev: Vec<Vec<Vec<u8>>>,
+    }
+
+    impl Case {
+        fn device_layers(&self) -> usize {
+            match self.op {
+                Op::Backup => self.layers,
+                Op::Load { .. } => 1,
+            }
+        }
+
+        fn world(&self, rng: &mut Rng) -> World {
+            World {
+                host: self
+                    .items
+                    .iter()
+                    .map(|&i| rng.bytes(self.layers * self.rows * i))
+                    .collect(),
+                dev: self
+                    .items
+                    .iter()
+                    .map(|&i| {
+                        (0..self.device_layers())
+                            .map(|_| rng.bytes(self.dev_rows * i))
+                            .collect()
+                    })
+                    .collect(),
+            }
+        }
+
+        fn encode(v: &[i64], w: IndexWidth) -> Vec<u8> {
+            match w {
+                IndexWidth::I32 => v.iter().flat_map(|&x| (x as i32).to_ne_bytes()).collect(),
+                IndexWidth::I64 => v.iter().flat_map(|&x| x.to_ne_bytes()).collect(),
+            }
+        }
+
+        /// Builds the request over `world`; the returned buffers back the index arrays.
+        fn request(&self, world: &mut World) -> (TransferRequest, Vec<u8>, Vec<u8>) {
+            let hb = Self::encode(&self.host_idx, self.width);
+            let db = Self::encode(&self.dev_idx, self.width);
+            let layer_ptrs = world
+                .dev
+                .iter_mut()
+                .flat_map(|layers| layers.iter_mut().map(|l| l.as_mut_ptr() as u64))
+                .collect();
+            let req = TransferRequest {
+                geom: HostGeometry {
+                    layout: self.layout,
+                    layers: self.layers,
+                    rows: self.rows,
+                    page_size: self.page,
+                    heads: self.heads,
+                    item_bytes: self.items.clone(),
+                    plane_base: world
+                        .host
+                        .iter_mut()
+                        .map(|h| h.as_mut_ptr() as u64)
+                        .collect(),
+                },
+                backend: self.backend,
+                op: self.op,
+                device: DeviceSide {
+                    layer_ptrs,
+                    rows: self.dev_rows,
+                },
+                host_idx: IndexArray {
+                    ptr: hb.as_ptr() as u64,
+                    len: self.host_idx.len(),
+                    width: self.width,
+                    on_device: false,
+                },
+                dev_idx: IndexArray {
+                    ptr: db.as_ptr() as u64,
+                    len: self.dev_idx.len(),
+                    width: self.width,
+                    on_device: false,
+                },
+            };
+            (req, hb, db)
+        }
+
+        /// Host byte offset from the contract's formulas (host-pool-contract §2.1).
+        fn host_off(&self, item: usize, t: usize, l: usize, h: usize) -> usize {
+            let (ll, s, p, hh) = (self.layers, self.rows, self.page, self.heads);
+            let ld = ll * item;
+            match self.layout {
+                Layout::LayerFirst => l * s * item + t * item,
+                Layout::PageFirst => t * ld + l * item,
+                Layout::PageFirstDirect => (t / p) * p * ld + l * p * item + (t % p) * item,
+                Layout::PageHead => {
+                    (t / p) * p * ld + h * p * (ld / hh) + (t % p) * (ld / hh) + l * (item / hh)
+                }
+            }
+        }
+
+        /// What the transfer must do, byte by byte, written from transfer-semantics §2.6 / §3.
+        fn reference(&self, w: &mut World) {
+            let (first, count) = match self.op {
+                Op::Backup => (0, self.layers),
+                Op::Load { host_layer } => (host_layer, 1),
+            };
+            let heads = if self.layout == Layout::PageHead {
+                self.heads
+            } else {
+                1
+            };
+            // (host row, device row) pairs actually moved.
+            let pairs: Vec<(usize, usize)> =
+                if self.backend == Backend::Direct && self.layout == Layout::PageFirstDirect {
+                    let p = self.page;
+                    (0..self.host_idx.len() / p)
+                        .flat_map(|k| {
+                            let hp = self.host_idx[k * p] as usize / p;
+                            let d = self.dev_idx[k * p] as usize;
+                            (0..p).map(move |r| (hp * p + r, d + r))
+                        })
+                        .collect()
+                } else {
+                    self.host_idx
+                        .iter()
+                        .zip(&self.dev_idx)
+                        .map(|(&a, &b)| (a as usize, b as usize))
+                        .collect()
+                };
+            for (pl, &item) in self.items.iter().enumerate() {
+                let seg = item / heads;
+                for k in 0..count {
+                    let l = first + k;
+                    for &(t, d) in &pairs {
+                        for h in 0..heads {
+                            let ho = self.host_off(item, t, l, h);
+                            let dof = d * item + h * seg;
+                            let host = &mut w.host[pl][ho..ho + seg];
+                            let dev = &mut w.dev[pl][k][dof..dof + seg];
+                            match self.op {
+                                Op::Backup => host.copy_from_slice(dev),
+                                Op::Load { .. } => dev.copy_from_slice(host),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        fn run_plan(&self, w: &mut World) -> Result<Vec<CopyOp>> {
+            let (req, _hb, _db) = self.request(w);
+            let ops = build(&req)?;
+            unsafe { crate::cpu::execute(&ops) };
+            Ok(ops)
+        }
+
+        /// Runs the plan and the reference on identical worlds and compares every byte.
+        fn check(&self, seed: u64) -> Vec<CopyOp> {
+            let mut rng = Rng(seed | 1);
+            let mut got = self.world(&mut rng);
+            let mut rng = Rng(seed | 1);
+            let mut want = self.world(&mut rng);
+            let ops = self
+                .run_plan(&mut got)
+                .unwrap_or_else(|e| panic!("{self:?}: {e}"));
+            self.reference(&mut want);
+            assert!(got.host == want.host, "host bytes differ: {self:?}");
+            assert!(got.dev == want.dev, "device bytes differ: {self:?}");
+            ops
+        }
+    }
+
+    /// Whole pages of distinct host and device slots, in random page order.
+    fn paged_indices(
+        rng: &mut Rng,
+        rows: usize,
+        dev_rows: usize,
+        page: usize,
+        npages: usize,
+    ) -> (Vec<i64>, Vec<i64>) {
+        let mut hp: Vec<usize> = (0..rows / page).collect();
+        let mut dp: Vec<usize> = (0..dev_rows / page).collect();
+        rng.shuffle(&mut hp);
+        rng.shuffle(&mut dp);
+        let mut h = Vec::new();
+        let mut d = Vec::new();
+        for k in 0..npages {
+            for r in 0..page {
+                h.push((hp[k] * page + r) as i64);
+                d.push((dp[k] * page + r) as i64);
+            }
+        }
+        (h, d)
+    }
+
+    fn base_case(layout: Layout, backend: Backend, items: Vec<usize>) -> Case {
+        Case {
+            layout,
+            backend,
+            layers: 3,
+            rows: 16,
+            page: 4,
+            heads: 1,
+            items,
+            dev_rows: 12,
+            host_idx: vec![],
+            dev_idx: vec![],
+            width: IndexWidth::I64,
+            op: Op::Backup,
+        }
+    }
+
+    const PAIRS: [(Layout, Backend); 6] = [
+        (Layout::LayerFirst, Backend::Kernel),
+        (Layout::PageFirst, Backend::Kernel),
+        (Layout::PageHead, Backend::Kernel),
+        (Layout::PageFirstDirect, Backend::Kernel),
+        (Layout::LayerFirst, Backend::Direct),
+        (Layout::PageFirstDirect, Backend::Direct),
+    ];
+
+    #[test]
+    fn randomized_transfers_match_the_reference() {
+        let mut rng = Rng(0x9e3779b97f4a7c15);
+        let geoms: &[(usize, usize, &[usize], usize)] = &[
+            // (layers, page, items, heads)
+            (7, 4, &[12, 12], 2),
+            (61, 1, &[3], 1),
+            (2, 8, &[1], 1),
+            (5, 2, &[656], 2),
+            (3, 4, &[256, 192], 4),
+            (1, 16, &[1152], 8),
+            (4, 3, &[24, 8], 2),
+        ];
+        let mut cases = 0;
+        for &(layout, backend) in &PAIRS {
+            for &(layers, page, items, heads) in geoms {
+                if layout == Layout::PageHead && items.iter().any(|i| i % heads != 0) {
+                    continue;
+                }
+                for width in [IndexWidth::I32, IndexWidth::I64] {
+                    for load in [false, true] {
+                        let rows = page * (2 + rng.below(4) as usize);
+                        let dev_rows = page * (2 + rng.below(4) as usize);
+                        let npages = 1 + rng.below((rows.min(dev_rows) / page) as u64) as usize;
+                        let (h, d) = paged_indices(&mut rng, rows, dev_rows, page, npages);
+                        let case = Case {
+                            layout,
+                            backend,
+                            layers,
+                            rows,
+                            page,
+                            heads,
+                            items: items.to_vec(),
+                            dev_rows,
+                            host_idx: h,
+                            dev_idx: d,
+                            width,
+                            op: if load {
+                                Op::Load {
+                                    host_layer: rng.below(layers as u64) as usize,
+                                }
+                            } else {
+                                Op::Backup
+                            },
+                        };
+                        case.check(rng.next());
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert!(cases > 150, "{cases}");
+    }
+
+    #[test]
+    fn per_item_backends_take_arbitrary_token_indices() {
+        // Kernel and direct layer_first do not need pages: shuffled single tokens.
+        let mut rng = Rng(77);
+        for &(layout, backend) in &PAIRS[..5] {
+            for load in [false, true] {
+                let mut c = base_case(layout, backend, vec![16, 8]);
+                c.heads = 2;
+                let mut h: Vec<i64> = (0..16).collect();
+                let mut d: Vec<i64> = (0..12).collect();
+                rng.shuffle(&mut h);
+                rng.shuffle(&mut d);
+                c.host_idx = h[..9].to_vec();
+                c.dev_idx = d[..9].to_vec();
+                if load {
+                    c.op = Op::Load { host_layer: 2 };
+                }
+                c.check(rng.next());
+            }
+        }
+    }
+
+    #[test]
+    fn direct_layer_first_coalesces_runs() {
+        let mut c = base_case(Layout::LayerFirst, Backend::Direct, vec![8, 8]);
+        // Runs: [3,4,5]->[0,1,2], [9]->[7], [10,11]->[3,4], [12]->[6] (device breaks).
+        c.host_idx = vec![3, 4, 5, 9, 10, 11, 12];
+        c.dev_idx = vec![0, 1, 2, 7, 3, 4, 6];
+        let ops = c.check(5);
+        // 4 runs x 3 layers x 2 planes; none of them touch across layers or planes.
+        assert_eq!(ops.len(), 4 * 3 * 2);
+        assert_eq!(total_bytes(&ops), 7 * 3 * 2 * 8);
+        c.op = Op::Load { host_layer: 1 };
+        assert_eq!(c.check(6).len(), 4 * 2);
+    }
+
+    #[test]
+    fn kernel_plan_coalesces_contiguous_items() {
+        let mut c = base_case(Layout::LayerFirst, Backend::Kernel, vec![8]);
+        c.host_idx = (4..12).collect();
+        c.dev_idx = (0..8).collect();
+        c.op = Op::Load { host_layer: 0 };
+        let ops = c.check(9);
+        assert_eq!(ops.len(), 1);
+        assert_eq!(ops[0].len, 64);
+    }
+
+    #[test]
+    fn page_blocks_read_only_the_first_index_of_each_page() {
+        let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![12, 4]);
+        // Page 1 then page 3 of the host; device starts 4 and 0. The other indices are junk
+        // (but in range), as SGLang ignores them.
+        c.host_idx = vec![4, 0, 0, 0, 13, 2, 2, 2];
+        c.dev_idx = vec![5, 1, 1, 1, 0, 9, 9, 9];
+        let ops = c.check(11);
+        assert!(ops.iter().all(|o| o.len % (4 * 4) == 0));
+        // 2 pages x 3 layers x 2 planes, no two blocks adjacent on both sides.
+        assert_eq!(ops.len(), 12);
+        c.op = Op::Load { host_layer: 2 };
+        assert_eq!(c.check(12).len(), 4);
+    }
+
+    #[test]
+    fn v4_rows_with_page_size_one() {
+        let mut rng = Rng(3);
+        for &(layout, backend) in &[
+            (Layout::LayerFirst, Backend::Kernel),
+            (Layout::PageFirst, Backend::Kernel),
+            (Layout::LayerFirst, Backend::Direct),
+            (Layout::PageFirstDirect, Backend::Direct),
+        ] {
+            for load in [false, true] {
+                let mut c = base_case(layout, backend, vec![584]);
+                c.layers = 7;
+                c.page = 1;
+                c.rows = 10;
+                c.dev_rows = 6;
+                c.host_idx = vec![9, 2, 3, 0];
+                c.dev_idx = vec![1, 2, 3, 5];
+                if load {
+                    c.op = Op::Load { host_layer: 6 };
+                }
+                c.check(rng.next());
+            }
+        }
+    }
+
+    fn expect_err(c: &Case, needle: &str) -> Error {
+        let mut rng = Rng(1);
+        let mut w = c.world(&mut rng);
+        let before = (w.host.clone(), w.dev.clone());
+        let e = c.run_plan(&mut w).expect_err(needle);
+        assert!(
+            e.to_string().contains(needle),
+            "{e} does not contain {needle:?}"
+        );
+        assert!(
+            w.host == before.0 && w.dev == before.1,
+            "a refused transfer wrote bytes"
+        );
+        e
+    }
+
+    fn ok_case() -> Case {
+        let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![8, 8]);
+        c.host_idx = vec![4, 5, 6, 7];
+        c.dev_idx = vec![8, 9, 10, 11];
+        c
+    }
+
+    #[test]
+    fn validation_errors_name_the_problem() {
+        let c = ok_case();
+        c.check(1);
+
+        let mut b = c.clone();
+        b.dev_idx.pop();
+        let e = expect_err(
+            &b,
+            "Source and destination indices must have the same length",
+        );
+        assert!(matches!(e, Error::InvalidTransfer(_)));
+
+        let mut b = c.clone();
+        b.host_idx[2] = -3;
+        expect_err(&b, "host index -3 at position 2 is negative");
+
+        let mut b = c.clone();
+        b.host_idx[3] = 16;
+        expect_err(&b, "host index 16 at position 3 is out of range [0, 16)");
+
+        let mut b = c.clone();
+        b.dev_idx[1] = 12;
+        expect_err(&b, "device index 12 at position 1 is out of range [0, 12)");
+
+        let mut b = c.clone();
+        b.dev_idx = vec![9, 10, 11, 11];
+        expect_err(&b, "device page starting at index 9");
+
+        let mut b = c.clone();
+        b.host_idx.truncate(3);
+        b.dev_idx.truncate(3);
+        expect_err(&b, "Source indices size must be divisible by page size");
+
+        let mut b = c.clone();
+        b.op = Op::Load { host_layer: 3 };
+        expect_err(&b, "host layer 3 is out of range [0, 3)");
+
+        let mut b = c.clone();
+        b.layout = Layout::PageFirst;
+        let e = expect_err(&b, "Unsupported layout: page_first");
+        assert!(matches!(e, Error::Unsupported(_)));
+
+        // int32 values are sign-extended, so a negative int32 is reported as negative.
+        let mut b = c.clone();
+        b.width = IndexWidth::I32;
+        b.dev_idx[0] = -1;
+        expect_err(&b, "device index -1 at position 0 is negative");
+    }
+
+    #[test]
+    fn pointer_counts_and_residency_are_checked() {
+        let c = ok_case();
+        let mut rng = Rng(1);
+        let mut w = c.world(&mut rng);
+        let (mut req, _hb, _db) = c.request(&mut w);
+        req.device.layer_ptrs.pop();
+        let e = build(&req).unwrap_err();
+        assert!(
+            e.to_string().contains("expected 6 device layer pointers"),
+            "{e}"
+        );
+
+        let (mut req, _hb, _db) = c.request(&mut w);
+        req.dev_idx.on_device = true;
+        let e = build(&req).unwrap_err();
+        assert!(e.to_string().contains("GPU memory"), "{e}");
+        // The CUDA path can still validate the host side alone.
+        validate(&req).unwrap();
+        req.host_idx.len = 3;
+        assert!(validate(&req).is_err());
+
+        let (mut req, _hb, _db) = c.request(&mut w);
+        req.host_idx.ptr = 0;
+        assert!(build(&req)
+            .unwrap_err()
+            .to_string()
+            .contains("null address"));
+
+        let (mut req, _hb, _db) = c.request(&mut w);
+        req.device.layer_ptrs[0] = 0;
+        assert!(build(&req)
+            .unwrap_err()
+            .to_string()
+            .contains("device layer pointer"));
+
+        let (mut req, _hb, _db) = c.request(&mut w);
+        req.geom.plane_base.pop();
+        assert!(matches!(build(&req).unwrap_err(), Error::Geometry(_)));
+    }
+
+    #[test]
+    fn empty_transfer_is_a_no_op() {
+        let mut c = ok_case();
+        c.host_idx.clear();
+        c.dev_idx.clear();
+        assert!(c.check(2).is_empty());
+        // Structure is still checked for an empty transfer.
+        c.op = Op::Load { host_layer: 9 };
+        expect_err(&c, "host layer 9");
+    }
+}
