@@ -1,0 +1,304 @@
+"""MHATokenToKVPoolHost against host-pool-contract.md §2.1, §3.2, §4.4, §4.5: byte-exact round trips
+for every supported (backend, layout), metadata pointers and flat pages from the contract's
+formulas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE_PAGES, DTYPES, LAYERS, MHA_PAIRS, PAGE_SIZES, distinct_pages, make_mha
+from hostkv_rs import MHATokenToKVPoolHost
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import (
+    assert_bytes_equal,
+    host_planes,
+    page_tokens,
+    round_trip,
+    snapshot_host,
+)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("backend,layout", MHA_PAIRS)
+def test_round_trip_pages(backend, layout, page_size, dtype, idx_dtype):
+    rng = np.random.default_rng(page_size)
+    host, dp = make_mha(layout, page_size, dtype)
+    assert type(host) is MHATokenToKVPoolHost
+    host_pages = distinct_pages(rng, 0, host.page_num, 3)
+    backup_pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
+    load_pages = np.roll(backup_pages, 1)  # different device pages on the way back
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(host_pages, page_size),
+        page_tokens(backup_pages, page_size),
+        page_tokens(load_pages, page_size),
+        idx_dtype,
+    )
+
+
+@pytest.mark.parametrize(
+    "backend,layout",
+    [p for p in MHA_PAIRS if p[0] == "kernel" or p[1] == "layer_first"],
+)
+def test_round_trip_scattered_tokens(backend, layout):
+    """Token-granular transfers (kernel, direct layer_first): arbitrary slot permutations."""
+    rng = np.random.default_rng(7)
+    host, dp = make_mha(layout, 16, torch.bfloat16)
+    n = 23
+    host_tokens = rng.permutation(host.size)[:n]
+    dev_rows = DEVICE_PAGES * 16 + 16
+    round_trip(
+        host,
+        dp,
+        backend,
+        host_tokens,
+        rng.permutation(np.arange(1, dev_rows))[:n],
+        rng.permutation(np.arange(1, dev_rows))[:n],
+    )
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("backend,layout", MHA_PAIRS)
+def test_round_trip_random_page_sets(backend, layout, data):
+    page_size = data.draw(st.sampled_from([1, 4, 16]), label="page_size")
+    host, dp = make_mha(layout, page_size, torch.bfloat16, device_pages=6)
+    count = data.draw(st.integers(1, 6), label="pages")
+    host_pages = data.draw(st.permutations(range(host.page_num)), label="host")[:count]
+    backup = data.draw(st.permutations(range(1, 7)), label="backup")[:count]
+    load = data.draw(st.permutations(range(1, 7)), label="load")[:count]
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(host_pages, page_size),
+        page_tokens(backup, page_size),
+        page_tokens(load, page_size),
+    )
+
+
+def test_geometry_and_attributes():
+    host, _ = make_mha("layer_first", 16, torch.bfloat16, heads=2, head_dim=8)
+    e = 2
+    assert host.layer_num == host.target_layer_num == LAYERS
+    assert host.size_per_token == 2 * LAYERS * 2 * 8 * e
+    assert host.get_ksize_per_token() == LAYERS * 2 * 8 * e
+    assert host.token_stride_size == 2 * 8 * e
+    assert host.layout_dim == 2 * 8 * e * LAYERS
+    assert host.element_dim == 16
+    assert host.can_use_write_back_jit is False
+    assert host.dtype == torch.bfloat16
+    assert host.kv_buffer.shape == (2, LAYERS, host.size, 2, 8)
+    assert host.k_buffer.data_ptr() == host.kv_buffer.data_ptr()
+    assert host.v_buffer.data_ptr() == host.kv_buffer.data_ptr() + LAYERS * host.size * 32
+    assert host.get_hybrid_pool_buffer()[1].data_ptr() == host.v_buffer.data_ptr()
+    assert host.start_layer == 0 and host.end_layer == LAYERS - 1
+    assert host.fd is None
+    assert host.dcp_size == 1 and host.dcp_rank == 0
+
+
+@pytest.mark.parametrize(
+    "layout,shape",
+    [
+        ("layer_first", lambda L, S, Pn, P, H, D: (2, L, S, H, D)),
+        ("page_first", lambda L, S, Pn, P, H, D: (2, S, L, H, D)),
+        ("page_first_direct", lambda L, S, Pn, P, H, D: (2, Pn, L, P, H, D)),
+        ("page_head", lambda L, S, Pn, P, H, D: (2, Pn, H, P, L, D)),
+    ],
+)
+def test_buffer_shapes_and_fp8_store_dtype(layout, shape):
+    host, dp = make_mha(layout, 4, torch.float8_e4m3fn, heads=2, head_dim=8)
+    assert dp.store_dtype == torch.uint8 and host.dtype == torch.uint8
+    assert host.kv_buffer.is_contiguous()
+    assert tuple(host.kv_buffer.shape) == shape(LAYERS, host.size, host.page_num, 4, 2, 8)
+
+
+def test_data_refs_and_pointer_tables():
+    host, _ = make_mha("page_first", 4, torch.bfloat16)
+    T, LD = host.token_stride_size, host.layout_dim
+    base = host.kv_buffer.data_ptr()
+    for layer in range(LAYERS):
+        ref = host.k_data_refs[layer]
+        assert ref.data_ptr() == base + layer * T
+        assert ref.stride(0) * 2 == LD  # row pitch = layout_dim bytes
+        assert host.v_data_refs[layer].data_ptr() == base + LAYERS * host.size * T + layer * T
+    assert host.k_data_ptrs.dtype == torch.uint64
+    assert host.k_data_ptrs.tolist() == [r.data_ptr() for r in host.k_data_refs]
+    assert host.v_data_ptrs.tolist() == [r.data_ptr() for r in host.v_data_refs]
+    assert len(host.host_kv_data_refs) == 2 * LAYERS
+
+    lf, _ = make_mha("layer_first", 4, torch.bfloat16)
+    S, T = lf.size, lf.token_stride_size
+    assert lf.k_data_ptrs.tolist() == [
+        lf.kv_buffer.data_ptr() + layer * S * T for layer in range(LAYERS)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_get_page_buffer_meta_order_and_sizes(layout):
+    P, H, D, e = 4, 2, 8, 2
+    host, _ = make_mha(layout, P, torch.bfloat16, heads=H, head_dim=D)
+    L, S = LAYERS, host.size
+    base = host.kv_buffer.data_ptr()
+    vo = L * S * H * D * e
+    pages = [3, 0, 5]
+    ptrs, sizes = host.get_page_buffer_meta(torch.tensor(page_tokens(pages, P)))
+    want = []
+    if layout == "layer_first":
+        for p in pages:
+            for layer in range(L):
+                k = base + p * P * H * D * e + layer * S * H * D * e
+                want += [k, k + vo]
+        assert sizes == [P * H * D * e] * len(want)
+    else:
+        for p in pages:
+            k = base + p * P * L * H * D * e
+            want += [k, k + vo]
+        assert sizes == [L * P * H * D * e] * len(want)
+    assert ptrs == want
+
+
+def test_get_page_buffer_meta_bytes_are_the_pages_bytes():
+    """The region a (ptr, size) entry names holds exactly the page's K (or V) bytes."""
+    host, _ = make_mha("page_first_direct", 4, torch.bfloat16)
+    planes = host_planes(host)
+    planes[0].copy_(torch.arange(planes[0].numel()) % 251)
+    planes[1].copy_(torch.arange(planes[1].numel()) % 241)
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(8, 12))
+    flat = host.kv_buffer.reshape(-1).view(torch.uint8)
+    base = host.kv_buffer.data_ptr()
+    k = flat[ptrs[0] - base : ptrs[0] - base + sizes[0]]
+    v = flat[ptrs[1] - base : ptrs[1] - base + sizes[1]]
+    assert torch.equal(k, host.k_buffer[2].reshape(-1).view(torch.uint8))
+    assert torch.equal(v, host.v_buffer[2].reshape(-1).view(torch.uint8))
+
+
+def test_split_heads_page_buffer_meta():
+    P, H, D, e = 4, 4, 8, 2
+    host, _ = make_mha("page_head", P, torch.bfloat16, heads=H, head_dim=D)
+    L, S = LAYERS, host.size
+    base = host.kv_buffer.data_ptr()
+    vo = L * S * H * D * e
+    ptrs, sizes = host.get_split_heads_page_buffer_meta(torch.tensor(page_tokens([2, 1], P)), 2)
+    want = []
+    for p in (2, 1):
+        for h0 in (0, 2):
+            k = base + p * P * L * H * D * e + h0 * P * L * D * e
+            want += [k, k + vo]
+    assert ptrs == want
+    assert sizes == [L * P * H * D * e // 2] * 8
+
+
+def _flat_page_reference(host, slot):
+    """The flat page's elements in the layout's own order (contract §4.4)."""
+    P = host.page_size
+    kv = host.kv_buffer
+    if host.layout == "layer_first":
+        return kv[:, :, slot : slot + P].reshape(-1)
+    if host.layout == "page_first":
+        return kv[:, slot : slot + P].reshape(-1)
+    return kv[:, slot // P].reshape(-1)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flat_data_pages_round_trip(layout, page_size):
+    rng = np.random.default_rng(3)
+    host, _ = make_mha(layout, page_size, torch.bfloat16)
+    for plane in host_planes(host):
+        plane.copy_(torch.from_numpy(rng.integers(0, 256, plane.numel(), dtype=np.uint8)))
+    before = snapshot_host(host)
+    src, dst = 2 * page_size, 5 * page_size
+
+    page = host.get_data_page(src)
+    assert page.dim() == 1
+    assert torch.equal(page.view(torch.uint8), _flat_page_reference(host, src).view(torch.uint8))
+    dummy = host.get_dummy_flat_data_page()
+    assert dummy.numel() == page.numel() and dummy.dtype == host.dtype
+    assert not dummy.any()
+    dummy.copy_(page)  # what an L3 backend's batch_get does
+    original_dst = host.get_data_page(dst).clone()
+
+    host.set_from_flat_data_page(dst, dummy)
+    assert torch.equal(
+        _flat_page_reference(host, dst).view(torch.uint8),
+        _flat_page_reference(host, src).view(torch.uint8),
+    )
+    # Everything except the destination page is untouched.
+    host.set_from_flat_data_page(dst, original_dst)
+    for got, want in zip(snapshot_host(host), before, strict=True):
+        assert_bytes_equal(got, want, "host after restoring the page")
+
+    unflat = host.get_data_page(src, flat=False)
+    assert unflat.data_ptr() >= host.kv_buffer.data_ptr()
+    assert torch.equal(unflat.reshape(-1).view(torch.uint8), page.view(torch.uint8))
+
+
+def test_flat_pages_are_layout_specific():
+    """The same logical page flattens in a different element order under another layout."""
+    lf, _ = make_mha("layer_first", 4, torch.bfloat16)
+    pf, _ = make_mha("page_first", 4, torch.bfloat16)
+    assert lf.get_dummy_flat_data_page().numel() == pf.get_dummy_flat_data_page().numel()
+    values = torch.arange(lf.get_dummy_flat_data_page().numel(), dtype=torch.float32)
+    page = values.to(torch.bfloat16)
+    lf.set_from_flat_data_page(0, page)
+    pf.set_from_flat_data_page(0, page)
+    assert torch.equal(lf.get_data_page(0), pf.get_data_page(0))
+    # K of layer 1, token 0 sits at a different flat position in each layout.
+    assert not torch.equal(lf.k_buffer[1, 0], pf.k_buffer[0, 1])
+
+
+def test_is_stride_page_aligned():
+    host, _ = make_mha("page_first_direct", 64, torch.bfloat16, heads=2, head_dim=16)
+    assert host.kv_buffer.data_ptr() % 4096 == 0
+    # page stride = 64 * 5 * 2 * 16 * 2 = 20480 bytes = 5 * 4096
+    assert host.is_stride_page_aligned() is True
+    odd, _ = make_mha("page_first_direct", 1, torch.bfloat16, heads=2, head_dim=8)
+    assert odd.is_stride_page_aligned() is False
+    lf, _ = make_mha("layer_first", 64, torch.bfloat16, heads=2, head_dim=16)
+    assert lf.is_stride_page_aligned() is False
+
+
+def test_empty_transfer_is_a_no_op():
+    host, dp = make_mha("layer_first", 4, torch.bfloat16)
+    before = snapshot_host(host)
+    empty = torch.empty(0, dtype=torch.int64)
+    host.backup_from_device_all_layer(dp, empty, empty, "kernel")
+    host.load_to_device_per_layer(dp, empty, empty, 0, "direct")
+    for got, want in zip(snapshot_host(host), before, strict=True):
+        assert_bytes_equal(got, want, "host")
+
+
+def test_destroy_is_idempotent_and_stops_transfers():
+    host, dp = make_mha("layer_first", 4, torch.bfloat16)
+    idx = torch.arange(4)
+    host.destroy()
+    host.destroy()
+    assert host.kv_buffer is None
+    with pytest.raises(RuntimeError, match="destroyed"):
+        host.backup_from_device_all_layer(dp, idx, idx + 4, "kernel")
+    with pytest.raises(RuntimeError, match="destroyed"):
+        host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
+    # the allocator keeps working (SGLang's destroy only drops the bytes)
+    assert host.alloc(4) is not None
+
+
+@pytest.mark.parametrize("backend,layout", MHA_PAIRS)
+def test_round_trip_emulated_engine(backend, layout, emulated_engine):
+    rng = np.random.default_rng(21)
+    host, dp = make_mha(layout, 16, torch.bfloat16)
+    pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(distinct_pages(rng, 0, host.page_num, 3), 16),
+        page_tokens(pages, 16),
+        page_tokens(np.roll(pages, 1), 16),
+    )

@@ -1,0 +1,188 @@
+"""MLATokenToKVPoolHost against host-pool-contract.md §2.3, §3.4, §4.3-§4.5."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE_PAGES, DTYPES, LAYERS, MLA_PAIRS, PAGE_SIZES, distinct_pages, make_mla
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import assert_bytes_equal, host_planes, page_tokens, round_trip, snapshot_host
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_round_trip_pages(backend, layout, page_size, dtype, idx_dtype):
+    rng = np.random.default_rng(page_size + 2)
+    host, dp = make_mla(layout, page_size, dtype)
+    host_pages = distinct_pages(rng, 0, host.page_num, 3)
+    backup_pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(host_pages, page_size),
+        page_tokens(backup_pages, page_size),
+        page_tokens(np.roll(backup_pages, -1), page_size),
+        idx_dtype,
+    )
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_round_trip_random_page_sets(backend, layout, data):
+    page_size = data.draw(st.sampled_from([1, 8]), label="page_size")
+    host, dp = make_mla(layout, page_size, torch.float8_e4m3fn, device_pages=5)
+    count = data.draw(st.integers(1, 5), label="pages")
+    host_pages = data.draw(st.permutations(range(host.page_num)), label="host")[:count]
+    backup = data.draw(st.permutations(range(1, 6)), label="backup")[:count]
+    load = data.draw(st.permutations(range(1, 6)), label="load")[:count]
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(host_pages, page_size),
+        page_tokens(backup, page_size),
+        page_tokens(load, page_size),
+    )
+
+
+def test_geometry_and_override_kv_cache_dim():
+    host, _ = make_mla("page_first_direct", 4, torch.bfloat16, kv_lora_rank=12, rope=4)
+    C, e, L = 16, 2, LAYERS
+    assert host.kv_cache_dim == C
+    assert host.size_per_token == host.get_ksize_per_token() == C * e * L
+    assert host.token_stride_size == C * e and host.layout_dim == C * e * L
+    assert host.kv_buffer.shape == (host.page_num, L, 4, 1, C)
+    assert host.layer_num == host.target_layer_num == L
+
+    packed, _ = make_mla("layer_first", 4, torch.bfloat16, override_kv_cache_dim=24)
+    assert packed.kv_cache_dim == 24 and packed.kv_buffer.shape == (L, packed.size, 1, 24)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_get_page_buffer_meta(layout):
+    P, C, e, L = 4, 16, 2, LAYERS
+    host, _ = make_mla(layout, P, torch.bfloat16)
+    S, base = host.size, host.kv_buffer.data_ptr()
+    pages = [2, 0, 6]
+    ptrs, sizes = host.get_page_buffer_meta(torch.tensor(page_tokens(pages, P)))
+    if layout == "layer_first":
+        assert ptrs == [
+            base + p * P * C * e + layer * S * C * e for p in pages for layer in range(L)
+        ]
+        assert sizes == [P * C * e] * (L * len(pages))
+    else:
+        assert ptrs == [base + p * P * L * C * e for p in pages]
+        assert sizes == [L * P * C * e] * len(pages)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_flat_data_pages_round_trip(layout):
+    rng = np.random.default_rng(11)
+    P = 8
+    host, _ = make_mla(layout, P, torch.bfloat16)
+    plane = host_planes(host)[0]
+    plane.copy_(torch.from_numpy(rng.integers(0, 256, plane.numel(), dtype=np.uint8)))
+    before = snapshot_host(host)
+    kv = host.kv_buffer
+    src, dst = 1 * P, 4 * P
+
+    def reference(slot):
+        if layout == "layer_first":
+            return kv[:, slot : slot + P].reshape(-1).view(torch.uint8)
+        if layout == "page_first":
+            return kv[slot : slot + P].reshape(-1).view(torch.uint8)
+        return kv[slot // P].reshape(-1).view(torch.uint8)
+
+    page = host.get_data_page(src)
+    assert torch.equal(page.view(torch.uint8), reference(src))
+    dummy = host.get_dummy_flat_data_page()
+    assert dummy.numel() == LAYERS * P * 16 and not dummy.any()
+    original = host.get_data_page(dst).clone()
+    dummy.copy_(page)
+    host.set_from_flat_data_page(dst, dummy)
+    assert torch.equal(reference(dst), reference(src))
+    host.set_from_flat_data_page(dst, original)
+    assert_bytes_equal(snapshot_host(host)[0], before[0], "host after restoring the page")
+
+
+def test_get_contiguous_buf_infos():
+    host, _ = make_mla("layer_first", 4, torch.bfloat16)
+    ptrs, lens, items = host.get_contiguous_buf_infos()
+    S, T = host.size, host.token_stride_size
+    assert ptrs == [host.kv_buffer.data_ptr() + layer * S * T for layer in range(LAYERS)]
+    assert lens == [S * T] * LAYERS
+    assert items == [T * 4] * LAYERS
+    pf, _ = make_mla("page_first", 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="layer_first"):
+        pf.get_contiguous_buf_infos()
+
+
+def test_data_refs_and_ptrs():
+    host, _ = make_mla("page_first", 4, torch.bfloat16)
+    T = host.token_stride_size
+    assert host.data_ptrs.dtype == torch.uint64
+    assert host.data_ptrs.tolist() == [host.kv_buffer.data_ptr() + i * T for i in range(LAYERS)]
+    assert host.data_refs[2].stride(0) * 2 == host.layout_dim
+
+
+def test_dummy_mode(caplog):
+    from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
+
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    with caplog.at_level(logging.INFO, logger="hostkv_rs"):
+        host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", is_dummy=True)
+    assert host.kv_buffer is None and host.data_refs is None and host.data_ptrs is None
+    assert host.size == 144 and host.page_num == 9
+    assert host.token_stride_size == 32 and host.layout_dim == 32 * LAYERS
+    want = (
+        f"MLATokenToKVPoolHost dummy mode: allocator-only, size=144 tokens, saving "
+        f"{144 * 32 * LAYERS / 1e9:.2f} GB host memory"
+    )
+    assert want in caplog.text
+    slots = host.alloc(32)
+    assert slots.tolist() == list(range(32))
+    assert host.free(slots) == 32
+    assert host.get_contiguous_buf_infos() == ([], [], [])
+    idx = torch.arange(16)
+    with pytest.raises(AssertionError, match=re.escape("load on a dummy (non-src MLA) host pool")):
+        host.load_to_device_per_layer(dp, idx, idx + 16, 0, "kernel")
+    with pytest.raises(
+        AssertionError, match=re.escape("backup on a dummy (non-src MLA) host pool")
+    ):
+        host.backup_from_device_all_layer(dp, idx, idx + 16, "kernel")
+    host.destroy()  # nothing to unregister, still fine
+
+
+def test_dummy_mode_dcp_assert_text():
+    from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
+
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    with pytest.raises(
+        AssertionError,
+        match=re.escape("HiCache host pool page_size (16) must be a multiple of dcp_size (3)."),
+    ):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=3, is_dummy=True)
+
+
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_round_trip_emulated_engine(backend, layout, emulated_engine):
+    rng = np.random.default_rng(23)
+    host, dp = make_mla(layout, 16, torch.bfloat16)
+    pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(distinct_pages(rng, 0, host.page_num, 3), 16),
+        page_tokens(pages, 16),
+        page_tokens(np.roll(pages, 1), 16),
+    )
