@@ -1,0 +1,286 @@
+// hostkv_rs transfer kernels: gather/scatter between a host KV pool (any of the four HiCache host
+// layouts, one or two planes) and layer-first device pools.
+//
+// One source, two builds:
+//   * nvcc -ptx for sm_80 (scripts/gen_ptx.sh); the PTX is committed and embedded in the crate.
+//   * g++ as plain C++ under emu_shim.h (build.rs), so CI runs this exact code on the CPU.
+// Therefore: no shared memory, no warp shuffles/votes, no __syncthreads(); every lane of a warp
+// computes the same task and copies its own disjoint share of the bytes, so running the threads
+// one after another (the emulator) gives the same result as running them in lock step.
+//
+// The parameter block is passed by value (__grid_constant__) and mirrored field for field by
+// rust/src/cuda/params.rs; hkv_params_layout() (emulation build) lets a Rust test check that.
+
+#ifndef __CUDACC__
+#include "emu_shim.h"
+#endif
+
+typedef unsigned long long hkv_u64;
+typedef unsigned int hkv_u32;
+
+// Device layer pointers that travel inside the parameter block (2 planes x 128 layers). More than
+// that goes through a table in device-visible memory (dev_table). The block stays below the
+// 4 KiB kernel-parameter limit of PTX ISA 8.0.
+#define HKV_INLINE_PTRS 256
+// Launch sequence numbers are recorded in a ring of this many slots; a copy kernel only needs
+// its own slot to survive until it starts, i.e. fewer than this many launches in flight.
+#define HKV_ABORT_RING 4096
+#define HKV_WARP 32
+// Vectors each lane loads before it stores any: bytes in flight per warp = 32 * 16 * HKV_UNROLL.
+#define HKV_UNROLL 4
+
+#define HKV_LAYER_FIRST 0
+#define HKV_PAGE_FIRST 1
+#define HKV_PAGE_FIRST_DIRECT 2
+#define HKV_PAGE_HEAD 3
+
+#define HKV_SIDE_HOST 0
+#define HKV_SIDE_DEVICE 1
+
+// Error record shared by every launch of a process (host-mapped pinned memory on a GPU): the
+// first bad device-resident index wins `flag` and fills value/bound/side; the host reports it
+// (check_device_errors) and clears `flag`. abort_ring[seq % HKV_ABORT_RING] == seq tells the copy
+// kernel of launch `seq` that its index check failed, so it writes nothing at all.
+struct HkvErrorRecord {
+    hkv_u64 flag;
+    hkv_u64 value;
+    hkv_u64 bound;
+    hkv_u64 side;
+    hkv_u64 abort_ring[HKV_ABORT_RING];
+};
+
+struct HkvParams {
+    // Plane-major device layer bases: plane p, moved layer j at [p * layer_count + j].
+    hkv_u64 dev_ptrs[HKV_INLINE_PTRS];
+    // Non-zero: the same table in device-visible memory, used instead of dev_ptrs.
+    hkv_u64 dev_table;
+    // Device-visible base address of each host plane.
+    hkv_u64 host_base[2];
+    // Bytes of one row of one layer, per plane, and of one contiguous segment of it (the whole
+    // row, or one head's share for page_head).
+    hkv_u64 item_bytes[2];
+    hkv_u64 seg_bytes[2];
+    // Device-visible int32/int64 index arrays (host slots, device rows).
+    hkv_u64 host_idx;
+    hkv_u64 dev_idx;
+    hkv_u64 n;
+    // Bounds: host rows S and device rows.
+    hkv_u64 host_rows;
+    hkv_u64 dev_rows;
+    // HkvErrorRecord* (0: none) and this launch's sequence number (0: no abort slot).
+    hkv_u64 err;
+    hkv_u64 abort_seq;
+    hkv_u32 layers;       // L of the host pool
+    hkv_u32 layer_begin;  // first host layer moved
+    hkv_u32 layer_count;  // layers moved: L for a backup, 1 for a load
+    hkv_u32 planes;       // 1 or 2
+    hkv_u32 layout;       // HKV_LAYER_FIRST ...
+    hkv_u32 to_host;      // 1: backup (device -> host); 0: load (host -> device)
+    hkv_u32 page_size;
+    hkv_u32 heads;        // segments per item (page_head), else 1
+    hkv_u32 host_idx_wide;  // 1: int64, 0: int32
+    hkv_u32 dev_idx_wide;
+};
+
+// Cache hints. Sources are never written during a transfer, so the read-only (non-coherent) path
+// is safe; stores go to L2 only (.cg) since nothing reads the destination back soon.
+#ifdef __CUDACC__
+#define HKV_LOAD(ptr) __ldg(ptr)
+#define HKV_STORE(ptr, v) __stcg((ptr), (v))
+#define HKV_PRAGMA_UNROLL _Pragma("unroll")
+#endif
+
+template <typename T>
+__device__ __forceinline__ T hkv_load(const T* p) {
+    return HKV_LOAD(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void hkv_store(T* p, T v) {
+    HKV_STORE(p, v);
+}
+
+__device__ __forceinline__ long long hkv_index(hkv_u64 base, hkv_u32 wide, hkv_u64 i) {
+    if (wide) {
+        return hkv_load(reinterpret_cast<const long long*>(base) + i);
+    }
+    return static_cast<long long>(hkv_load(reinterpret_cast<const int*>(base) + i));
+}
+
+// Byte offset of (row t, layer l, head h) in one host plane; see docs/design.md "Planes". Rows
+// and page sizes fit in 32 bits (the host checks), so the page split is a 32-bit division.
+__device__ __forceinline__ hkv_u64 hkv_host_offset(const HkvParams& p, hkv_u32 plane, hkv_u32 t,
+                                                   hkv_u32 l, hkv_u32 h) {
+    const hkv_u64 item = p.item_bytes[plane];
+    const hkv_u64 ld = static_cast<hkv_u64>(p.layers) * item;
+    switch (p.layout) {
+        case HKV_LAYER_FIRST:
+            return (static_cast<hkv_u64>(l) * p.host_rows + t) * item;
+        case HKV_PAGE_FIRST:
+            return static_cast<hkv_u64>(t) * ld + static_cast<hkv_u64>(l) * item;
+        case HKV_PAGE_FIRST_DIRECT: {
+            const hkv_u32 page = t / p.page_size;
+            const hkv_u32 slot = t - page * p.page_size;
+            return static_cast<hkv_u64>(page) * p.page_size * ld +
+                   (static_cast<hkv_u64>(l) * p.page_size + slot) * item;
+        }
+        default: {
+            const hkv_u64 seg = p.seg_bytes[plane];
+            const hkv_u32 page = t / p.page_size;
+            const hkv_u32 slot = t - page * p.page_size;
+            return static_cast<hkv_u64>(page) * p.page_size * ld +
+                   ((static_cast<hkv_u64>(h) * p.page_size + slot) * p.layers + l) * seg;
+        }
+    }
+}
+
+__device__ __forceinline__ hkv_u64 hkv_dev_layer(const HkvParams& p, hkv_u32 k) {
+    if (p.dev_table != 0) {
+        return hkv_load(reinterpret_cast<const hkv_u64*>(p.dev_table) + k);
+    }
+    return p.dev_ptrs[k];
+}
+
+// Lane `lane` copies vectors lane, lane+32, ... of V; HKV_UNROLL loads are issued before the
+// first store so each lane keeps several transactions in flight (what sets bandwidth over PCIe).
+template <typename V>
+__device__ __forceinline__ void hkv_copy_vectors(const V* s, V* d, hkv_u32 nvec, hkv_u32 lane) {
+    for (hkv_u32 v = lane; v < nvec; v += HKV_WARP * HKV_UNROLL) {
+        V r[HKV_UNROLL];
+        HKV_PRAGMA_UNROLL
+        for (hkv_u32 k = 0; k < HKV_UNROLL; ++k) {
+            if (v + k * HKV_WARP < nvec) {
+                r[k] = hkv_load(s + v + k * HKV_WARP);
+            }
+        }
+        HKV_PRAGMA_UNROLL
+        for (hkv_u32 k = 0; k < HKV_UNROLL; ++k) {
+            if (v + k * HKV_WARP < nvec) {
+                hkv_store(d + v + k * HKV_WARP, r[k]);
+            }
+        }
+    }
+}
+
+// Copies exactly `len` bytes (< 2^32, checked on the host) with the widest vector both addresses
+// allow; the bytes after the last whole vector are copied one by one, so no item size loses a
+// tail.
+__device__ __forceinline__ void hkv_copy_segment(const unsigned char* src, unsigned char* dst,
+                                                 hkv_u32 len, hkv_u32 lane) {
+    const hkv_u32 align =
+        static_cast<hkv_u32>(reinterpret_cast<hkv_u64>(src) | reinterpret_cast<hkv_u64>(dst));
+    hkv_u32 done = 0;
+    if ((align & 15u) == 0) {
+        done = len & ~15u;
+        hkv_copy_vectors(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
+                         len >> 4, lane);
+    } else if ((align & 7u) == 0) {
+        done = len & ~7u;
+        hkv_copy_vectors(reinterpret_cast<const uint2*>(src), reinterpret_cast<uint2*>(dst),
+                         len >> 3, lane);
+    } else if ((align & 3u) == 0) {
+        done = len & ~3u;
+        hkv_copy_vectors(reinterpret_cast<const unsigned int*>(src),
+                         reinterpret_cast<unsigned int*>(dst), len >> 2, lane);
+    }
+    for (hkv_u32 b = done + lane; b < len; b += HKV_WARP) {
+        hkv_store(dst + b, hkv_load(src + b));
+    }
+}
+
+__device__ __forceinline__ void hkv_record_bad_index(const HkvParams& p, long long value,
+                                                     hkv_u64 bound, hkv_u64 side) {
+    if (p.err == 0) {
+        return;
+    }
+    HkvErrorRecord* rec = reinterpret_cast<HkvErrorRecord*>(p.err);
+    if (atomicCAS(&rec->flag, 0ULL, 1ULL) == 0ULL) {
+        volatile HkvErrorRecord* v = rec;
+        v->value = static_cast<hkv_u64>(value);
+        v->bound = bound;
+        v->side = side;
+    }
+    if (p.abort_seq != 0) {
+        volatile hkv_u64* ring = rec->abort_ring;
+        ring[p.abort_seq % HKV_ABORT_RING] = p.abort_seq;
+    }
+    __threadfence_system();
+}
+
+__device__ __forceinline__ bool hkv_aborted(const HkvParams& p) {
+    if (p.err == 0 || p.abort_seq == 0) {
+        return false;
+    }
+    const volatile hkv_u64* ring = reinterpret_cast<const HkvErrorRecord*>(p.err)->abort_ring;
+    return ring[p.abort_seq % HKV_ABORT_RING] == p.abort_seq;
+}
+
+// Pass 1 for device-resident indices: checks every index before the copy kernel (same stream)
+// runs, so one bad index means nothing of the transfer is written.
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    hkv_check_indices(const __grid_constant__ HkvParams p) {
+    const hkv_u64 stride = static_cast<hkv_u64>(gridDim.x) * blockDim.x;
+    for (hkv_u64 i = static_cast<hkv_u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
+         i += stride) {
+        const long long h = hkv_index(p.host_idx, p.host_idx_wide, i);
+        if (static_cast<hkv_u64>(h) >= p.host_rows) {
+            hkv_record_bad_index(p, h, p.host_rows, HKV_SIDE_HOST);
+        }
+        const long long d = hkv_index(p.dev_idx, p.dev_idx_wide, i);
+        if (static_cast<hkv_u64>(d) >= p.dev_rows) {
+            hkv_record_bad_index(p, d, p.dev_rows, HKV_SIDE_DEVICE);
+        }
+    }
+}
+
+// Pass 2: one warp per task (index position i, plane, moved layer j); tasks are dealt out
+// round-robin over all warps of the grid, so any grid size (block quota) moves the same bytes.
+// The task counter is kept as (i, r) and advanced without 64-bit division (registers are tight
+// at 1024 threads per block).
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    hkv_transfer(const __grid_constant__ HkvParams p) {
+    if (hkv_aborted(p)) {
+        return;
+    }
+    const hkv_u32 lane = threadIdx.x % HKV_WARP;
+    const hkv_u32 warp = (blockIdx.x * blockDim.x + threadIdx.x) / HKV_WARP;
+    const hkv_u32 nwarps = gridDim.x * blockDim.x / HKV_WARP;
+    const hkv_u32 per_item = p.planes * p.layer_count;
+    const hkv_u32 step_i = nwarps / per_item;
+    const hkv_u32 step_r = nwarps - step_i * per_item;
+    hkv_u64 i = warp / per_item;
+    hkv_u32 r = warp - static_cast<hkv_u32>(i) * per_item;
+    for (; i < p.n; i += step_i) {
+        const long long hs = hkv_index(p.host_idx, p.host_idx_wide, i);
+        const long long ds = hkv_index(p.dev_idx, p.dev_idx_wide, i);
+        // Host-resident indices were checked on the host and device-resident ones by pass 1;
+        // this re-check is what makes a write outside a pool impossible whatever happened.
+        if (static_cast<hkv_u64>(hs) >= p.host_rows) {
+            if (lane == 0) {
+                hkv_record_bad_index(p, hs, p.host_rows, HKV_SIDE_HOST);
+            }
+        } else if (static_cast<hkv_u64>(ds) >= p.dev_rows) {
+            if (lane == 0) {
+                hkv_record_bad_index(p, ds, p.dev_rows, HKV_SIDE_DEVICE);
+            }
+        } else {
+            const hkv_u32 plane = r >= p.layer_count ? 1u : 0u;
+            const hkv_u32 j = r - plane * p.layer_count;
+            const hkv_u32 seg = static_cast<hkv_u32>(p.seg_bytes[plane]);
+            unsigned char* host = reinterpret_cast<unsigned char*>(p.host_base[plane]);
+            unsigned char* dev = reinterpret_cast<unsigned char*>(hkv_dev_layer(p, r)) +
+                                 static_cast<hkv_u64>(ds) * p.item_bytes[plane];
+            for (hkv_u32 h = 0; h < p.heads; ++h) {
+                unsigned char* hp = host + hkv_host_offset(p, plane, static_cast<hkv_u32>(hs),
+                                                           p.layer_begin + j, h);
+                unsigned char* dp = dev + h * seg;
+                hkv_copy_segment(p.to_host ? dp : hp, p.to_host ? hp : dp, seg, lane);
+            }
+        }
+        r += step_r;
+        if (r >= per_item) {
+            r -= per_item;
+            ++i;
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! Thin helpers over the CUDA driver API as cudarc exposes it (`cudarc::driver::sys`).
+//!
+//! Every function here may only run after `probe` has seen libcuda (`is_culib_present`): with
+//! dynamic loading cudarc panics, instead of returning an error, when the library is missing.
+//! Entry points of the CUDA module therefore run their bodies under [`guard`].
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use cudarc::driver::sys;
+
+use crate::error::{Error, Result};
+
+pub(crate) use sys::cudaError_enum as Cu;
+
+/// Runs `f`, turning a panic (a missing driver symbol, a cudarc bug) into an error so it can
+/// never unwind into Python.
+pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Err(Error::Cuda(format!(
+                "{what}: internal error in the CUDA driver binding: {msg}"
+            )))
+        }
+    }
+}
+
+fn static_str(p: *const c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the driver returns pointers to static NUL-terminated strings.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+type RawErrFn = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+
+/// `cuGetErrorString`/`cuGetErrorName` looked up with an integer error type: codes returned by
+/// symbols we resolve ourselves need not be members of cudarc's `CUresult` enum.
+fn raw_err_fn(name: &[u8]) -> Option<RawErrFn> {
+    // SAFETY: only called after the library was found; the symbol has this C signature.
+    unsafe {
+        let lib = sys::culib();
+        lib.get::<RawErrFn>(name).ok().map(|s| *s)
+    }
+}
+
+/// The driver's description of an error code, like `cudaGetErrorString`.
+pub(crate) fn error_string(rc: i32) -> String {
+    let mut p: *const c_char = std::ptr::null();
+    match raw_err_fn(b"cuGetErrorString\0") {
+        // SAFETY: valid out-pointer; unknown codes make the driver return an error, not crash.
+        Some(f) if unsafe { f(rc, &mut p) } == 0 => {
+            static_str(p).unwrap_or_else(|| "unknown error".into())
+        }
+        _ => "unrecognized error code".into(),
+    }
+}
+
+fn error_name(rc: i32) -> String {
+    let mut p: *const c_char = std::ptr::null();
+    match raw_err_fn(b"cuGetErrorName\0") {
+        // SAFETY: as in `error_string`.
+        Some(f) if unsafe { f(rc, &mut p) } == 0 => {
+            static_str(p).unwrap_or_else(|| format!("CUDA error {rc}"))
+        }
+        _ => format!("CUDA error {rc}"),
+    }
+}
+
+/// `NAME (rc=N): description`.
+pub(crate) fn describe(rc: i32) -> String {
+    format!("{} (rc={rc}): {}", error_name(rc), error_string(rc))
+}
+
+pub(crate) fn code(r: sys::CUresult) -> i32 {
+    r as i32
+}
+
+/// `Err(Error::Cuda)` naming the call unless `r` is success.
+pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == Cu::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!("{what} failed: {}", describe(code(r)))))
+    }
+}
+
+/// Looks a driver symbol up by name without cudarc's panic on a missing symbol.
+///
+/// # Safety
+/// `F` must be the symbol's real C signature.
+pub(crate) unsafe fn symbol<F: Copy>(name: &[u8]) -> Option<F> {
+    let lib = sys::culib();
+    lib.get::<F>(name).ok().map(|s| *s)
+}
+
+pub(crate) fn as_stream(stream: u64) -> sys::CUstream {
+    stream as usize as sys::CUstream
+}
+
+pub(crate) fn as_void(p: u64) -> *mut c_void {
+    p as usize as *mut c_void
+}

@@ -1,0 +1,88 @@
+//! Runs the kernels of rust/kernels/hostkv_transfer.cu on the CPU (compiled by build.rs under
+//! rust/kernels/emu_shim.h), with the same parameter block the GPU launch builds. Device
+//! pointers are host pointers here, and `on_device` index arrays are read only by the kernels,
+//! exactly as on a GPU.
+
+use std::ffi::{c_int, c_uint};
+
+use super::params::{self, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
+use crate::error::{Error, Result};
+use crate::plan::{self, Strategy};
+use crate::transfer::TransferRequest;
+
+extern "C" {
+    fn hkv_emu_launch(
+        kernel: c_int,
+        params: *const HkvParams,
+        grid: c_uint,
+        block: c_uint,
+    ) -> c_int;
+    #[cfg(test)]
+    pub(crate) fn hkv_params_layout(out: *mut u64, cap: c_uint);
+}
+
+const KERNEL_CHECK: c_int = 0;
+const KERNEL_TRANSFER: c_int = 1;
+
+fn launch(kernel: c_int, p: &HkvParams, grid: u32) -> Result<()> {
+    // SAFETY: `p` describes memory the caller guarantees (pools and index arrays alive for the
+    // call); the emulated kernels bound-check indices and write only inside the pools.
+    let rc = unsafe { hkv_emu_launch(kernel, p, grid, BLOCK_THREADS) };
+    if rc != 0 {
+        return Err(Error::Cuda(format!(
+            "emulated launch of kernel {kernel} failed ({rc})"
+        )));
+    }
+    Ok(())
+}
+
+/// `cuda::emulate` with an explicit block quota (tests vary it without touching the
+/// environment).
+pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()> {
+    let c = plan::validate(req)?;
+    if c.len == 0 {
+        return Ok(());
+    }
+    if c.strategy != Strategy::PerItem {
+        // The direct backend has no kernel: on a GPU its plan goes to the copy engine as is.
+        let ops = plan::build(req)?;
+        // SAFETY: `plan::build` checked every range against both pools.
+        unsafe { crate::cpu::execute(&ops) };
+        return Ok(());
+    }
+    let mut m = params::marshal(req, &c)?;
+    if let Some(table) = &m.table {
+        m.params.dev_table = table.as_ptr() as u64;
+    }
+    let mut record = Box::new(HkvErrorRecord {
+        flag: 0,
+        value: 0,
+        bound: 0,
+        side: 0,
+        abort_ring: [0; ABORT_RING],
+    });
+    m.params.err = &mut *record as *mut HkvErrorRecord as u64;
+    if req.host_idx.on_device || req.dev_idx.on_device {
+        m.params.abort_seq = 1;
+        launch(
+            KERNEL_CHECK,
+            &m.params,
+            params::check_grid(m.params.n, quota),
+        )?;
+    }
+    if m.tasks > 0 {
+        launch(
+            KERNEL_TRANSFER,
+            &m.params,
+            params::transfer_grid(m.tasks, quota),
+        )?;
+    }
+    if record.flag != 0 {
+        return Err(Error::InvalidTransfer(params::bad_index_message(
+            record.side,
+            record.value,
+            record.bound,
+        )));
+    }
+    Ok(())
+}

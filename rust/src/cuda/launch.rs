@@ -1,0 +1,176 @@
+//! The kernel backend on a GPU: marshal the request, place host-resident indices (and an
+//! oversized layer table) in staging memory, then launch the index check (when some indices
+//! live on the GPU) and the copy kernel on the caller's stream.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::driver::{check, code, describe};
+use super::params::{self, HkvParams, BLOCK_THREADS};
+use super::probe::Probe;
+use super::{errword, module, probe, staging};
+use crate::error::{Error, Result};
+use crate::plan::Checked;
+use crate::transfer::TransferRequest;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// The device address of host plane `base..base+nbytes`, which must be registered (pinned and
+/// mapped) as one contiguous device range; an unregistered plane would make the kernel fault.
+fn device_view_of_plane(plane: usize, base: u64, nbytes: u64) -> Result<u64> {
+    let dev_of = |p: u64| -> Result<u64> {
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; the driver only looks the address up.
+        let rc = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut d as *mut sys::CUdeviceptr).cast(),
+                sys::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                p,
+            )
+        };
+        if rc != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!(
+                "host plane {plane} at {p:#x} is not registered with CUDA ({}); the kernel \
+                 backend needs pinned host memory (register the pool: pin_memory=True)",
+                describe(code(rc))
+            )));
+        }
+        Ok(d)
+    };
+    let first = dev_of(base)?;
+    if nbytes > 1 {
+        let last = dev_of(base + nbytes - 1)?;
+        if last != first + nbytes - 1 {
+            return Err(Error::Cuda(format!(
+                "host plane {plane} is not mapped as one contiguous device range (device \
+                 addresses {first:#x}..{last:#x} for {nbytes} bytes); unified addressing is \
+                 required"
+            )));
+        }
+    }
+    Ok(first)
+}
+
+fn launch(f: sys::CUfunction, p: &HkvParams, grid: u32, stream: sys::CUstream) -> Result<()> {
+    let mut arg = p as *const HkvParams as *mut c_void;
+    // SAFETY: one by-value struct argument whose layout matches the kernel's (tested); the
+    // driver copies it before returning.
+    check(
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid,
+                1,
+                1,
+                BLOCK_THREADS,
+                1,
+                1,
+                0,
+                stream,
+                &mut arg,
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel",
+    )
+}
+
+pub(crate) fn run(
+    req: &TransferRequest,
+    c: &Checked,
+    stream: sys::CUstream,
+    pr: &Probe,
+) -> Result<()> {
+    let ctx = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+    let ordinal = probe::current_device()?;
+    if let Some(d) = pr.devices.get(ordinal as usize) {
+        if !d.unified_addressing {
+            return Err(Error::CudaUnavailable(format!(
+                "device {ordinal} ({}) has no unified addressing; the kernel backend needs it",
+                d.name
+            )));
+        }
+    }
+    let quota = params::block_quota()?;
+    let kernels = module::kernels(ctx, pr.driver_version)?;
+    let mut m = params::marshal(req, c)?;
+    for p in 0..c.nplanes {
+        let nbytes = c.planes[p].map(|pl| pl.nbytes).unwrap_or(0);
+        m.params.host_base[p] = device_view_of_plane(p, m.params.host_base[p], nbytes)?;
+    }
+
+    // Lay out the staging buffer: [layer table][host indices][device indices], 16-aligned.
+    let table_bytes = m.table.as_ref().map_or(0, |t| t.len() * 8);
+    let host_idx_bytes = if req.host_idx.on_device {
+        0
+    } else {
+        c.len * req.host_idx.width.bytes()
+    };
+    let dev_idx_bytes = if req.dev_idx.on_device {
+        0
+    } else {
+        c.len * req.dev_idx.width.bytes()
+    };
+    let off_host = align16(table_bytes);
+    let off_dev = off_host + align16(host_idx_bytes);
+    let total = off_dev + align16(dev_idx_bytes);
+    let lease = if total > 0 {
+        Some(staging::acquire(ctx, total)?)
+    } else {
+        None
+    };
+    if let Some(l) = &lease {
+        // SAFETY: the lease is `total` bytes of host memory; the caller keeps the index arrays
+        // (validated by plan::validate) alive for this call.
+        unsafe {
+            if let Some(t) = &m.table {
+                std::ptr::copy_nonoverlapping(t.as_ptr().cast::<u8>(), l.host, table_bytes);
+                m.params.dev_table = l.dev;
+            }
+            if host_idx_bytes > 0 {
+                std::ptr::copy_nonoverlapping(
+                    req.host_idx.ptr as *const u8,
+                    l.host.add(off_host),
+                    host_idx_bytes,
+                );
+                m.params.host_idx = l.dev + off_host as u64;
+            }
+            if dev_idx_bytes > 0 {
+                std::ptr::copy_nonoverlapping(
+                    req.dev_idx.ptr as *const u8,
+                    l.host.add(off_dev),
+                    dev_idx_bytes,
+                );
+                m.params.dev_idx = l.dev + off_dev as u64;
+            }
+        }
+    }
+
+    let result = (|| {
+        m.params.err = errword::device_ptr()?;
+        if req.host_idx.on_device || req.dev_idx.on_device {
+            m.params.abort_seq = errword::next_seq();
+            launch(
+                kernels.check,
+                &m.params,
+                params::check_grid(m.params.n, quota),
+                stream,
+            )?;
+        }
+        launch(
+            kernels.transfer,
+            &m.params,
+            params::transfer_grid(m.tasks, quota),
+            stream,
+        )
+    })();
+    if let Some(l) = lease {
+        // Even after a failed launch the check kernel may be queued: keep the buffer busy
+        // until the stream passes this point.
+        staging::release(l, Some(stream))?;
+    }
+    result
+}

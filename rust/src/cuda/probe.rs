@@ -1,0 +1,289 @@
+//! Is CUDA usable here, and why not. Lazy (nothing runs before the first question), cached, and
+//! fork-aware: a child of a process that initialised CUDA must not touch it.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::sys;
+
+use super::driver::{self, check, code, guard, Cu};
+use crate::error::{Error, Result};
+
+#[derive(Debug)]
+pub(crate) struct Probe {
+    /// Process that ran the probe (and, when `init_rc == Some(0)`, initialised CUDA).
+    pub pid: u32,
+    pub lib_present: bool,
+    /// Where libcuda was mapped from (diagnoses a stub or compat library shadowing the driver).
+    pub lib_path: Option<String>,
+    pub init_rc: Option<i32>,
+    pub driver_version: i32,
+    pub devices: Vec<DeviceInfo>,
+    /// Why CUDA cannot be used, when it cannot.
+    pub problem: Option<String>,
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceInfo {
+    pub name: String,
+    pub cc: (i32, i32),
+    pub unified_addressing: bool,
+}
+
+impl Probe {
+    pub fn initialised(&self) -> bool {
+        self.init_rc == Some(0)
+    }
+}
+
+static PROBE: Mutex<Option<Arc<Probe>>> = Mutex::new(None);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated (every update
+    // is a single insert), so a poisoned lock is still good to use.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The cached probe, running it on first use. In a forked child of a process whose probe did
+/// not initialise CUDA, the probe runs again (the child may use CUDA itself).
+pub(crate) fn probe() -> Arc<Probe> {
+    let mut slot = lock(&PROBE);
+    let pid = std::process::id();
+    if let Some(p) = slot.as_ref() {
+        if p.pid == pid || p.initialised() {
+            return p.clone();
+        }
+    }
+    let p = Arc::new(run_probe(pid));
+    *slot = Some(p.clone());
+    p
+}
+
+fn forked_error(p: &Probe) -> Error {
+    Error::CudaUnavailable(format!(
+        "CUDA was initialised in process {} and this is a forked child (pid {}); CUDA cannot be \
+         used after fork. Start worker processes with the 'spawn' method instead.",
+        p.pid,
+        std::process::id()
+    ))
+}
+
+/// The probe if CUDA is usable by this process, else why not.
+pub(crate) fn ready() -> Result<Arc<Probe>> {
+    let p = probe();
+    if p.initialised() && p.pid != std::process::id() {
+        return Err(forked_error(&p));
+    }
+    match &p.problem {
+        None => Ok(p),
+        Some(why) => Err(Error::CudaUnavailable(why.clone())),
+    }
+}
+
+/// True when CUDA state exists in this process (so there may be device errors to report).
+pub(crate) fn initialised_here() -> bool {
+    lock(&PROBE)
+        .as_ref()
+        .is_some_and(|p| p.initialised() && p.pid == std::process::id())
+}
+
+fn mapped_libcuda() -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|path| {
+            path.rsplit('/')
+                .next()
+                .is_some_and(|f| f.starts_with("libcuda.so"))
+        })
+        .map(str::to_string)
+}
+
+fn run_probe(pid: u32) -> Probe {
+    let mut p = Probe {
+        pid,
+        lib_present: false,
+        lib_path: None,
+        init_rc: None,
+        driver_version: 0,
+        devices: Vec::new(),
+        problem: None,
+    };
+    // SAFETY: a pure dlopen probe (cudarc >= 0.19.5); it never panics.
+    p.lib_present = unsafe { sys::is_culib_present() };
+    if !p.lib_present {
+        p.problem = Some(
+            "CUDA driver library (libcuda.so) not found: no NVIDIA driver on this machine".into(),
+        );
+        return p;
+    }
+    if let Err(e) = guard("CUDA probe", || {
+        query_driver(&mut p);
+        Ok(())
+    }) {
+        p.problem = Some(e.to_string());
+    }
+    p.lib_path = mapped_libcuda();
+    p
+}
+
+fn query_driver(p: &mut Probe) {
+    // SAFETY: plain driver queries with valid out-pointers, after the library was found.
+    unsafe {
+        let mut v: c_int = 0;
+        if sys::cuDriverGetVersion(&mut v) == Cu::CUDA_SUCCESS {
+            p.driver_version = v;
+        }
+        let rc = code(sys::cuInit(0));
+        p.init_rc = Some(rc);
+        if rc != 0 {
+            p.problem = Some(format!("cuInit failed: {}", driver::describe(rc)));
+            return;
+        }
+        let mut n: c_int = 0;
+        let rc = code(sys::cuDeviceGetCount(&mut n));
+        if rc != 0 {
+            p.problem = Some(format!("cuDeviceGetCount failed: {}", driver::describe(rc)));
+            return;
+        }
+        for ordinal in 0..n {
+            let mut dev: sys::CUdevice = 0;
+            if sys::cuDeviceGet(&mut dev, ordinal) != Cu::CUDA_SUCCESS {
+                continue;
+            }
+            let mut name = [0 as c_char; 256];
+            let name = if sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev)
+                == Cu::CUDA_SUCCESS
+            {
+                std::ffi::CStr::from_ptr(name.as_ptr())
+                    .to_string_lossy()
+                    .into_owned()
+            } else {
+                "?".into()
+            };
+            let attr = |a| {
+                let mut x: c_int = 0;
+                if sys::cuDeviceGetAttribute(&mut x, a, dev) == Cu::CUDA_SUCCESS {
+                    x
+                } else {
+                    0
+                }
+            };
+            use sys::CUdevice_attribute_enum as A;
+            p.devices.push(DeviceInfo {
+                name,
+                cc: (
+                    attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                    attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+                ),
+                unified_addressing: attr(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0,
+            });
+        }
+        if p.devices.is_empty() {
+            p.problem = Some("the CUDA driver reports no usable device".into());
+        }
+    }
+}
+
+fn fmt_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+pub(crate) fn describe(p: &Probe) -> String {
+    let mut s = String::new();
+    if p.initialised() && p.pid != std::process::id() {
+        s.push_str(&forked_error(p).to_string());
+        return s;
+    }
+    match &p.problem {
+        None => s.push_str("CUDA available"),
+        Some(why) => {
+            s.push_str("CUDA unavailable: ");
+            s.push_str(why);
+        }
+    }
+    if p.lib_present {
+        s.push_str(&format!(
+            "; driver {} ({})",
+            fmt_version(p.driver_version),
+            p.driver_version
+        ));
+        if let Some(path) = &p.lib_path {
+            s.push_str(&format!("; libcuda: {path}"));
+        }
+        if let Some(rc) = p.init_rc {
+            s.push_str(&format!("; cuInit rc={rc}"));
+        }
+        s.push_str(&format!("; {} device(s)", p.devices.len()));
+        for (i, d) in p.devices.iter().enumerate() {
+            s.push_str(&format!(
+                "; [{i}] {} (sm_{}{}{})",
+                d.name,
+                d.cc.0,
+                d.cc.1,
+                if d.unified_addressing {
+                    ""
+                } else {
+                    ", no unified addressing"
+                }
+            ));
+        }
+    }
+    s
+}
+
+/// Primary contexts we retained, per device ordinal (kept for the life of the process, like
+/// the CUDA runtime does).
+static PRIMARY: Mutex<Option<HashMap<i32, usize>>> = Mutex::new(None);
+
+/// Makes a context current on this thread and returns it: the current one if the caller (torch)
+/// already has one, else the primary context of the device owning `hint` (or device 0).
+pub(crate) fn bind_context(hint: Option<u64>) -> Result<sys::CUcontext> {
+    // SAFETY: driver calls with valid out-pointers; called only when `ready()` succeeded.
+    unsafe {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
+        if !ctx.is_null() {
+            return Ok(ctx);
+        }
+        let mut ordinal: c_int = 0;
+        if let Some(ptr) = hint {
+            let mut o: c_int = 0;
+            let rc = sys::cuPointerGetAttribute(
+                (&mut o as *mut c_int).cast(),
+                sys::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            );
+            if rc == Cu::CUDA_SUCCESS {
+                ordinal = o;
+            }
+        }
+        let mut guard = lock(&PRIMARY);
+        let map = guard.get_or_insert_with(HashMap::new);
+        let ctx = match map.get(&ordinal) {
+            Some(&c) => c as sys::CUcontext,
+            None => {
+                let mut dev: sys::CUdevice = 0;
+                check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+                let mut c: sys::CUcontext = std::ptr::null_mut();
+                check(
+                    sys::cuDevicePrimaryCtxRetain(&mut c, dev),
+                    "cuDevicePrimaryCtxRetain",
+                )?;
+                map.insert(ordinal, c as usize);
+                c
+            }
+        };
+        check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+        Ok(ctx)
+    }
+}
+
+/// Ordinal of the device of the current context.
+pub(crate) fn current_device() -> Result<c_int> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; a context is current (bind_context ran).
+    check(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    Ok(dev)
+}

@@ -1,0 +1,446 @@
+//! The CUDA kernels, run under the CPU emulation, against the CPU engine (`plan::build` +
+//! `cpu::execute_serial`): byte-exact for every layout, direction, index width and block quota.
+
+use std::mem::offset_of;
+
+use super::emulate::{emulate_with_quota, hkv_params_layout};
+use super::params::{HkvErrorRecord, HkvParams, ABORT_RING, INLINE_PTRS};
+use crate::error::Error;
+use crate::plan;
+use crate::transfer::{
+    Backend, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
+};
+
+/// xorshift64*: reproducible test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+    /// `k` distinct values from `[0, n)`, in random order.
+    fn distinct(&mut self, n: u64, k: usize) -> Vec<i64> {
+        let mut all: Vec<i64> = (0..n as i64).collect();
+        for i in (1..all.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(k);
+        all
+    }
+}
+
+#[derive(Clone)]
+struct Pools {
+    host: Vec<Vec<u8>>,
+    /// Plane-major, `layers` per plane.
+    dev: Vec<Vec<u8>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    layout: Layout,
+    layers: usize,
+    rows: usize,
+    page: usize,
+    heads: usize,
+    items: [usize; 2],
+    planes: usize,
+    dev_rows: usize,
+    n: usize,
+    width: IndexWidth,
+    backup: bool,
+    host_layer: usize,
+}
+
+impl Case {
+    fn new(layout: Layout, items: &[usize], layers: usize) -> Self {
+        Case {
+            layout,
+            layers,
+            rows: 48,
+            page: 4,
+            heads: 1,
+            items: [items[0], *items.get(1).unwrap_or(&0)],
+            planes: items.len(),
+            dev_rows: 40,
+            n: 13,
+            width: IndexWidth::I64,
+            backup: true,
+            host_layer: 0,
+        }
+    }
+}
+
+struct Built {
+    pools: Pools,
+    host_idx: Vec<u8>,
+    dev_idx: Vec<u8>,
+}
+
+fn encode(v: &[i64], w: IndexWidth) -> Vec<u8> {
+    match w {
+        IndexWidth::I32 => v.iter().flat_map(|&x| (x as i32).to_ne_bytes()).collect(),
+        IndexWidth::I64 => v.iter().flat_map(|&x| x.to_ne_bytes()).collect(),
+    }
+}
+
+fn build(c: &Case, seed: u64) -> Built {
+    let mut rng = Rng(seed | 1);
+    let dev_layers = if c.backup { c.layers } else { 1 };
+    let pools = Pools {
+        host: (0..c.planes)
+            .map(|p| rng.bytes(c.layers * c.rows * c.items[p]))
+            .collect(),
+        dev: (0..c.planes)
+            .flat_map(|p| (0..dev_layers).map(move |_| p))
+            .map(|p| rng.bytes(c.dev_rows * c.items[p]))
+            .collect(),
+    };
+    let host = rng.distinct(c.rows as u64, c.n);
+    let dev = rng.distinct(c.dev_rows as u64, c.n);
+    Built {
+        pools,
+        host_idx: encode(&host, c.width),
+        dev_idx: encode(&dev, c.width),
+    }
+}
+
+fn request(c: &Case, pools: &mut Pools, host_idx: &[u8], dev_idx: &[u8]) -> TransferRequest {
+    let idx = |b: &[u8]| IndexArray {
+        ptr: b.as_ptr() as u64,
+        len: c.n,
+        width: c.width,
+        on_device: false,
+    };
+    TransferRequest {
+        geom: HostGeometry {
+            layout: c.layout,
+            layers: c.layers,
+            rows: c.rows,
+            page_size: c.page,
+            heads: c.heads,
+            item_bytes: c.items[..c.planes].to_vec(),
+            plane_base: pools
+                .host
+                .iter_mut()
+                .map(|h| h.as_mut_ptr() as u64)
+                .collect(),
+        },
+        backend: Backend::Kernel,
+        op: if c.backup {
+            Op::Backup
+        } else {
+            Op::Load {
+                host_layer: c.host_layer,
+            }
+        },
+        device: DeviceSide {
+            layer_ptrs: pools
+                .dev
+                .iter_mut()
+                .map(|d| d.as_mut_ptr() as u64)
+                .collect(),
+            rows: c.dev_rows,
+        },
+        host_idx: idx(host_idx),
+        dev_idx: idx(dev_idx),
+    }
+}
+
+/// Runs the CPU engine and the emulated kernel on copies of the same data and compares every
+/// byte of every buffer; also makes sure the transfer changed something (so it can fail).
+fn check_case(c: &Case, quota: u32, seed: u64) {
+    let b = build(c, seed);
+    let mut want = b.pools.clone();
+    let req = request(c, &mut want, &b.host_idx, &b.dev_idx);
+    let ops = plan::build(&req).unwrap_or_else(|e| panic!("{c:?}: plan refused: {e}"));
+    // SAFETY: `plan::build` checked every range.
+    unsafe { crate::cpu::execute_serial(&ops) };
+    let mut got = b.pools.clone();
+    let req = request(c, &mut got, &b.host_idx, &b.dev_idx);
+    emulate_with_quota(&req, quota).unwrap_or_else(|e| panic!("{c:?}: emulation failed: {e}"));
+    if c.n > 0 {
+        assert!(
+            want.host != b.pools.host || want.dev != b.pools.dev,
+            "{c:?}: the reference moved nothing"
+        );
+    }
+    for (p, (w, g)) in want.host.iter().zip(&got.host).enumerate() {
+        if w != g {
+            let at = w.iter().zip(g).position(|(a, b)| a != b).unwrap();
+            panic!("{c:?} quota {quota}: host plane {p} differs first at byte {at}");
+        }
+    }
+    for (k, (w, g)) in want.dev.iter().zip(&got.dev).enumerate() {
+        if w != g {
+            let at = w.iter().zip(g).position(|(a, b)| a != b).unwrap();
+            panic!("{c:?} quota {quota}: device layer buffer {k} differs first at byte {at}");
+        }
+    }
+}
+
+fn both_directions(mut c: Case, quotas: &[u32], seed: u64) {
+    for backup in [true, false] {
+        c.backup = backup;
+        c.host_layer = if backup { 0 } else { c.layers - 1 };
+        for &q in quotas {
+            check_case(&c, q, seed ^ q as u64);
+        }
+    }
+}
+
+#[test]
+fn params_layout_matches_the_cuda_struct() {
+    let mut v = [0u64; 32];
+    // SAFETY: writes at most `cap` values.
+    unsafe { hkv_params_layout(v.as_mut_ptr(), v.len() as u32) };
+    let want = [
+        std::mem::size_of::<HkvParams>(),
+        offset_of!(HkvParams, dev_ptrs),
+        offset_of!(HkvParams, dev_table),
+        offset_of!(HkvParams, host_base),
+        offset_of!(HkvParams, item_bytes),
+        offset_of!(HkvParams, seg_bytes),
+        offset_of!(HkvParams, host_idx),
+        offset_of!(HkvParams, dev_idx),
+        offset_of!(HkvParams, n),
+        offset_of!(HkvParams, host_rows),
+        offset_of!(HkvParams, dev_rows),
+        offset_of!(HkvParams, err),
+        offset_of!(HkvParams, abort_seq),
+        offset_of!(HkvParams, layers),
+        offset_of!(HkvParams, layer_begin),
+        offset_of!(HkvParams, layer_count),
+        offset_of!(HkvParams, planes),
+        offset_of!(HkvParams, layout),
+        offset_of!(HkvParams, to_host),
+        offset_of!(HkvParams, page_size),
+        offset_of!(HkvParams, heads),
+        offset_of!(HkvParams, host_idx_wide),
+        offset_of!(HkvParams, dev_idx_wide),
+        std::mem::size_of::<HkvErrorRecord>(),
+        INLINE_PTRS,
+        ABORT_RING,
+    ];
+    let got: Vec<usize> = v[..want.len()].iter().map(|&x| x as usize).collect();
+    assert_eq!(got, want);
+    // The PTX declares the same parameter size (the GPU reads the block by these offsets).
+    let decl = format!(".param .align 8 .b8 hkv_transfer_param_0[{}]", want[0]);
+    assert!(
+        super::ptx::PTX.contains(&decl),
+        "PTX parameter block is not {} bytes",
+        want[0]
+    );
+}
+
+#[test]
+fn layer_first_and_page_first_every_item_size() {
+    for layout in [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageFirstDirect,
+    ] {
+        for items in [&[12usize][..], &[656], &[3], &[16, 24], &[40, 12]] {
+            let c = Case::new(layout, items, 5);
+            both_directions(c, &[1, 2, 7], 0x5eed ^ items[0] as u64);
+        }
+    }
+}
+
+#[test]
+fn page_head_splits_items_per_head() {
+    for (items, heads) in [
+        (&[12usize][..], 3),
+        (&[656], 8),
+        (&[3], 3),
+        (&[64, 32], 4),
+        (&[48], 2),
+    ] {
+        let mut c = Case::new(Layout::PageHead, items, 7);
+        c.heads = heads;
+        both_directions(c, &[1, 2, 7], 0xbeef ^ heads as u64);
+    }
+}
+
+#[test]
+fn int32_indices_and_edge_sizes() {
+    for layout in [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageFirstDirect,
+        Layout::PageHead,
+    ] {
+        for n in [1usize, 2, 40] {
+            let mut c = Case::new(layout, &[24, 8], 3);
+            c.width = IndexWidth::I32;
+            c.heads = if layout == Layout::PageHead { 2 } else { 1 };
+            c.n = n;
+            both_directions(c, &[2], n as u64);
+        }
+    }
+}
+
+#[test]
+fn page_size_one_like_v4_page_rows() {
+    for layout in [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageFirstDirect,
+    ] {
+        let mut c = Case::new(layout, &[1000], 11);
+        c.page = 1;
+        c.rows = 17;
+        c.dev_rows = 23;
+        c.n = 9;
+        both_directions(c, &[1, 7], 0x44);
+    }
+}
+
+#[test]
+fn prime_layer_count_61_with_many_items() {
+    for layout in [Layout::PageFirst, Layout::PageHead] {
+        let mut c = Case::new(layout, &[256, 128], 61);
+        c.heads = if layout == Layout::PageHead { 4 } else { 1 };
+        c.rows = 64;
+        c.dev_rows = 64;
+        c.n = 64;
+        both_directions(c, &[2, 7], 61);
+    }
+}
+
+#[test]
+fn layer_table_beyond_the_parameter_block() {
+    // 2 planes x 131 layers = 262 device pointers: more than HKV_INLINE_PTRS, so the kernel
+    // reads them from a table.
+    let mut c = Case::new(Layout::PageFirst, &[16, 8], 131);
+    c.rows = 8;
+    c.dev_rows = 8;
+    c.n = 5;
+    c.backup = true;
+    assert!(c.planes * c.layers > INLINE_PTRS);
+    check_case(&c, 2, 131);
+}
+
+#[test]
+fn empty_transfer_is_a_no_op() {
+    let mut c = Case::new(Layout::LayerFirst, &[16], 2);
+    c.n = 0;
+    both_directions(c, &[2], 0);
+}
+
+/// Bad indices marked as GPU-resident are checked by the kernel: error reported, nothing written.
+#[test]
+fn bad_device_resident_index_writes_nothing() {
+    for (side, bad) in [
+        ("device", 40i64),
+        ("device", -1),
+        ("host", 48),
+        ("host", -7),
+    ] {
+        for width in [IndexWidth::I32, IndexWidth::I64] {
+            let mut c = Case::new(Layout::PageFirst, &[32], 3);
+            c.width = width;
+            c.backup = side == "host";
+            let b = build(&c, 7);
+            let mut host_vals: Vec<i64> = (0..c.n as i64).collect();
+            let mut dev_vals: Vec<i64> = (0..c.n as i64).collect();
+            if side == "host" {
+                host_vals[5] = bad;
+            } else {
+                dev_vals[c.n - 1] = bad;
+            }
+            let (hi, di) = (encode(&host_vals, width), encode(&dev_vals, width));
+            let mut pools = b.pools.clone();
+            let mut req = request(&c, &mut pools, &hi, &di);
+            req.host_idx.on_device = true;
+            req.dev_idx.on_device = true;
+            let e = emulate_with_quota(&req, 2).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, Error::InvalidTransfer(_)), "{msg}");
+            assert!(msg.starts_with(&format!("{side} index {bad} ")), "{msg}");
+            assert!(
+                pools.host == b.pools.host && pools.dev == b.pools.dev,
+                "{side} {bad}: wrote"
+            );
+        }
+    }
+}
+
+/// The same indices, valid, pass through the device-resident path unchanged.
+#[test]
+fn device_resident_valid_indices_match_the_plan() {
+    let c = Case::new(Layout::PageFirstDirect, &[20], 4);
+    let b = build(&c, 9);
+    let mut want = b.pools.clone();
+    let req = request(&c, &mut want, &b.host_idx, &b.dev_idx);
+    // SAFETY: validated plan.
+    unsafe { crate::cpu::execute_serial(&plan::build(&req).unwrap()) };
+    let mut got = b.pools.clone();
+    let mut req = request(&c, &mut got, &b.host_idx, &b.dev_idx);
+    req.dev_idx.on_device = true;
+    req.host_idx.on_device = true;
+    emulate_with_quota(&req, 3).unwrap();
+    assert!(want.host == got.host && want.dev == got.dev);
+}
+
+#[test]
+fn host_resident_bad_index_is_refused_before_any_write() {
+    let c = Case::new(Layout::LayerFirst, &[8], 2);
+    let b = build(&c, 3);
+    let mut vals: Vec<i64> = (0..c.n as i64).collect();
+    vals[2] = c.rows as i64;
+    let hi = encode(&vals, c.width);
+    let mut pools = b.pools.clone();
+    let req = request(&c, &mut pools, &hi, &b.dev_idx);
+    assert!(matches!(
+        emulate_with_quota(&req, 2),
+        Err(Error::InvalidTransfer(_))
+    ));
+    assert!(pools.host == b.pools.host && pools.dev == b.pools.dev);
+}
+
+#[test]
+fn direct_requests_emulate_the_copy_engine_plan() {
+    let mut c = Case::new(Layout::PageFirstDirect, &[16], 3);
+    c.n = 8;
+    let b = build(&c, 5);
+    // Page-aligned runs: pages 3 and 0 on the host, rows 8.. and 16.. on the device.
+    let host: Vec<i64> = vec![12, 13, 14, 15, 0, 1, 2, 3];
+    let dev: Vec<i64> = vec![8, 9, 10, 11, 16, 17, 18, 19];
+    let (hi, di) = (encode(&host, c.width), encode(&dev, c.width));
+    let mut want = b.pools.clone();
+    let mut req = request(&c, &mut want, &hi, &di);
+    req.backend = Backend::Direct;
+    // SAFETY: validated plan.
+    unsafe { crate::cpu::execute_serial(&plan::build(&req).unwrap()) };
+    let mut got = b.pools.clone();
+    let mut req = request(&c, &mut got, &hi, &di);
+    req.backend = Backend::Direct;
+    emulate_with_quota(&req, 2).unwrap();
+    assert!(want.host == got.host && want.dev == got.dev && want.host != b.pools.host);
+}
+
+#[test]
+fn probe_never_panics_and_explains_itself() {
+    let info = super::runtime_info();
+    assert!(
+        info.starts_with("CUDA available") || info.starts_with("CUDA unavailable"),
+        "{info}"
+    );
+    assert_eq!(super::available(), info.starts_with("CUDA available"));
+    if !super::available() {
+        assert!(super::check_device_errors().is_ok());
+        let e = super::register_host(4096, 4096, 0, 1 << 30).unwrap_err();
+        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+    }
+}
