@@ -1,0 +1,347 @@
+"""Binding-level behaviour of hostkv_rs._core: buffer protocol, lifetimes, errors, transfers."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from hostkv_rs import _core
+
+PAIRS = [
+    ("layer_first", "kernel"),
+    ("page_first", "kernel"),
+    ("page_head", "kernel"),
+    ("layer_first", "direct"),
+    ("page_first_direct", "direct"),
+]
+
+
+def idx(t: torch.Tensor) -> tuple[int, int, int, bool]:
+    return (t.data_ptr(), t.numel(), t.element_size(), False)
+
+
+# ---------------------------------------------------------------- HostRegion
+
+
+def test_buffer_protocol_is_writable_bytes():
+    r = _core.HostRegion(10_000)
+    m = memoryview(r)
+    assert (m.nbytes, m.format, m.itemsize, m.ndim, m.readonly) == (10_000, "B", 1, 1, False)
+    assert len(r) == r.nbytes == 10_000
+    assert r.address % 4096 == 0
+    assert not any(m)  # pre-touched zeros
+    m[9_999] = 7
+    a = np.frombuffer(r, dtype=np.uint8)
+    t = torch.frombuffer(r, dtype=torch.uint8)
+    assert a[9_999] == 7 and int(t[9_999]) == 7
+    t[0] = 3
+    assert m[0] == 3 and a[0] == 3
+    assert t.data_ptr() == r.address
+    m.release()
+
+
+def test_view_keeps_region_alive():
+    r = _core.HostRegion(1 << 16)
+    t = torch.frombuffer(r, dtype=torch.uint8)
+    del r
+    gc.collect()
+    t.fill_(5)
+    assert int(t.sum()) == 5 << 16
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_rss_returns_after_last_view_and_region_die():
+    n = 64 << 20
+    gc.collect()
+    before = _rss()
+    r = _core.HostRegion(n)
+    assert _rss() - before > n * 0.9, "region was not pre-touched"
+    t = torch.frombuffer(r, dtype=torch.uint8).view(torch.int32)
+    del r
+    gc.collect()
+    assert _rss() - before > n * 0.9, "memory freed while a view is alive"
+    assert int(t[-1]) == 0
+    del t
+    gc.collect()
+    assert _rss() - before < n * 0.1, "memory not returned after the last view died"
+
+
+def test_zero_byte_region():
+    r = _core.HostRegion(0)
+    assert (r.nbytes, r.address, len(r), r.pinned, r.registered_ranges) == (0, 0, 0, False, [])
+    assert bytes(r) == b""
+    assert np.frombuffer(r, dtype=np.uint8).size == 0
+    r.unregister_cuda()
+
+
+def test_region_options_and_errors():
+    r = _core.HostRegion(3 << 20, hugepage="2MB", hugepage_mode="prefer", pretouch_threads=2)
+    assert r.hugepage_tier in ("2MB", "thp", "base")
+    assert r.nbytes == 3 << 20
+    with pytest.raises(ValueError, match="Unsupported hugepage size"):
+        _core.HostRegion(4096, hugepage="3MB")
+    with pytest.raises(ValueError, match="Unsupported hugepage mode"):
+        _core.HostRegion(4096, hugepage_mode="sometimes")
+    with pytest.raises(ValueError, match="non-negative"):
+        _core.HostRegion(-1)
+    with pytest.raises(ValueError, match="NUMA node 4000 does not exist"):
+        _core.HostRegion(4096, numa_node=4000)
+    assert _core.HostRegion(4096, numa_node=0).numa_node == 0
+
+
+def test_hugepage_required_fails_cleanly_or_gets_hugepages():
+    try:
+        r = _core.HostRegion(1 << 20, hugepage="1GB", hugepage_mode="required")
+    except MemoryError as e:
+        assert "1GB hugepages" in str(e)
+    else:
+        assert r.hugepage_tier == "1GB"
+
+
+@pytest.mark.skipif(_core.cuda_available(), reason="checks the no-CUDA path")
+def test_register_without_cuda_raises_runtime_error():
+    r = _core.HostRegion(4096)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        r.register_cuda(0, 1 << 30)
+    assert not r.pinned
+    r.unregister_cuda()
+
+
+def test_module_surface():
+    assert isinstance(_core.__version__, str)
+    assert isinstance(_core.cuda_available(), bool)
+    assert "hostkv_rs" in _core.runtime_info()
+    _core.check_device_errors()
+
+
+def test_transfer_error_is_value_and_runtime_error():
+    te = _core.TransferError
+    assert issubclass(te, ValueError) and issubclass(te, RuntimeError)
+    assert te.__module__ == "hostkv_rs._core"
+    for base in (ValueError, RuntimeError):
+        with pytest.raises(base):
+            raise te("x")
+
+
+# ---------------------------------------------------------------- PoolCore geometry
+
+
+def test_plane_nbytes_and_offsets():
+    assert _core.PoolCore.plane_nbytes("page_first", 61, 12, 4, 1152) == 61 * 12 * 1152
+    assert _core.PoolCore.plane_nbytes("page_head", 3, 8, 4, 24, head_num=4) == 3 * 8 * 24
+    with pytest.raises(ValueError, match="not divisible by head_num"):
+        _core.PoolCore.plane_nbytes("page_head", 3, 8, 4, 24, head_num=5)
+    with pytest.raises(ValueError, match="Unsupported layout: nope"):
+        _core.PoolCore.plane_nbytes("nope", 3, 8, 4, 24)
+    with pytest.raises(ValueError, match="overflows"):
+        _core.PoolCore.plane_nbytes("layer_first", 1 << 30, 1 << 30, 1, 1 << 20)
+    core = _core.PoolCore("page_head", 3, 8, 4, [24], [4096], head_num=2)
+    L, P, seg = 3, 4, 12
+    t, l, h = 6, 2, 1
+    assert (
+        core.offset(0, t, l, h)
+        == (t // P) * P * L * 24 + h * P * L * seg + (t % P) * L * seg + l * seg
+    )
+    with pytest.raises(_core.TransferError):
+        core.offset(0, 8, 0)
+    with pytest.raises(_core.TransferError):
+        core.offset(1, 0, 0)
+    with pytest.raises(_core.TransferError):
+        core.offset(0, -1, 0)
+    assert (core.layout, core.num_layers, core.rows, core.page_size, core.head_num) == (
+        "page_head",
+        3,
+        8,
+        4,
+        2,
+    )
+
+
+def test_pool_core_rejects_bad_construction():
+    with pytest.raises(ValueError, match="1 or 2 planes"):
+        _core.PoolCore("page_first", 2, 4, 1, [8, 8, 8], [1, 2, 3])
+    with pytest.raises(ValueError, match="cannot hold"):
+        _core.PoolCore("page_first", 2, 4, 1, [8], [0])
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
+        _core.PoolCore("page_first_direct", 2, 6, 4, [8], [4096])
+
+
+# ---------------------------------------------------------------- transfers vs a torch reference
+
+
+class Pool:
+    """A 1- or 2-plane host pool on a HostRegion plus a layer-first CPU 'device' pool."""
+
+    def __init__(self, layout, L=3, S=16, P=4, items=(24, 24), H=2, dev_rows=12):
+        self.layout, self.L, self.S, self.P, self.items, self.H = layout, L, S, P, items, H
+        self.dev_rows = dev_rows
+        sizes = [_core.PoolCore.plane_nbytes(layout, L, S, P, i, head_num=H) for i in items]
+        self.region = _core.HostRegion(sum(sizes))
+        flat = torch.frombuffer(self.region, dtype=torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+        offs = [0, sizes[0]]
+        self.host = [flat[o : o + s] for o, s in zip(offs, sizes)]
+        self.core = _core.PoolCore(
+            layout,
+            L,
+            S,
+            P,
+            list(items),
+            [self.region.address + o for o in offs[: len(items)]],
+            head_num=H,
+        )
+        self.dev = [torch.randint(0, 256, (L, dev_rows, i), dtype=torch.uint8) for i in items]
+
+    def host_item(self, p: int, t: int, l: int) -> torch.Tensor:
+        """Bytes of (plane p, row t, layer l), from the contract's shapes."""
+        L, S, P, H, item = self.L, self.S, self.P, self.H, self.items[p]
+        h = self.host[p]
+        if self.layout == "layer_first":
+            return h.view(L, S, item)[l, t]
+        if self.layout == "page_first":
+            return h.view(S, L, item)[t, l]
+        if self.layout == "page_first_direct":
+            return h.view(S // P, L, P, item)[t // P, l, t % P]
+        return h.view(S // P, H, P, L, item // H)[t // P, :, t % P, l].reshape(-1)
+
+    def snapshot(self):
+        return [h.clone() for h in self.host], [d.clone() for d in self.dev]
+
+
+def _pairs_for(pool: Pool, h: torch.Tensor, d: torch.Tensor, backend: str):
+    if backend == "direct" and pool.layout == "page_first_direct":
+        P = pool.P
+        out = []
+        for k in range(h.numel() // P):
+            hp, ds = int(h[k * P]) // P, int(d[k * P])
+            out += [(hp * P + r, ds + r) for r in range(P)]
+        return out
+    return list(zip(h.tolist(), d.tolist()))
+
+
+@pytest.mark.parametrize("layout,backend", PAIRS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("items", [(24, 24), (16, 8), (12,)])
+def test_backup_and_load_match_reference(layout, backend, dtype, items):
+    g = torch.Generator().manual_seed(hash((layout, backend, str(dtype), items)) & 0xFFFF)
+    pool = Pool(layout, items=items)
+    P = pool.P
+    hp = torch.randperm(pool.S // P, generator=g)[:2]
+    dp = torch.randperm(pool.dev_rows // P, generator=g)[:2]
+    h = (hp[:, None] * P + torch.arange(P)).reshape(-1).to(dtype)
+    d = (dp[:, None] * P + torch.arange(P)).reshape(-1).to(dtype)
+    pairs = _pairs_for(pool, h, d, backend)
+
+    # backup: every layer, device -> host
+    ptrs = [pool.dev[p][l].data_ptr() for p in range(len(items)) for l in range(pool.L)]
+    pool.core.backup(backend, ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+    for p in range(len(items)):
+        for l in range(pool.L):
+            for t, r in pairs:
+                assert torch.equal(pool.host_item(p, t, l), pool.dev[p][l, r]), (p, l, t, r)
+
+    # load: one host layer into a fresh device layer
+    for p in range(len(items)):
+        pool.host[p].copy_(torch.randint(0, 256, pool.host[p].shape, dtype=torch.uint8))
+    layer = 2
+    before = [pool.dev[p][0].clone() for p in range(len(items))]
+    pool.core.load(
+        backend,
+        layer,
+        [pool.dev[p][0].data_ptr() for p in range(len(items))],
+        pool.dev_rows,
+        idx(h),
+        idx(d),
+        "cpu",
+        0,
+    )
+    for p in range(len(items)):
+        touched = set()
+        for t, r in pairs:
+            assert torch.equal(pool.dev[p][0, r], pool.host_item(p, t, layer))
+            touched.add(r)
+        for r in set(range(pool.dev_rows)) - touched:
+            assert torch.equal(pool.dev[p][0, r], before[p][r]), "wrote outside the indices"
+
+
+@pytest.mark.parametrize("layout,backend", PAIRS)
+def test_refused_transfers_leave_both_pools_unchanged(layout, backend):
+    pool = Pool(layout)
+    P = pool.P
+    good_h = torch.arange(4, 12)
+    good_d = torch.arange(0, 8)
+    dev_ptrs = [pool.dev[p][0].data_ptr() for p in range(2)]
+    all_ptrs = [pool.dev[p][l].data_ptr() for p in range(2) for l in range(pool.L)]
+    bad_cases = []
+    h = good_h.clone()
+    h[-1] = pool.S  # last index out of range: nothing before it may be written either
+    bad_cases.append((h, good_d, "out of range"))
+    d = good_d.clone()
+    d[-1] = -2
+    bad_cases.append((good_h, d, "-2"))
+    bad_cases.append((good_h[:-1], good_d, "same length"))
+    bad_cases.append((good_h, torch.arange(0, 8) + pool.dev_rows - 7, "out of range"))
+    for h, d, needle in bad_cases:
+        snap = pool.snapshot()
+        for op in ("backup", "load"):
+            with pytest.raises(_core.TransferError, match=needle):
+                if op == "backup":
+                    pool.core.backup(backend, all_ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+                else:
+                    pool.core.load(backend, 1, dev_ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+            assert all(torch.equal(a, b) for a, b in zip(pool.host, snap[0]))
+            assert all(torch.equal(a, b) for a, b in zip(pool.dev, snap[1]))
+    assert P == 4
+
+
+def test_structural_errors():
+    pool = Pool("page_first_direct")
+    h, d = torch.arange(4, 8), torch.arange(0, 4)
+    ptrs = [pool.dev[p][0].data_ptr() for p in range(2)]
+    with pytest.raises(_core.TransferError, match="host layer 3 is out of range"):
+        pool.core.load("direct", 3, ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+    with pytest.raises(_core.TransferError, match="host layer -1 is out of range"):
+        pool.core.load("direct", -1, ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+    with pytest.raises(_core.TransferError, match="expected 6 device layer pointers"):
+        pool.core.backup("direct", ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+    with pytest.raises(_core.TransferError, match="divisible by page size"):
+        pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(h[:3]), idx(d[:3]), "cpu", 0)
+    with pytest.raises(_core.TransferError, match="int32 or int64"):
+        h16 = h.to(torch.int16)
+        pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(h16), idx(d), "cpu", 0)
+    on_dev = (d.data_ptr(), 4, 8, True)
+    with pytest.raises(_core.TransferError, match="GPU memory"):
+        pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(h), on_dev, "cpu", 0)
+    with pytest.raises(ValueError, match="Unsupported IO backend: dma"):
+        pool.core.load("dma", 0, ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0)
+    with pytest.raises(ValueError, match="Unsupported device"):
+        pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(h), idx(d), "tpu", 0)
+    with pytest.raises(ValueError, match="Unsupported engine"):
+        pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(h), idx(d), "cpu", 0, engine="x")
+    pf = Pool("page_first")
+    with pytest.raises(ValueError, match="Unsupported layout: page_first"):
+        pf.core.load("direct", 0, ptrs, pf.dev_rows, idx(h), idx(d), "cpu", 0)
+    # An empty transfer is valid and moves nothing.
+    e = torch.empty(0, dtype=torch.int64)
+    snap = pool.snapshot()
+    pool.core.load("direct", 0, ptrs, pool.dev_rows, idx(e), idx(e), "cpu", 0)
+    assert all(torch.equal(a, b) for a, b in zip(pool.dev, snap[1]))
+
+
+def test_large_backup_releases_gil_and_copies_exactly():
+    # > 4 MiB moves through the multi-threaded path with the GIL released.
+    L, S, P, item = 4, 2048, 64, 1024
+    pool = Pool("page_first_direct", L=L, S=S, P=P, items=(item,), H=1, dev_rows=S)
+    h = torch.arange(S).view(-1, P).flip(0).reshape(-1)
+    d = torch.arange(S)
+    ptrs = [pool.dev[0][l].data_ptr() for l in range(L)]
+    pool.core.backup("direct", ptrs, S, idx(h), idx(d), "cpu", 0)
+    hv = pool.host[0].view(S // P, L, P, item)
+    dv = pool.dev[0].view(L, S // P, P, item)
+    assert torch.equal(hv.flip(0), dv.permute(1, 0, 2, 3))
