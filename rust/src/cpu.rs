@@ -71,9 +71,17 @@ pub unsafe fn execute(ops: &[CopyOp]) {
     let share = total.div_ceil(n as u64);
     std::thread::scope(|s| {
         for k in 1..n {
-            let (lo, hi) = (share * k as u64, (share * (k as u64 + 1)).min(total));
+            let (lo, hi) = (
+                (share * k as u64).min(total),
+                (share * (k as u64 + 1)).min(total),
+            );
             // SAFETY: as for `execute`; the byte windows of different threads are disjoint.
-            s.spawn(move || unsafe { copy_window(ops, lo, hi) });
+            let spawned = std::thread::Builder::new()
+                .spawn_scoped(s, move || unsafe { copy_window(ops, lo, hi) });
+            if spawned.is_err() {
+                // No thread available (resource limits): do that window here instead.
+                copy_window(ops, lo, hi);
+            }
         }
         copy_window(ops, 0, share.min(total));
     });

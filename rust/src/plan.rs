@@ -149,13 +149,10 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             if idx.ptr == 0 {
                 return Err(invalid(format!("{which} index array has a null address")));
             }
-            if idx
-                .ptr
-                .checked_add(len as u64 * idx.width.bytes() as u64)
-                .is_none()
-            {
+            let span = (len as u64).checked_mul(idx.width.bytes() as u64);
+            if span.is_none_or(|n| n > isize::MAX as u64 || idx.ptr.checked_add(n).is_none()) {
                 return Err(invalid(format!(
-                    "{which} index array address {:#x} is invalid",
+                    "{which} index array of {len} elements at {:#x} is not addressable",
                     idx.ptr
                 )));
             }
@@ -299,7 +296,9 @@ pub fn build(req: &TransferRequest) -> Result<Vec<CopyOp>> {
     let sink = match c.strategy {
         Strategy::PerItem => {
             let heads = c.plane(0).heads;
-            let cap = c.nplanes * lc * c.len * heads as usize;
+            let cap = (c.nplanes * lc)
+                .saturating_mul(c.len)
+                .saturating_mul(heads as usize);
             let mut sink = OpSink {
                 ops: Vec::with_capacity(cap.min(1 << 20)),
             };
