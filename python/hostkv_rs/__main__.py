@@ -1,0 +1,7 @@
+"""`python -m hostkv_rs` is the `hostkv-rs` command."""
+
+import sys
+
+from hostkv_rs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,738 @@
+"""`hostkv-rs bench`: host-pool transfers against the two yardsticks that matter.
+
+Every backup/load cell is measured three ways in the same process, on the same bytes:
+
+* the pool (`backup_from_device_all_layer` / `load_to_device_per_layer`),
+* plain torch indexing, i.e. what a Python host pool would do (`host[h] = dev[d]` per layer and
+  plane, on the pool's own documented buffer views), and
+* one contiguous copy of the same number of bytes (`dst.copy_(src)`), the ceiling of this machine.
+
+Host-pool creation is an "alloc" row against `torch.empty(n, dtype=torch.uint8).zero_()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hostkv_rs.presets import Preset, build_device_pool, host_pool_class
+
+# (layout, backend) pairs each pool kind supports (host-pool-contract.md §3.2-3.4).
+PAIRS: dict[str, list[tuple[str, str]]] = {
+    "mha": [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("page_head", "kernel"),
+        ("layer_first", "direct"),
+        ("page_first_direct", "direct"),
+    ],
+    "asym": [("page_first", "kernel"), ("page_first_direct", "direct")],
+    "mla": [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("layer_first", "direct"),
+        ("page_first_direct", "direct"),
+    ],
+}
+
+_HEAD_DIM = 128  # MHA bench geometries vary the KV head count at head_dim 128, bf16
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What one bench run measures."""
+
+    mha_item_bytes: tuple[int, ...]
+    page_counts: tuple[int, ...]
+    include_mla: bool = True
+    include_asym: bool = True
+    layers: int = 8
+    page_size: int = 64
+    warmup: int = 1
+    repeats: int = 5
+    # per-layer load calls are short; time more of them for a stable median
+    load_repeats: int = 40
+    alloc_repeats: int = 3
+    foundation_bytes: int = 64 << 20
+    # wall-clock cap of one measurement (all its repeats); at least 3 repeats are always taken
+    budget_s: float = 0.25
+
+
+QUICK = Matrix(mha_item_bytes=(2048,), page_counts=(1, 64), repeats=15, load_repeats=60)
+FULL = Matrix(
+    mha_item_bytes=(512, 2048, 8192),
+    page_counts=(1, 16, 128),
+    repeats=25,
+    load_repeats=200,
+    alloc_repeats=5,
+    foundation_bytes=256 << 20,
+    budget_s=1.0,
+)
+# Hidden, for tests on a busy CI box: every code path, a few MiB in all.
+TINY = Matrix(
+    mha_item_bytes=(2048,),
+    page_counts=(1, 4),
+    layers=2,
+    page_size=16,
+    warmup=1,
+    repeats=2,
+    load_repeats=4,
+    alloc_repeats=1,
+    foundation_bytes=4 << 20,
+)
+
+
+def bench_presets(matrix: Matrix, dtype: str = "bf16") -> list[Preset]:
+    out = []
+    for item in matrix.mha_item_bytes:
+        heads = max(item // (_HEAD_DIM * 2), 1)
+        out.append(
+            Preset(
+                name=f"mha-{item}",
+                kind="mha",
+                layers=matrix.layers,
+                heads=heads,
+                head_dim=_HEAD_DIM,
+                v_head_dim=_HEAD_DIM,
+                dtype=dtype,
+            )
+        )
+    if matrix.include_asym:
+        # MiMo-V2 full-attention geometry: K 4 x 192, V 4 x 128
+        out.append(
+            Preset(
+                name="asym-mimo",
+                kind="asym",
+                layers=matrix.layers,
+                heads=4,
+                head_dim=192,
+                v_head_dim=128,
+                dtype=dtype,
+            )
+        )
+    if matrix.include_mla:
+        # DeepSeek-V3 latent: 512 + 64
+        out.append(
+            Preset(
+                name="mla-deepseek",
+                kind="mla",
+                layers=matrix.layers,
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+                dtype=dtype,
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-torch reference: the documented buffer views, indexed the way a Python pool would.
+
+
+def device_planes(device_pool, kind: str) -> list[list]:
+    """Plane-major lists of per-layer device tensors `(rows, ...)`."""
+    if kind == "mla":
+        return [list(device_pool.kv_buffer)]
+    return [list(device_pool.k_buffer), list(device_pool.v_buffer)]
+
+
+def host_planes(host_pool, kind: str) -> list:
+    """Host plane tensors in their contract shapes (host-pool-contract.md §2)."""
+    if kind == "mla":
+        return [host_pool.kv_buffer]
+    return [host_pool.k_buffer, host_pool.v_buffer]
+
+
+def host_index(layout: str, host_idx, page_size: int):
+    """Index tuple into `host_layer_view(...)` selecting the rows of `host_idx` (token slots)."""
+    if layout in ("layer_first", "page_first"):
+        return (host_idx,)
+    return (host_idx // page_size, host_idx % page_size)
+
+
+def host_layer_view(plane, layout: str, layer: int):
+    """A view of one layer of a host plane, indexable by `host_index(...)` to `(n, *item)`."""
+    if layout == "layer_first":  # (L, S, ...)
+        return plane[layer]
+    if layout == "page_first":  # (S, L, ...)
+        return plane[:, layer]
+    if layout == "page_first_direct":  # (Pn, L, P, ...)
+        return plane[:, layer]
+    if layout == "page_head":  # (Pn, H, P, L, D) -> (Pn, P, H, D)
+        return plane[:, :, :, layer].transpose(1, 2)
+    raise ValueError(f"Unsupported layout: {layout}")
+
+
+def torch_backup(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx):
+    hi = host_index(layout, host_idx, page_size)
+    for dplane, hplane in zip(dev_planes, hst_planes, strict=True):
+        for layer, dev_layer in enumerate(dplane):
+            rows = dev_layer[dev_idx]
+            if rows.device.type != "cpu":
+                rows = rows.to("cpu")
+            host_layer_view(hplane, layout, layer)[hi] = rows
+
+
+def torch_load(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx, layer):
+    hi = host_index(layout, host_idx, page_size)
+    for dplane, hplane in zip(dev_planes, hst_planes, strict=True):
+        dev_layer = dplane[layer]
+        rows = host_layer_view(hplane, layout, layer)[hi]
+        if dev_layer.device.type != "cpu":
+            rows = rows.to(dev_layer.device, non_blocking=True)
+        dev_layer[dev_idx] = rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Index placement, as HiCacheController.move_indices prepares it (contract §3.1).
+
+
+def place_indices(host_pool, backend, layout, op, host_idx, dev_idx, device):
+    import torch
+
+    if device == "cpu" or backend != "kernel":
+        return host_idx.cpu(), dev_idx.cpu()
+    dev = torch.device(device)
+    keep_host_on_cpu = (
+        op == "backup"
+        and layout == "page_first"
+        and getattr(host_pool, "can_use_write_back_jit", False)
+    )
+    return (host_idx.cpu() if keep_host_on_cpu else host_idx.to(dev)), dev_idx.to(dev)
+
+
+def page_tokens(pages, page_size):
+    """Token slots of whole pages, page by page."""
+    import torch
+
+    pages = torch.as_tensor(pages, dtype=torch.int64)
+    return (pages[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    def __init__(self, device: str, budget_s: float = math.inf):
+        import torch
+
+        self._sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        self.budget_s = budget_s
+
+    def each(self, fn, calls: int, warmup: int, min_calls: int = 3) -> list[float]:
+        """Seconds of each call of `fn(i)` (synchronised per call on a GPU): up to `calls` calls,
+        fewer (but at least `min_calls`) once the time budget of one measurement is spent, so
+        slow baselines do not dominate a run while short calls still get many samples."""
+        for i in range(warmup):
+            fn(i)
+        self._sync()
+        out: list[float] = []
+        clock = time.perf_counter
+        spent = 0.0
+        for i in range(calls):
+            t0 = clock()
+            fn(i)
+            self._sync()
+            dt = clock() - t0
+            out.append(dt)
+            spent += dt
+            if spent > self.budget_s and len(out) >= min_calls:
+                break
+        return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    # perf_counter resolves well below 1 ns on Linux; the floor only keeps JSON finite
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+class Progress:
+    """A one-line stderr bar; silent unless stderr is a terminal."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total = max(total, 1)
+        self.done = 0
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 28
+        filled = int(width * self.done / self.total)
+        elapsed = time.perf_counter() - self.start
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label[:60]:<60}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class Context:
+    matrix: Matrix
+    device: str
+    timer: Timer
+    deadline: float
+    truncated: bool = False
+    results: list[dict] = field(default_factory=list)
+    foundation: list[dict] = field(default_factory=list)
+    _scratch: dict = field(default_factory=dict)
+
+    def out_of_time(self) -> bool:
+        if time.perf_counter() > self.deadline:
+            self.truncated = True
+        return self.truncated
+
+    def scratch(self, nbytes: int):
+        """Two contiguous buffers of `nbytes` for the copy yardstick (backup: device -> host,
+        load: host -> device), kept across cells and grown when needed."""
+        import torch
+
+        cur = self._scratch.get("n", 0)
+        if cur < nbytes:
+            self._scratch.clear()
+            gc.collect()
+            pin = self.device != "cpu"
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            host.fill_(1)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dev.fill_(2)
+            self._scratch.update(n=nbytes, host=host, dev=dev)
+        return self._scratch["host"][:nbytes], self._scratch["dev"][:nbytes]
+
+    def copy_seconds(self, nbytes: int, direction: str, calls: int) -> float:
+        host, dev = self.scratch(nbytes)
+        src, dst = (dev, host) if direction == "d2h" else (host, dev)
+        return median(self.timer.each(lambda _i: dst.copy_(src, non_blocking=True), calls, 1))
+
+
+def _row(preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_secs, page_size):
+    items = preset.plane_item_bytes()
+    return {
+        "pool": preset.kind,
+        "layout": layout,
+        "backend": backend,
+        "op": op,
+        "item_bytes": items[0],
+        "plane_item_bytes": items,
+        "layers": preset.layers,
+        "page_size": page_size,
+        "pages": pages,
+        "bytes": nbytes,
+        "gbps": _gbps(nbytes, secs),
+        "torch_gbps": _gbps(nbytes, torch_secs),
+        "memcpy_gbps": _gbps(nbytes, memcpy_secs),
+        "us_per_call": secs * 1e6,
+        "torch_us_per_call": torch_secs * 1e6,
+        "memcpy_us_per_call": memcpy_secs * 1e6,
+    }
+
+
+def _timed_creations(make, repeats: int) -> list[float]:
+    """Seconds to create each of `repeats` objects; each is released before the next one is made,
+    outside the timed span, so only creation (mmap + page faults / pre-touch) is measured."""
+    out = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        obj = make()
+        out.append(time.perf_counter() - t0)
+        _destroy(obj)
+        del obj
+    gc.collect()
+    return out
+
+
+def _fill_seconds(ctx: Context, nbytes: int, repeats: int) -> list[float]:
+    import torch
+
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.zero_()
+    return ctx.timer.each(lambda _i: buf.fill_(3), repeats, 1)
+
+
+def measure_alloc(ctx: Context, preset: Preset, device_pool, cls, layout: str) -> dict:
+    import torch
+
+    m = ctx.matrix
+    probe = cls(device_pool, 1.0, 0, m.page_size, layout, pin_memory=True, device="cpu")
+    nbytes = int(probe.size) * int(probe.size_per_token)
+    host_pages = int(probe.size) // m.page_size
+    _destroy(probe)
+    del probe
+    times = _timed_creations(
+        lambda: cls(device_pool, 1.0, 0, m.page_size, layout, pin_memory=True, device="cpu"),
+        m.alloc_repeats,
+    )
+    torch_times = _timed_creations(
+        lambda: torch.empty(nbytes, dtype=torch.uint8).zero_(), m.alloc_repeats
+    )
+    # ceiling: the same bytes written into memory that is already faulted in
+    fill_times = _fill_seconds(ctx, nbytes, m.alloc_repeats)
+    return _row(
+        preset,
+        layout,
+        "-",
+        "alloc",
+        host_pages,
+        nbytes,
+        median(times),
+        median(torch_times),
+        median(fill_times),
+        m.page_size,
+    )
+
+
+def measure_cell(ctx, preset, device_pool, host_pool, layout, backend, pages, rng):
+    """Backup (all layers) and load (one layer per call) of `pages` random device pages."""
+    import torch
+
+    m = ctx.matrix
+    P = m.page_size
+    dev_pages_total = int(device_pool.size) // P
+    dev_pages = torch.randperm(dev_pages_total, generator=rng)[:pages] + 1  # page 0 is padding
+    host_idx = host_pool.alloc(pages * P)
+    if host_idx is None:
+        raise RuntimeError(f"host pool has no room for {pages} pages")
+    host_idx = host_idx.clone()
+    dev_idx = page_tokens(dev_pages, P)
+    if backend == "direct" and layout == "layer_first":
+        # the controller sorts host indices (and permutes device ones) so runs coalesce
+        order = torch.argsort(host_idx)
+        host_idx, dev_idx = host_idx[order], dev_idx[order]
+
+    dplanes = device_planes(device_pool, preset.kind)
+    hplanes = host_planes(host_pool, preset.kind)
+    tokens = pages * P
+    row_bytes = sum(preset.plane_item_bytes())
+    L = preset.layers
+
+    # backup
+    h_b, d_b = place_indices(host_pool, backend, layout, "backup", host_idx, dev_idx, ctx.device)
+    secs = median(
+        ctx.timer.each(
+            lambda _i: host_pool.backup_from_device_all_layer(device_pool, h_b, d_b, backend),
+            m.repeats,
+            m.warmup,
+        )
+    )
+    h_t, d_t = host_idx.cpu(), dev_idx.to(ctx.device)
+    torch_secs = median(
+        ctx.timer.each(
+            lambda _i: torch_backup(dplanes, hplanes, layout, P, h_t, d_t), m.repeats, m.warmup
+        )
+    )
+    nbytes = tokens * row_bytes * L
+    copy_secs = ctx.copy_seconds(nbytes, "d2h", m.repeats)
+    ctx.results.append(
+        _row(preset, layout, backend, "backup", pages, nbytes, secs, torch_secs, copy_secs, P)
+    )
+
+    # load, one layer per call, cycling through the layers
+    h_l, d_l = place_indices(host_pool, backend, layout, "load", host_idx, dev_idx, ctx.device)
+    secs = median(
+        ctx.timer.each(
+            lambda i: host_pool.load_to_device_per_layer(device_pool, h_l, d_l, i % L, backend),
+            m.load_repeats,
+            m.warmup,
+        )
+    )
+    torch_secs = median(
+        ctx.timer.each(
+            lambda i: torch_load(dplanes, hplanes, layout, P, h_t, d_t, i % L),
+            m.load_repeats,
+            m.warmup,
+        )
+    )
+    nbytes = tokens * row_bytes
+    copy_secs = ctx.copy_seconds(nbytes, "h2d", m.load_repeats)
+    ctx.results.append(
+        _row(preset, layout, backend, "load", pages, nbytes, secs, torch_secs, copy_secs, P)
+    )
+    host_pool.free(host_idx)
+
+
+def _foundation_gather(ctx: Context, item: int) -> dict:
+    """The CPU engine gathering `item`-byte rows in random order (one layer, kernel plan) vs one
+    contiguous copy of the same bytes."""
+    import torch
+
+    from hostkv_rs import _core
+
+    m = ctx.matrix
+    rows = max(m.foundation_bytes // item, 1)
+    nbytes = rows * item
+    gen = torch.Generator().manual_seed(item)
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.random_(0, 256, generator=gen)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    core = _core.PoolCore("layer_first", 1, rows, 1, [item], [src.data_ptr()])
+    h_idx = torch.randperm(rows, generator=gen)
+    d_idx = torch.randperm(rows, generator=gen)
+    h_arg = (h_idx.data_ptr(), rows, 8, False)
+    d_arg = (d_idx.data_ptr(), rows, 8, False)
+    dst_ptrs = [dst.data_ptr()]
+
+    def gather(_i):
+        core.load("kernel", 0, dst_ptrs, rows, h_arg, d_arg, "cpu", 0)
+
+    secs = median(ctx.timer.each(gather, m.repeats, m.warmup))
+    if not dst.view(rows, item)[d_idx].equal(src.view(rows, item)[h_idx]):
+        raise RuntimeError(f"CPU engine gather of {item}-byte items produced wrong bytes")
+    copy_secs = median(ctx.timer.each(lambda _i: dst.copy_(src), m.repeats, m.warmup))
+    return {
+        "what": f"cpu engine gather, {_size(item)} items",
+        "item_bytes": item,
+        "bytes": nbytes,
+        "gbps": _gbps(nbytes, secs),
+        "memcpy_gbps": _gbps(nbytes, copy_secs),
+        "us_per_call": secs * 1e6,
+    }
+
+
+def measure_foundation(ctx: Context) -> None:
+    """Engine-level numbers with no pool in between: gathers of 2 KiB and 128 KiB items vs one
+    copy of the same bytes, and HostRegion allocation + pre-touch vs torch.empty().zero_()."""
+    import torch
+
+    from hostkv_rs import _core
+
+    for item in (2048, 128 << 10):
+        ctx.foundation.append(_foundation_gather(ctx, item))
+        gc.collect()
+    m = ctx.matrix
+    nbytes = m.foundation_bytes
+    secs = median(_timed_creations(lambda: _core.HostRegion(nbytes), m.alloc_repeats))
+    torch_secs = median(
+        _timed_creations(lambda: torch.empty(nbytes, dtype=torch.uint8).zero_(), m.alloc_repeats)
+    )
+    ctx.foundation.append(
+        {
+            "what": "HostRegion alloc + pre-touch",
+            "item_bytes": 0,
+            "bytes": nbytes,
+            "gbps": _gbps(nbytes, secs),
+            "torch_gbps": _gbps(nbytes, torch_secs),
+            "us_per_call": secs * 1e6,
+        }
+    )
+
+
+def _cells(matrix: Matrix, presets: list[Preset]) -> int:
+    n = 0
+    for p in presets:
+        n += 1 + len(PAIRS[p.kind]) * len(matrix.page_counts)
+    return n + 1
+
+
+def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed: int = 0) -> dict:
+    import torch
+
+    presets = bench_presets(matrix)
+    ctx = Context(
+        matrix=matrix,
+        device=device,
+        timer=Timer(device, matrix.budget_s),
+        deadline=time.perf_counter() + max_seconds,
+    )
+    bar = Progress(_cells(matrix, presets), progress)
+    rng = torch.Generator().manual_seed(seed)
+    device_pages = max(matrix.page_counts)
+    try:
+        for preset in presets:
+            if ctx.out_of_time():
+                break
+            device_pool = build_device_pool(
+                preset, device_pages * matrix.page_size, matrix.page_size, device
+            )
+            first_layout = PAIRS[preset.kind][0][0]
+            cls = host_pool_class(device_pool, preset.kind)
+            ctx.results.append(measure_alloc(ctx, preset, device_pool, cls, first_layout))
+            bar.step(f"{preset.name} alloc")
+            for layout in dict.fromkeys(lay for lay, _ in PAIRS[preset.kind]):
+                if ctx.out_of_time():
+                    break
+                host_pool = cls(
+                    device_pool, 1.0, 0, matrix.page_size, layout, pin_memory=True, device="cpu"
+                )
+                for lay, backend in PAIRS[preset.kind]:
+                    if lay != layout:
+                        continue
+                    for pages in matrix.page_counts:
+                        if ctx.out_of_time():
+                            break
+                        measure_cell(
+                            ctx, preset, device_pool, host_pool, layout, backend, pages, rng
+                        )
+                        bar.step(f"{preset.name} {layout}/{backend} x{pages}")
+                _destroy(host_pool)
+                del host_pool
+                gc.collect()
+            del device_pool
+            gc.collect()
+        if not ctx.out_of_time() and device == "cpu":
+            measure_foundation(ctx)
+            bar.step("foundation")
+    finally:
+        bar.close()
+    return {
+        "tool": "hostkv-rs bench",
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "device": device,
+        "machine": machine_info(),
+        "matrix": {
+            "layers": matrix.layers,
+            "page_size": matrix.page_size,
+            "mha_item_bytes": list(matrix.mha_item_bytes),
+            "page_counts": list(matrix.page_counts),
+            "repeats": matrix.repeats,
+            "load_repeats": matrix.load_repeats,
+        },
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "truncated": ctx.truncated,
+        "results": ctx.results,
+        "foundation": ctx.foundation,
+    }
+
+
+def _destroy(pool) -> None:
+    destroy = getattr(pool, "destroy", None)
+    if destroy is not None:
+        destroy()
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        # other work on the machine skews every number; the load average says how busy it was
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    with contextlib.suppress(Exception):
+        from hostkv_rs import _core
+
+        info["core"] = _core.runtime_info()
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_table(report: dict) -> str:
+    head = (
+        f"{'pool':<5} {'layout':<18} {'backend':<7} {'op':<6} {'item':>8} {'pages':>5} "
+        f"{'bytes':>9} {'GB/s':>7} {'torch':>7} {'x torch':>7} {'memcpy':>7} {'x copy':>6} "
+        f"{'us/call':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        lines.append(
+            f"{r['pool']:<5} {r['layout']:<18} {r['backend']:<7} {r['op']:<6} "
+            f"{_size(r['item_bytes']):>8} {r['pages']:>5} {_size(r['bytes']):>9} "
+            f"{r['gbps']:7.2f} {r['torch_gbps']:7.2f} {r['gbps'] / r['torch_gbps']:7.2f} "
+            f"{r['memcpy_gbps']:7.2f} {r['gbps'] / r['memcpy_gbps']:6.2f} {r['us_per_call']:9.1f}"
+        )
+    if report.get("foundation"):
+        lines += ["", "foundation (no pool in between):"]
+        for f in report["foundation"]:
+            other = (
+                f"memcpy {f['memcpy_gbps']:.2f} GB/s (x{f['gbps'] / f['memcpy_gbps']:.2f})"
+                if "memcpy_gbps" in f
+                else f"torch.empty().zero_() {f['torch_gbps']:.2f} GB/s "
+                f"(x{f['gbps'] / f['torch_gbps']:.2f})"
+            )
+            lines.append(
+                f"  {f['what']:<36} {_size(f['bytes']):>9} {f['gbps']:7.2f} GB/s   vs {other}"
+            )
+    lines += [
+        "",
+        (
+            "GB/s: decimal GB per second of payload. backup = all layers in one call; load = one "
+            "layer per call; alloc = host pool creation incl. pre-touch (memcpy column: fill of "
+            "already faulted memory). x torch / x copy: pool GB/s over plain torch indexing / one "
+            "contiguous copy of the same bytes."
+        ),
+    ]
+    if report.get("truncated"):
+        lines.append("(stopped early: --max-seconds reached)")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = ["backup", "load"]
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 4.5 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops, strict=True):
+        rows = [r for r in report["results"] if r["op"] == op]
+        if not rows:
+            continue
+        top = max(r["pages"] for r in rows)
+        rows = [r for r in rows if r["pages"] == top]
+        labels = [
+            f"{r['pool']} {r['layout']}\n{r['backend']} {_size(r['item_bytes'])}" for r in rows
+        ]
+        xs = range(len(rows))
+        w = 0.27
+        ax.bar([x - w for x in xs], [r["gbps"] for r in rows], w, label="hostkv_rs")
+        ax.bar(list(xs), [r["torch_gbps"] for r in rows], w, label="torch indexing")
+        ax.bar(
+            [x + w for x in xs], [r["memcpy_gbps"] for r in rows], w, label="one contiguous copy"
+        )
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("GB/s")
+        ax.set_title(
+            f"{op}: {top} pages of {report['matrix']['page_size']} tokens ({report['device']})"
+        )
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def emit_json(report: dict, stream=None) -> None:
+    stream = stream or sys.stdout
+    json.dump(report, stream, indent=1, allow_nan=False)
+    stream.write("\n")
