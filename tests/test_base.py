@@ -1,0 +1,228 @@
+"""HostKVCache's constructor sequence (host-pool-contract.md §1.2-§1.4): sizing, the warning and
+success logs, the memory budget check, and the arguments SGLang's call sites pass."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import pytest
+import torch
+from conftest import LAYERS, make_mha, make_mla
+from hostkv_rs import (
+    HostKVCache,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
+    _memory,
+)
+
+GB = 1e9
+
+
+def test_is_abstract():
+    with pytest.raises(TypeError):
+        HostKVCache(None, 1.0, 0, 1, "layer_first", True, "cpu")
+
+
+def test_ratio_sizing_adds_one_page_unconditionally():
+    # 100000 device tokens x 2.0 = 200000 tokens -> 3125 pages of 64 + 1 = 3126 pages.
+    dp = MHATokenToKVPool(100000, 64, torch.uint8, 1, 8, 1)
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, 64, "layer_first")
+    assert host.page_num == 3126
+    assert host.size == 200064
+    assert host.free_slots.numel() == 200064
+    # An unaligned size rounds down, then gains the page as well.
+    host = MHATokenToKVPoolHost(dp, 0.00101, 0, 64, "layer_first")  # 101 tokens
+    assert (host.page_num, host.size) == (2, 128)
+
+
+def test_host_size_is_decimal_gb_with_floor_division(monkeypatch):
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 1 << 40)
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 3, 7, LAYERS)
+    size_per_token = 2 * LAYERS * 3 * 7 * 2  # 420 bytes
+    host = MHATokenToKVPoolHost(dp, 123.0, 0.001, 16, "layer_first")  # 1e6 bytes
+    tokens = int(0.001 * 1e9 // size_per_token)  # 2380
+    assert host.page_num == tokens // 16 + 1
+    assert host.size == (tokens // 16 + 1) * 16
+    assert host.size_per_token == size_per_token
+
+
+def test_start_end_layer_and_attributes():
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS, start_layer=3, end_layer=7)
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", pool_label="draft")
+    assert (host.start_layer, host.end_layer) == (3, 7)
+    assert host.pool_label == "draft"
+    assert host.device_pool is dp
+    assert host.layout == "layer_first" and host.pin_memory is True and host.device == "cpu"
+    assert host.fd is None
+    assert isinstance(host.lock, type(threading.RLock()))
+    assert host.mem_state.dtype == torch.uint8 and host.mem_state.numel() == host.size
+
+
+def test_smaller_than_device_warning_text(caplog):
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    with caplog.at_level(logging.WARNING, logger="hostkv_rs"):
+        MHATokenToKVPoolHost(dp, 0.5, 0, 16, "layer_first")
+    want = (
+        "HiCache kv host pool (48 tokens) is smaller than the device pool (64 tokens);"
+        "L2 cache effectiveness is reduced."
+        "Consider increasing --hicache-ratio (or --hicache-size) for higher L2 cache hit rate."
+    )
+    assert want in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hostkv_rs"):
+        make_mha("layer_first", 16, ratio=2.0)
+    assert "is smaller than the device pool" not in caplog.text
+
+
+def test_success_log(caplog):
+    with caplog.at_level(logging.INFO, logger="hostkv_rs"):
+        host, _ = make_mla("layer_first", 16, pool_label="draft")
+    gb = host.size * host.size_per_token / GB
+    assert (
+        f"Allocating draft hierarchical KV host pool: {host.size} tokens, {gb:.2f} GB host "
+        f"memory." in caplog.text
+    )
+
+
+def test_memory_check_text(monkeypatch):
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    requested = 144 * (2 * LAYERS * 2 * 8 * 2)  # 144 tokens x 320 bytes = 46080
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: requested - 1)
+    allocations = []
+    real_alloc = _memory.alloc_host_region
+    monkeypatch.setattr(
+        _memory,
+        "alloc_host_region",
+        lambda *args, **kwargs: allocations.append(args) or real_alloc(*args, **kwargs),
+    )
+    want = (
+        f"Not enough host memory available. Requesting {requested / 1e9:.2f} GB but only have "
+        f"{(requested - 1) / 1e9:.2f} GB free. Please reduce the size of the hierarchical cache."
+    )
+    with pytest.raises(ValueError, match=re.escape(want)):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
+    assert allocations == []  # refused before any allocation
+    MHATokenToKVPoolHost(dp, 2.0, 0, 10, "layer_first")  # 70 tokens fit
+    assert len(allocations) == 1
+
+
+def test_memory_check_uses_the_budget_exactly(monkeypatch):
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    requested = 144 * 16 * 2 * LAYERS
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: requested)
+    MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")  # exactly fits
+    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 5)
+    with pytest.raises(ValueError, match="Not enough host memory available"):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
+
+
+def test_budget_formula(monkeypatch):
+    class VM:
+        available = 50 * 1024**3
+
+    monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: VM)
+    assert _memory.host_memory_budget_bytes() == 40 * 1024**3
+    monkeypatch.setattr(_memory, "ranks_per_host", lambda: 4)
+    assert _memory.host_memory_budget_bytes() == 10 * 1024**3
+
+
+def test_dcp_and_mtp_arguments_are_accepted_but_not_implemented():
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    host = MLATokenToKVPoolHost(
+        dp, 2.0, 0, 16, "layer_first", True, "cpu", "default", None, (), 1, 0, pool_label="x"
+    )
+    assert host.dcp_size == 1 and host.dcp_rank == 0
+    with pytest.raises(NotImplementedError, match="decode context parallelism"):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
+    with pytest.raises(NotImplementedError, match="MTP"):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
+    mha_dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    with pytest.raises(NotImplementedError, match="MTP"):
+        MHATokenToKVPoolHost(mha_dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(mha_dp,))
+    host, dp = make_mha("layer_first", 16)
+    idx = torch.arange(16)
+    with pytest.raises(NotImplementedError, match="MTP"):
+        host.load_to_device_per_layer(dp, idx, idx + 16, 0, "kernel", is_draft=True)
+
+
+def test_dcp_page_size_assert_text():
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "HiCache host pool page_size (16) must be a multiple of dcp_size (3); expected the "
+            "widened page from the DCP paged allocator."
+        ),
+    ):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=3)
+
+
+def test_maybe_dcp_kernel_indices():
+    host, _ = make_mla("layer_first", 16)
+    idx = torch.arange(8)
+    assert host.maybe_dcp_kernel_indices(idx) is idx
+    # The translation itself, on a pool object posing as rank 1 of 2.
+    host.dcp_size, host.dcp_rank = 2, 1
+    assert host.maybe_dcp_kernel_indices(idx).tolist() == [0, 1, 2, 3]
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "HiCache DCP translation expects runs of whole widened pages; got 7 logical slots "
+            "with dcp_size=2."
+        ),
+    ):
+        host.maybe_dcp_kernel_indices(torch.arange(7))
+
+
+def test_bad_constructor_arguments():
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    with pytest.raises(ValueError, match="page_size must be positive"):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 0, "layer_first")
+    with pytest.raises(TypeError, match="page_size"):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 1.5, "layer_first")
+    with pytest.raises(ValueError, match="must not be negative"):
+        MHATokenToKVPoolHost(dp, -1.0, 0, 16, "layer_first")
+    with pytest.raises(
+        AssertionError,
+        match=re.escape("HostTensorAllocator only supports CPU allocations; got device='cuda'"),
+    ):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", device="cuda")
+
+
+def test_storage_allocator_type_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="hostkv_rs"):
+        host, _ = make_mha("page_first", 16, allocator_type="mooncake")
+    assert "'mooncake' storage allocator is not used" in caplog.text
+    assert host.allocator is None and host.fd is None
+
+
+def test_cpu_engine_selection(monkeypatch):
+    monkeypatch.delenv("HOSTKV_CPU_ENGINE", raising=False)
+    assert _memory.cpu_engine() == "plan"
+    monkeypatch.setenv("HOSTKV_CPU_ENGINE", "emulated")
+    assert _memory.cpu_engine() == "emulated"
+    monkeypatch.setenv("HOSTKV_CPU_ENGINE", "warp")
+    host, dp = make_mha("layer_first", 16)
+    idx = torch.arange(16)
+    with pytest.raises(ValueError, match="HOSTKV_CPU_ENGINE"):
+        host.backup_from_device_all_layer(dp, idx, idx + 16, "kernel")
+
+
+def test_import_does_not_touch_cuda():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hostkv_rs, hostkv_rs.sglang; "
+        "import torch; assert not torch.cuda.is_initialized(); "
+        "print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

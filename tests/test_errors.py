@@ -1,0 +1,277 @@
+"""Every error of host-pool-contract.md §3.6 that applies to the MHA, asymmetric and MLA pools, with
+its exact text, and the house rule that a refused call leaves both pools unchanged."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import LAYERS, make_asym, make_mha, make_mla
+from hostkv_rs import (
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
+    TransferError,
+)
+from reference import (
+    all_device_tensors,
+    assert_device_equal,
+    assert_host_equal,
+    fill_random,
+    host_planes,
+    page_tokens,
+    snapshot_device,
+    snapshot_host,
+)
+
+BACKENDS = ["kernel", "direct", "kernel_ascend", "bogus"]
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+ASYM_LAYOUTS = ["page_first", "page_first_direct"]
+
+
+def mha_error(backend, layout):
+    supported = {
+        "kernel": ("layer_first", "page_first", "page_head"),
+        "direct": ("layer_first", "page_first_direct"),
+    }
+    if backend in supported:
+        return None if layout in supported[backend] else f"Unsupported layout: {layout}"
+    if backend == "kernel_ascend":
+        # Ascend serves page_first_direct in SGLang; without an NPU the backend is refused.
+        if layout == "page_first_direct":
+            return "Unsupported IO backend: kernel_ascend"
+        return f"Unsupported layout: {layout}"
+    return f"Unsupported IO backend: {backend}"
+
+
+def mla_error(backend, layout):
+    supported = {
+        "kernel": ("layer_first", "page_first"),
+        "direct": ("layer_first", "page_first_direct"),
+    }
+    if backend in supported:
+        return None if layout in supported[backend] else f"Unsupported layout: {layout}"
+    if backend == "kernel_ascend":
+        return f"Unsupported layout: {layout}"
+    return f"Unsupported IO backend: {backend}"
+
+
+def asym_error(backend, layout):
+    if backend == "kernel":
+        if layout == "page_first":
+            return None
+        return (
+            "Unsupported layout for models with head_dim != v_head_dim and io_backend='kernel': "
+            f"{layout}; expected 'page_first'."
+        )
+    if backend == "direct":
+        if layout == "page_first_direct":
+            return None
+        return (
+            "Unsupported layout for models with head_dim != v_head_dim and io_backend='direct': "
+            f"{layout}; expected 'page_first_direct'."
+        )
+    return (
+        f"Unsupported IO backend for models with head_dim != v_head_dim: {backend}; "
+        "expected 'kernel' or 'direct'."
+    )
+
+
+CASES = (
+    [("mha", b, lay, mha_error(b, lay)) for b in BACKENDS for lay in MHA_LAYOUTS]
+    + [("asym", b, lay, asym_error(b, lay)) for b in BACKENDS for lay in ASYM_LAYOUTS]
+    + [("mla", b, lay, mla_error(b, lay)) for b in BACKENDS for lay in MLA_LAYOUTS]
+)
+MAKERS = {"mha": make_mha, "asym": make_asym, "mla": make_mla}
+
+
+def poisoned(kind, layout, page_size=4):
+    host, dp = MAKERS[kind](layout, page_size)
+    rng = np.random.default_rng(99)
+    fill_random(host_planes(host), rng)
+    fill_random(all_device_tensors(dp), rng)
+    return host, dp
+
+
+class Unchanged:
+    """Context manager: both pools must hold exactly the same bytes afterwards."""
+
+    def __init__(self, host, dp):
+        self.host, self.dp = host, dp
+
+    def __enter__(self):
+        self.h, self.d = snapshot_host(self.host), snapshot_device(self.dp)
+
+    def __exit__(self, *exc):
+        assert_host_equal(self.host, self.h, "host after a refused call")
+        assert_device_equal(self.dp, self.d, "device after a refused call")
+        return False
+
+
+@pytest.mark.parametrize(
+    "kind,backend,layout,text", [c for c in CASES if c[3] is not None], ids=lambda v: str(v)[:24]
+)
+def test_unsupported_pairs(kind, backend, layout, text):
+    host, dp = poisoned(kind, layout)
+    h, d = torch.arange(4), torch.arange(4, 8)
+    with Unchanged(host, dp):
+        with pytest.raises(ValueError, match=re.escape(text) + "$"):
+            host.load_to_device_per_layer(dp, h, d, 0, backend)
+        with pytest.raises(ValueError, match=re.escape(text) + "$"):
+            host.backup_from_device_all_layer(dp, h, d, backend)
+
+
+def test_unsupported_layout_at_construction():
+    dp = MHATokenToKVPool(32, 4, torch.bfloat16, 2, 8, LAYERS)
+    with pytest.raises(ValueError, match=re.escape("Unsupported layout: page_last") + "$"):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 4, "page_last")
+    mla = MLATokenToKVPool(32, 4, torch.bfloat16, 12, 4, LAYERS)
+    with pytest.raises(ValueError, match=re.escape("Unsupported layout: page_head") + "$"):
+        MLATokenToKVPoolHost(mla, 2.0, 0, 4, "page_head")
+    for layout in ("layer_first", "page_head"):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"Unsupported layout for models with head_dim != v_head_dim: {layout}; "
+                "expected 'page_first' or 'page_first_direct'."
+            ),
+        ):
+            make_asym(layout, 4)
+
+
+@pytest.mark.parametrize("kind", ["mha", "asym", "mla"])
+def test_page_buffer_meta_needs_whole_pages(kind):
+    layout = "page_first_direct"
+    host, _ = MAKERS[kind](layout, 4)
+    with pytest.raises(AssertionError):
+        host.get_page_buffer_meta(torch.arange(6))
+    with pytest.raises(ValueError, match="first slot of a page"):
+        host.get_page_buffer_meta(torch.arange(2, 6))
+    with pytest.raises(ValueError, match="does not fit"):
+        host.get_page_buffer_meta(torch.arange(host.size, host.size + 4))
+
+
+def test_split_heads_asserts():
+    host, _ = make_mha("page_first", 4)
+    with pytest.raises(AssertionError):
+        host.get_split_heads_page_buffer_meta(torch.arange(4), 1)
+    ph, _ = make_mha("page_head", 4, heads=2)
+    with pytest.raises(AssertionError):
+        ph.get_split_heads_page_buffer_meta(torch.arange(4), 3)
+    with pytest.raises(AssertionError):
+        ph.get_split_heads_page_buffer_meta(torch.arange(5), 2)
+
+
+def test_flat_page_errors_leave_pool_unchanged():
+    host, dp = poisoned("mha", "layer_first")
+    with Unchanged(host, dp):
+        with pytest.raises(ValueError, match="elements"):
+            host.set_from_flat_data_page(0, torch.zeros(3, dtype=host.dtype))
+        with pytest.raises(IndexError):
+            host.set_from_flat_data_page(host.size - 2, host.get_dummy_flat_data_page())
+        with pytest.raises(IndexError):
+            host.get_data_page(-4)
+    mla, mdp = poisoned("mla", "page_first_direct")
+    with Unchanged(mla, mdp), pytest.raises(IndexError):
+        mla.set_from_flat_data_page(mla.size, mla.get_dummy_flat_data_page())
+
+
+def _bad_transfers(host, dp, backend):
+    """(description, call) pairs that must raise before any byte moves."""
+    P = host.page_size
+    good_h = torch.tensor(page_tokens([1], P))
+    good_d = torch.tensor(page_tokens([2], P))
+    rows = dp.size + dp.page_size
+    return [
+        (
+            "host slot out of range",
+            lambda op: op(torch.tensor(page_tokens([host.page_num], P)), good_d),
+        ),
+        ("negative host slot", lambda op: op(good_h - 2 * P, good_d)),
+        ("device row out of range", lambda op: op(good_h, good_d + rows)),
+        ("negative device row", lambda op: op(good_h, good_d - 3 * P)),
+        ("length mismatch", lambda op: op(good_h, good_d[:-1] if P > 1 else torch.arange(1, 3))),
+        (
+            "last page runs past the device",
+            lambda op: op(good_h, torch.arange(rows - P + 1, rows + 1)),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kind,backend,layout",
+    [
+        ("mha", "kernel", "layer_first"),
+        ("mha", "kernel", "page_head"),
+        ("mha", "direct", "page_first_direct"),
+        ("asym", "kernel", "page_first"),
+        ("asym", "direct", "page_first_direct"),
+        ("mla", "direct", "layer_first"),
+        ("mla", "kernel", "page_first"),
+    ],
+)
+def test_bad_indices_raise_transfer_error_and_change_nothing(kind, backend, layout):
+    host, dp = poisoned(kind, layout)
+
+    def backup(h, d):
+        host.backup_from_device_all_layer(dp, h, d, backend)
+
+    def load(h, d):
+        host.load_to_device_per_layer(dp, h, d, LAYERS - 1, backend)
+
+    assert issubclass(TransferError, ValueError)
+    for what, call in _bad_transfers(host, dp, backend):
+        for op in (backup, load):
+            with Unchanged(host, dp), pytest.raises(TransferError):
+                call(op)
+                pytest.fail(f"{what}: accepted by {op.__name__}")
+
+
+def test_direct_page_copies_need_whole_pages():
+    host, dp = poisoned("mha", "page_first_direct")
+    with Unchanged(host, dp), pytest.raises(TransferError):
+        host.backup_from_device_all_layer(dp, torch.arange(0, 6), torch.arange(4, 10), "direct")
+
+
+@pytest.mark.parametrize("layer_id", [-1, LAYERS, 10**6])
+def test_bad_layer_id(layer_id):
+    host, dp = poisoned("mha", "page_first")
+    idx = torch.arange(4)
+    with Unchanged(host, dp), pytest.raises(TransferError, match="layer_id"):
+        host.load_to_device_per_layer(dp, idx, idx + 4, layer_id, "kernel")
+    with pytest.raises(TypeError):
+        host.load_to_device_per_layer(dp, idx, idx + 4, 1.0, "kernel")
+
+
+def test_float_indices_are_refused():
+    host, dp = poisoned("mla", "layer_first")
+    with Unchanged(host, dp), pytest.raises(TypeError):
+        host.backup_from_device_all_layer(dp, torch.arange(4.0), torch.arange(4), "kernel")
+
+
+def test_device_pool_geometry_mismatch():
+    host, _ = poisoned("mha", "layer_first")
+    other_dtype = MHATokenToKVPool(16, 4, torch.float32, 2, 8, LAYERS)
+    other_heads = MHATokenToKVPool(16, 4, torch.bfloat16, 1, 8, LAYERS)
+    fewer_layers = MHATokenToKVPool(16, 4, torch.bfloat16, 2, 8, LAYERS - 1)
+    idx = torch.arange(4)
+    for dp in (other_dtype, other_heads):
+        with Unchanged(host, dp), pytest.raises(ValueError, match="item size"):
+            host.backup_from_device_all_layer(dp, idx, idx + 4, "kernel")
+        with Unchanged(host, dp), pytest.raises(ValueError, match="item size"):
+            host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
+    with Unchanged(host, fewer_layers), pytest.raises(TransferError, match="layers"):
+        host.backup_from_device_all_layer(fewer_layers, idx, idx + 4, "kernel")
+
+
+def test_non_contiguous_device_layer_is_refused():
+    host, dp = poisoned("mla", "layer_first")
+    wide = torch.zeros(dp.kv_buffer[0].shape[0], 1, 2 * dp.kv_cache_dim, dtype=torch.bfloat16)
+    dp.kv_buffer[0] = wide[..., : dp.kv_cache_dim]
+    idx = torch.arange(4)
+    with pytest.raises(ValueError, match="contiguous"):
+        host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
