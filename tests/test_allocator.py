@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from conftest import make_mha, make_mla
 from hostkv_rs.base import HostKVCache
+from reference import make_mha, make_mla
 
 
 @pytest.fixture

@@ -8,14 +8,23 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import ASYM_PAIRS, DEVICE_PAGES, DTYPES, LAYERS, PAGE_SIZES, distinct_pages, make_asym
 from hostkv_rs import (
     AsymmetricMHATokenToKVPoolHost,
     MHATokenToKVPool,
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
-from reference import page_tokens, round_trip
+from reference import (
+    ASYM_PAIRS,
+    DEVICE_PAGES,
+    DTYPES,
+    LAYERS,
+    PAGE_SIZES,
+    distinct_pages,
+    make_asym,
+    page_tokens,
+    round_trip,
+)
 
 FLAT_TEXT = (
     "Models with head_dim != v_head_dim do not support the flat-page interface used by HiCache "

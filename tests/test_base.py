@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-from conftest import LAYERS, make_mha, make_mla
 from hostkv_rs import (
     HostKVCache,
     MHATokenToKVPool,
@@ -18,6 +17,7 @@ from hostkv_rs import (
     MLATokenToKVPoolHost,
     _memory,
 )
+from reference import LAYERS, make_mha, make_mla
 
 GB = 1e9
 

@@ -8,7 +8,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import LAYERS, make_asym, make_mha, make_mla
 from hostkv_rs import (
     MHATokenToKVPool,
     MHATokenToKVPoolHost,
@@ -17,11 +16,15 @@ from hostkv_rs import (
     TransferError,
 )
 from reference import (
+    LAYERS,
     all_device_tensors,
     assert_device_equal,
     assert_host_equal,
     fill_random,
     host_planes,
+    make_asym,
+    make_mha,
+    make_mla,
     page_tokens,
     snapshot_device,
     snapshot_host,

@@ -7,13 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE_PAGES, DTYPES, LAYERS, MHA_PAIRS, PAGE_SIZES, distinct_pages, make_mha
 from hostkv_rs import MHATokenToKVPoolHost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import (
+    DEVICE_PAGES,
+    DTYPES,
+    LAYERS,
+    MHA_PAIRS,
+    PAGE_SIZES,
     assert_bytes_equal,
+    distinct_pages,
     host_planes,
+    make_mha,
     page_tokens,
     round_trip,
     snapshot_host,

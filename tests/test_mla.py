@@ -8,10 +8,22 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE_PAGES, DTYPES, LAYERS, MLA_PAIRS, PAGE_SIZES, distinct_pages, make_mla
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import assert_bytes_equal, host_planes, page_tokens, round_trip, snapshot_host
+from reference import (
+    DEVICE_PAGES,
+    DTYPES,
+    LAYERS,
+    MLA_PAIRS,
+    PAGE_SIZES,
+    assert_bytes_equal,
+    distinct_pages,
+    host_planes,
+    make_mla,
+    page_tokens,
+    round_trip,
+    snapshot_host,
+)
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])

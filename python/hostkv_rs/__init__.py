@@ -14,17 +14,7 @@ from hostkv_rs.mha import (
     get_mha_host_pool_cls,
 )
 from hostkv_rs.mla import MLATokenToKVPoolHost
-
-_V4_NAMES = ("DeepSeekV4PagedHostPool", "LogicalHostPool")
-
-
-def __getattr__(name):
-    if name in _V4_NAMES:
-        from hostkv_rs import v4
-
-        return getattr(v4, name)
-    raise AttributeError(f"module 'hostkv_rs' has no attribute {name!r}")
-
+from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 
 __all__ = [
     "AsymmetricMHATokenToKVPoolHost",

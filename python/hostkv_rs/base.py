@@ -426,9 +426,9 @@ class HostKVCache(abc.ABC):
                 f"Double-free detected: slots not currently allocated: "
                 f"{unique[counts > 1].tolist()}."
             )
-        # Own the storage: the caller may keep writing to the tensor it passed in.
-        if slots.data_ptr() == getattr(indices, "data_ptr", lambda: None)():
-            slots = slots.clone()
+        # Own the storage: the caller may keep writing to what it passed in (a tensor or a
+        # numpy array that as_index_array only wrapped).
+        slots = slots.clone()
         self.slot_used[slots] = False
         self.release_slots.append(slots)
         self.num_release_slots += slots.numel()
