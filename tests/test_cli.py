@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 # The package imports the Rust extension; without a build there is nothing to run.
 cli = pytest.importorskip("hostkv_rs.cli")
@@ -118,6 +119,43 @@ def test_demo_geometry_overrides_show_in_report(capsys):
     assert "3 layers" in out and "2 KV heads" in out and "fp16" in out
     assert "256 + 128 B/token/layer" in out
     assert "verified OK" in out
+
+
+def _corrupting(cls, where: str):
+    """A pool class whose transfers go wrong in one way the demo must notice."""
+
+    class Corrupting(cls):
+        def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io):
+            super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io)
+            if where == "host":  # one wrong byte at a backed-up slot (layer_first: [layer, slot])
+                first = int(host_indices.reshape(-1)[0])
+                self.k_buffer[0, first].view(torch.uint8).view(-1)[0] ^= 0xFF
+            if where == "host_stray":  # a write outside every backed-up slot
+                flat = self.kv_buffer[-1] if isinstance(self.kv_buffer, tuple) else self.kv_buffer
+                flat.view(-1).view(torch.uint8)[-1] ^= 0x5A
+
+        def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer, io):
+            super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer, io)
+            if layer == 0 and where == "device":
+                row = int(device_indices.reshape(-1)[-1])
+                device_pool.v_buffer[0][row].view(torch.uint8).view(-1)[3] ^= 0x01
+            if layer == 0 and where == "device_stray":
+                device_pool.k_buffer[0][0].view(torch.uint8).view(-1)[0] ^= 0x01  # padding row
+
+    return Corrupting
+
+
+@pytest.mark.parametrize("where", ["host", "host_stray", "device", "device_stray"])
+def test_demo_reports_mismatch_and_fails(capsys, monkeypatch, where):
+    from hostkv_rs import demo
+
+    real = demo.host_pool_class
+    monkeypatch.setattr(
+        demo, "host_pool_class", lambda pool, kind: _corrupting(real(pool, kind), where)
+    )
+    rc, out, err = run_main(capsys, "demo", "--preset", "llama-3.1-8b", *SMALL)
+    assert rc == 1, out + err
+    assert "MISMATCH" in out and "verified OK" not in out
 
 
 @pytest.mark.parametrize(

@@ -552,6 +552,16 @@ def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed
     import torch
 
     presets = bench_presets(matrix)
+    load1 = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    if load1 > 0.5 * cpus:
+        # torch's OpenMP workers then wait for a scheduler tick per parallel region (4-8 ms),
+        # which makes the torch and copy yardsticks, not the pool, look slow
+        print(
+            f"warning: this machine is busy (load average {load1:.1f} on {cpus} CPUs); "
+            "the numbers will be noisy, torch's multi-threaded ops most of all",
+            file=sys.stderr,
+        )
     ctx = Context(
         matrix=matrix,
         device=device,
@@ -704,7 +714,10 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     ops = ["backup", "load"]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 4.5 * len(ops)), squeeze=False)
+    widest = max((sum(r["op"] == op for r in report["results"]) for op in ops), default=1)
+    fig, axes = plt.subplots(
+        len(ops), 1, figsize=(max(10, 1.05 * widest), 4.8 * len(ops)), squeeze=False
+    )
     for ax, op in zip(axes[:, 0], ops, strict=True):
         rows = [r for r in report["results"] if r["op"] == op]
         if not rows:
@@ -712,7 +725,7 @@ def plot(report: dict, path: str) -> None:
         top = max(r["pages"] for r in rows)
         rows = [r for r in rows if r["pages"] == top]
         labels = [
-            f"{r['pool']} {r['layout']}\n{r['backend']} {_size(r['item_bytes'])}" for r in rows
+            f"{r['pool']} {_size(r['item_bytes'])}\n{r['layout']}\n{r['backend']}" for r in rows
         ]
         xs = range(len(rows))
         w = 0.27

@@ -195,6 +195,11 @@ def cmd_demo(args) -> int:
             device=_resolve_device(args.device),
             host_ratio=args.host_ratio,
             seed=args.seed,
+            size_note=(
+                " (small demo default; --pages/--page-size for more)"
+                if args.pages == DEMO_PAGES and args.page_size == DEMO_PAGE_SIZE
+                else ""
+            ),
         )
         result = run_demo(cfg)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
