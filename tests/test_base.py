@@ -226,3 +226,15 @@ def test_import_does_not_touch_cuda():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_layer_sharded_device_pools_are_refused():
+    mha_dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    mha_dp.layer_shard_enabled = True
+    with pytest.raises(NotImplementedError, match="layer-sharded"):
+        MHATokenToKVPoolHost(mha_dp, 2.0, 0, 16, "layer_first")
+    mla_dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    mla_dp.layer_shard_enabled = True
+    for dummy in (False, True):
+        with pytest.raises(NotImplementedError, match="layer-sharded"):
+            MLATokenToKVPoolHost(mla_dp, 2.0, 0, 16, "layer_first", is_dummy=dummy)

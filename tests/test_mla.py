@@ -198,3 +198,27 @@ def test_round_trip_emulated_engine(backend, layout, emulated_engine):
         page_tokens(pages, 16),
         page_tokens(np.roll(pages, 1), 16),
     )
+
+
+def test_hisparse_request_rows():
+    host, _ = make_mla("layer_first", 4)
+    rows = torch.full((2, 16), -1, dtype=torch.int64)
+    lens = torch.zeros(2, dtype=torch.int64)
+    assert host.alloc_page(2).tolist() == list(range(8))
+    got = host.alloc_paged_token_slots(rows, lens, 1, 0, 5)  # two pages for 5 tokens
+    assert got.tolist() == list(range(8, 13))
+    assert int(lens[1]) == 8 and rows[1, :8].tolist() == list(range(8, 16))
+    assert host.alloc_paged_token_slots(rows, lens, 1, 5, 3).tolist() == [13, 14, 15]
+    assert int(lens[1]) == 8  # still within the allocated pages
+    assert host.alloc_paged_token_slots(rows, lens, 1, 8, 1).tolist() == [16]
+    assert host.allocated_host_indices(rows, 1, 9).tolist() == list(range(8, 20))
+    assert host.alloc_paged_token_slots(rows, lens, 0, 0, 0).numel() == 0
+    with pytest.raises(AssertionError):
+        host.alloc_paged_token_slots(rows, lens, 0, 3, 1)
+    with pytest.raises(ValueError, match="slots"):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 17)
+    big = torch.full((1, 4096), -1, dtype=torch.int64)
+    with pytest.raises(
+        RuntimeError, match=re.escape("HiSparse host mem pool alloc failed for 1024 pages")
+    ):
+        host.alloc_paged_token_slots(big, torch.zeros(1, dtype=torch.int64), 0, 0, 4096)

@@ -96,6 +96,16 @@ def sync_fixed_hicache_size(size: int, host_size) -> int:
     return synced
 
 
+def refuse_layer_sharding(device_pool) -> None:
+    """CP layer sharding (a device pool holding only some layers) is not mirrored yet; copying as
+    if every layer were local would move the wrong layers, so refuse it up front."""
+    if getattr(device_pool, "layer_shard_enabled", False):
+        raise NotImplementedError(
+            "hostkv_rs host pools do not support layer-sharded device pools "
+            "(device_pool.layer_shard_enabled is set)"
+        )
+
+
 def check_host_memory(requested_bytes: int) -> int:
     """Raise SGLang's ValueError when `requested_bytes` exceeds the G-Aug26 host budget; returns
     the budget. The budget is read through `_memory` at call time so tests can patch it."""
@@ -242,6 +252,7 @@ class HostKVCache(abc.ABC):
                 f"hostkv_rs host pools do not implement decode context parallelism yet "
                 f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
             )
+        refuse_layer_sharding(device_pool)
         self.page_size = page_size // dcp_size
         self.layout = layout
         self.pin_memory = pin_memory

@@ -13,10 +13,12 @@ from hostkv_rs import _core, _memory
 from hostkv_rs._indices import index_arg
 from hostkv_rs.base import (
     HostKVCache,
+    as_int,
     check_layer_count,
     check_layer_id,
     device_layers,
     positive_int,
+    refuse_layer_sharding,
     sync_fixed_hicache_size,
     transfer_indices,
 )
@@ -148,6 +150,7 @@ class MLATokenToKVPoolHost(HostKVCache):
                 f"hostkv_rs host pools do not implement decode context parallelism yet "
                 f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
             )
+        refuse_layer_sharding(device_pool)
         self.page_size = page_size // dcp_size
         self.layout = layout
         self.pin_memory = pin_memory
@@ -361,6 +364,54 @@ class MLATokenToKVPoolHost(HostKVCache):
             self.kv_buffer[index : index + P] = page
         else:
             self.kv_buffer[index // P : index // P + 1] = page
+
+    # ----------------------------------------------------------------- HiSparse request rows
+
+    def alloc_page(self, num_pages: int):
+        """`num_pages` whole pages of token slots (None when the pool is short)."""
+        return self.alloc(as_int("num_pages", num_pages) * self.page_size)
+
+    def _page_ceil(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def alloc_paged_token_slots(
+        self,
+        req_to_host_pool: torch.Tensor,
+        req_to_host_pool_allocated_len: torch.Tensor,
+        req_pool_idx: int,
+        start_pos: int,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Extend request row `req_pool_idx` with whole pages until it covers
+        `start_pos + num_tokens`, and return that row's slots `[start_pos, start_pos+num_tokens)`."""
+        if num_tokens <= 0:
+            return torch.empty(0, dtype=torch.int64, device=req_to_host_pool.device)
+        have = int(req_to_host_pool_allocated_len[req_pool_idx])
+        if start_pos > have:
+            raise AssertionError(f"start_pos ({start_pos}) must not exceed the allocated ({have})")
+        end = start_pos + num_tokens
+        need = self._page_ceil(end)
+        if need > req_to_host_pool.shape[1]:
+            raise ValueError(
+                f"request row has {req_to_host_pool.shape[1]} slots but {need} are needed"
+            )
+        if need > have:
+            pages = (need - have) // self.page_size
+            slots = self.alloc_page(pages)
+            if slots is None:
+                logger.error("HiSparse host mem pool alloc failed for %d pages", pages)
+                raise RuntimeError(f"HiSparse host mem pool alloc failed for {pages} pages")
+            req_to_host_pool[req_pool_idx, have:need] = slots.to(req_to_host_pool.device)
+            req_to_host_pool_allocated_len[req_pool_idx] = need
+        return req_to_host_pool[req_pool_idx, start_pos:end]
+
+    def allocated_host_indices(
+        self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
+    ) -> torch.Tensor:
+        """The row's non-negative slots up to its page-rounded allocated length."""
+        end = min(self._page_ceil(int(allocated_len)), req_to_host_pool.shape[1])
+        row = req_to_host_pool[req_pool_idx, :end]
+        return row[row >= 0]
 
     # ----------------------------------------------------------------- zero-copy metadata
 
