@@ -291,6 +291,11 @@ def test_destroy_is_idempotent_and_stops_transfers():
         host.backup_from_device_all_layer(dp, idx, idx + 4, "kernel")
     with pytest.raises(RuntimeError, match="destroyed"):
         host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
+    with pytest.raises(RuntimeError, match="no KV bytes"):
+        host.get_data_page(0)
+    with pytest.raises(RuntimeError, match="no KV bytes"):
+        host.get_page_buffer_meta(idx)
+    assert host.is_stride_page_aligned() is False
     # the allocator keeps working (SGLang's destroy only drops the bytes)
     assert host.alloc(4) is not None
 

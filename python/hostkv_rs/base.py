@@ -510,6 +510,12 @@ class HostKVCache(abc.ABC):
             region.unregister_cuda()
         self.kv_buffer = None
 
+    def _require_bytes(self):
+        if getattr(self, "kv_buffer", None) is None:
+            raise RuntimeError(
+                f"{type(self).__name__} holds no KV bytes (dummy mode or destroyed); it has no pages"
+            )
+
     def _live_core(self):
         core = getattr(self, "_pool_core", None)
         if getattr(self, "_destroyed", False) or core is None:

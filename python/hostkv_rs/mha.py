@@ -184,7 +184,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         return self.page_size * self.layer_num * self.head_num * head_dim * self.dtype.itemsize
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if self.layout not in ("page_first", "page_first_direct", "page_head"):
+        if self.kv_buffer is None or self.layout not in _PAGE_MAJOR + ("page_first",):
             return False
         return (
             self.kv_buffer.data_ptr() % page_size_bytes == 0
@@ -255,6 +255,7 @@ class MHATokenToKVPoolHost(HostKVCache):
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         if self.layout not in MHA_LAYOUTS:
             raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
         index = self._page_slot(index, self.layout in _PAGE_MAJOR)
         P = self.page_size
         if self.layout == "layer_first":
@@ -285,6 +286,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         }
         if self.layout not in shapes:
             raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
         index = self._page_slot(index, self.layout in _PAGE_MAJOR)
         shape = shapes[self.layout]
         expected = 2 * L * P * H * D
@@ -306,6 +308,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         layouts give one [k, v] pair covering the whole page."""
         if self.layout not in MHA_LAYOUTS:
             raise ValueError(f"Unsupported layout: {self.layout}")
+        self._require_bytes()
         starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
         T, L, S, P = self.token_stride_size, self.layer_num, self.size, self.page_size
         base = self.kv_buffer.data_ptr()
@@ -335,6 +338,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             raise AssertionError(
                 f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"
             )
+        self._require_bytes()
         starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
         L, S, P, H, D, e = (
             self.layer_num,
@@ -416,7 +420,7 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
         return [self.k_buffer.data_ptr(), self.v_buffer.data_ptr()]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if self.layout not in ("page_first", "page_first_direct"):
+        if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
             return False
         return (
             self.k_buffer.data_ptr() % page_size_bytes == 0
@@ -465,6 +469,7 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
             raise ValueError(
                 f"Unsupported layout for models with head_dim != v_head_dim: {self.layout}"
             )
+        self._require_bytes()
         starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
         P = self.page_size
         k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()

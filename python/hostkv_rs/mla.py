@@ -318,12 +318,6 @@ class MLATokenToKVPoolHost(HostKVCache):
             "page_first_direct": (1, L, P, 1, C),
         }.get(self.layout)
 
-    def _require_bytes(self):
-        if self.kv_buffer is None:
-            raise RuntimeError(
-                "this MLA host pool holds no KV bytes (dummy mode or destroyed); it has no pages"
-            )
-
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         if self._page_shape() is None:
             raise ValueError(f"Unsupported layout: {self.layout}")
