@@ -513,6 +513,56 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
     }
 
 
+def _foundation_core_calls(ctx: Context) -> list[dict]:
+    """One page through `PoolCore` directly, with arguments prepared once: what a one-page call
+    costs without the Python pool around it. Same geometry as the MHA layer_first/kernel cells
+    (first MHA item size), so the gap to their pages=1 rows is the pool's Python overhead."""
+    import torch
+
+    from hostkv_rs import _core
+
+    m = ctx.matrix
+    item, L, P = m.mha_item_bytes[0], m.layers, m.page_size
+    rows = 4 * P
+    host = [torch.zeros(L * rows * item, dtype=torch.uint8) for _ in range(2)]
+    dev = [[torch.zeros(rows * item, dtype=torch.uint8) for _ in range(L)] for _ in range(2)]
+    core = _core.PoolCore("layer_first", L, rows, P, [item, item], [t.data_ptr() for t in host])
+    h_idx = torch.arange(P, 2 * P, dtype=torch.int64)
+    d_idx = torch.arange(2 * P, 3 * P, dtype=torch.int64)
+    h_arg = (h_idx.data_ptr(), P, 8, False)
+    d_arg = (d_idx.data_ptr(), P, 8, False)
+    all_ptrs = [t.data_ptr() for plane in dev for t in plane]
+    out = []
+    for op in ("load", "backup"):
+        if op == "load":
+            ptrs = [dev[0][0].data_ptr(), dev[1][0].data_ptr()]
+
+            def call(_i, ptrs=ptrs):
+                core.load("kernel", 0, ptrs, rows, h_arg, d_arg, "cpu", 0)
+
+            nbytes = 2 * P * item
+        else:
+
+            def call(_i):
+                core.backup("kernel", all_ptrs, rows, h_arg, d_arg, "cpu", 0)
+
+            nbytes = 2 * P * item * L
+        secs = median(ctx.timer.each(call, m.load_repeats, m.warmup))
+        copy_secs = ctx.copy_seconds(nbytes, "h2d" if op == "load" else "d2h", m.load_repeats)
+        out.append(
+            {
+                "what": f"PoolCore.{op}, 1 page, layer_first/kernel",
+                "op": op,
+                "item_bytes": item,
+                "bytes": nbytes,
+                "gbps": _gbps(nbytes, secs),
+                "memcpy_gbps": _gbps(nbytes, copy_secs),
+                "us_per_call": secs * 1e6,
+            }
+        )
+    return out
+
+
 def measure_foundation(ctx: Context) -> None:
     """Engine-level numbers with no pool in between: gathers of 2 KiB and 128 KiB items vs one
     copy of the same bytes, and HostRegion allocation + pre-touch vs torch.empty().zero_()."""
@@ -523,6 +573,8 @@ def measure_foundation(ctx: Context) -> None:
     for item in (2048, 128 << 10):
         ctx.foundation.append(_foundation_gather(ctx, item))
         gc.collect()
+    if ctx.matrix.mha_item_bytes:
+        ctx.foundation.extend(_foundation_core_calls(ctx))
     m = ctx.matrix
     nbytes = m.foundation_bytes
     secs = median(_timed_creations(lambda: _core.HostRegion(nbytes), m.alloc_repeats))
@@ -667,6 +719,20 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _pool_row(report: dict, op: str, item: int) -> dict | None:
+    for r in report["results"]:
+        if (r["pool"], r["layout"], r["backend"], r["op"], r["pages"], r["item_bytes"]) == (
+            "mha",
+            "layer_first",
+            "kernel",
+            op,
+            1,
+            item,
+        ):
+            return r
+    return None
+
+
 def format_table(report: dict) -> str:
     head = (
         f"{'pool':<5} {'layout':<18} {'backend':<7} {'op':<6} {'item':>8} {'pages':>5} "
@@ -684,15 +750,23 @@ def format_table(report: dict) -> str:
     if report.get("foundation"):
         lines += ["", "foundation (no pool in between):"]
         for f in report["foundation"]:
-            other = (
-                f"memcpy {f['memcpy_gbps']:.2f} GB/s (x{f['gbps'] / f['memcpy_gbps']:.2f})"
-                if "memcpy_gbps" in f
-                else f"torch.empty().zero_() {f['torch_gbps']:.2f} GB/s "
-                f"(x{f['gbps'] / f['torch_gbps']:.2f})"
-            )
-            lines.append(
-                f"  {f['what']:<36} {_size(f['bytes']):>9} {f['gbps']:7.2f} GB/s   vs {other}"
-            )
+            if "torch_gbps" in f:
+                other = (
+                    f"torch.empty().zero_() {f['torch_gbps']:.2f} GB/s "
+                    f"(x{f['gbps'] / f['torch_gbps']:.2f})"
+                )
+            else:
+                other = f"memcpy {f['memcpy_gbps']:.2f} GB/s (x{f['gbps'] / f['memcpy_gbps']:.2f})"
+            line = f"  {f['what']:<44} {_size(f['bytes']):>9} {f['gbps']:7.2f} GB/s  vs {other}"
+            if f["what"].startswith("PoolCore."):
+                line += f"  {f['us_per_call']:.1f} us/call"
+                pool = _pool_row(report, f["op"], f["item_bytes"])
+                if pool is not None:
+                    line += (
+                        f"; the pool's own call: {pool['us_per_call']:.1f} us "
+                        f"(+{pool['us_per_call'] - f['us_per_call']:.1f} us in Python)"
+                    )
+            lines.append(line)
     lines += [
         "",
         (
@@ -704,6 +778,41 @@ def format_table(report: dict) -> str:
     ]
     if report.get("truncated"):
         lines.append("(stopped early: --max-seconds reached)")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    """The same tables as Markdown, for docs/benchmarks.md."""
+    lines = [
+        (
+            "| pool | layout | backend | op | item | pages | bytes | GB/s | torch GB/s | x torch "
+            "| copy GB/s | x copy | us/call |"
+        ),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['pool']} | {r['layout']} | {r['backend']} | {r['op']} | {_size(r['item_bytes'])} "
+            f"| {r['pages']} | {_size(r['bytes'])} | {r['gbps']:.2f} | {r['torch_gbps']:.2f} "
+            f"| {r['gbps'] / r['torch_gbps']:.2f} | {r['memcpy_gbps']:.2f} "
+            f"| {r['gbps'] / r['memcpy_gbps']:.2f} | {r['us_per_call']:.1f} |"
+        )
+    if report.get("foundation"):
+        lines += [
+            "",
+            "| foundation | bytes | GB/s | yardstick | yardstick GB/s | ratio | us/call |",
+            "|---|---:|---:|---|---:|---:|---:|",
+        ]
+        for f in report["foundation"]:
+            name, other = (
+                ("torch.empty().zero_()", f["torch_gbps"])
+                if "torch_gbps" in f
+                else ("one contiguous copy", f["memcpy_gbps"])
+            )
+            lines.append(
+                f"| {f['what']} | {_size(f['bytes'])} | {f['gbps']:.2f} | {name} | {other:.2f} "
+                f"| {f['gbps'] / other:.2f} | {f['us_per_call']:.1f} |"
+            )
     return "\n".join(lines)
 
 

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--json", action="store_true", help="print one JSON object (only JSON on stdout)"
     )
+    bench.add_argument(
+        "--markdown", action="store_true", help="print the tables as Markdown instead"
+    )
     bench.add_argument("--plot", metavar="OUT.png", help="bar chart of the largest transfers")
     bench.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="device pool placement"
@@ -238,6 +241,8 @@ def cmd_bench(args) -> int:
     report["command"] = " ".join([PROG, *args.argv])
     if args.json:
         bench.emit_json(report)
+    elif args.markdown:
+        print(bench.format_markdown(report))
     else:
         print(bench.format_table(report))
     if args.plot:
