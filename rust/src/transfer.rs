@@ -54,7 +54,9 @@ impl Backend {
         match s {
             "kernel" => Ok(Self::Kernel),
             "direct" => Ok(Self::Direct),
-            other => Err(Error::Unsupported(format!("Unsupported IO backend: {other}"))),
+            other => Err(Error::Unsupported(format!(
+                "Unsupported IO backend: {other}"
+            ))),
         }
     }
 }
