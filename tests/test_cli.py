@@ -319,3 +319,28 @@ def test_console_script_entry_point():
     scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
     assert scripts["hostkv-rs"] == "hostkv_rs.cli:main"
     assert cli.build_parser().prog == "hostkv-rs"
+
+
+def test_bench_runs_merge_rows_by_median():
+    from hostkv_rs import bench
+
+    def row(pages, gbps, us):
+        return {
+            "pool": "mha",
+            "layout": "layer_first",
+            "backend": "kernel",
+            "op": "load",
+            "item_bytes": 2048,
+            "pages": pages,
+            "bytes": 4096,
+            "gbps": gbps,
+            "us_per_call": us,
+        }
+
+    runs = [[row(1, 1.0, 9.0), row(4, 5.0, 1.0)], [row(1, 100.0, 3.0)], [row(1, 2.0, 5.0)]]
+    merged = bench._median_rows(runs, bench._ROW_KEY)
+    assert [(r["pages"], r["gbps"], r["us_per_call"], r["runs"]) for r in merged] == [
+        (1, 2.0, 5.0, 3),
+        (4, 5.0, 1.0, 1),
+    ]
+    assert merged[0]["bytes"] == 4096  # integers are identities of the row, not averaged

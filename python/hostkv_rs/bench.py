@@ -680,6 +680,43 @@ def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed
     }
 
 
+_ROW_KEY = ("pool", "layout", "backend", "op", "item_bytes", "pages")
+_FOUNDATION_KEY = ("what",)
+
+
+def _median_rows(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
+    """Rows of several runs merged by `key`: every float field becomes its median across the runs
+    that measured the row (order of the first run)."""
+    merged: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for row in rows:
+            merged.setdefault(tuple(row[k] for k in key), []).append(row)
+    out = []
+    for group in merged.values():
+        row = dict(group[0])
+        for field_name, value in group[0].items():
+            if isinstance(value, float):
+                row[field_name] = median([g[field_name] for g in group])
+        row["runs"] = len(group)
+        out.append(row)
+    return out
+
+
+def run_many(matrix: Matrix, runs: int, **kwargs) -> dict:
+    """`runs` complete runs of the matrix; each number is the median over the runs (a shared
+    machine's bursts of other work then spoil one run's sample of a row, not the table)."""
+    reports = [run(matrix, **kwargs) for _ in range(max(runs, 1))]
+    if len(reports) == 1:
+        return reports[0]
+    out = dict(reports[-1])
+    out["machine"] = reports[0]["machine"]
+    out["runs"] = len(reports)
+    out["truncated"] = any(r["truncated"] for r in reports)
+    out["results"] = _median_rows([r["results"] for r in reports], _ROW_KEY)
+    out["foundation"] = _median_rows([r["foundation"] for r in reports], _FOUNDATION_KEY)
+    return out
+
+
 def _destroy(pool) -> None:
     destroy = getattr(pool, "destroy", None)
     if destroy is not None:
@@ -776,6 +813,8 @@ def format_table(report: dict) -> str:
             "contiguous copy of the same bytes."
         ),
     ]
+    if report.get("runs", 1) > 1:
+        lines.append(f"(each number: median over {report['runs']} runs of the whole matrix)")
     if report.get("truncated"):
         lines.append("(stopped early: --max-seconds reached)")
     return "\n".join(lines)

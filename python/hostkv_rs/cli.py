@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object (only JSON on stdout)"
     )
     bench.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        help="repeat the whole matrix N times and report per-row medians (for busy machines)",
+    )
+    bench.add_argument(
         "--markdown", action="store_true", help="print the tables as Markdown instead"
     )
     bench.add_argument("--plot", metavar="OUT.png", help="bar chart of the largest transfers")
@@ -233,8 +239,8 @@ def cmd_bench(args) -> int:
         # goes to stderr.
         quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
         with quiet:
-            report = bench.run(
-                matrix, device=device, max_seconds=args.max_seconds, progress=progress
+            report = bench.run_many(
+                matrix, args.runs, device=device, max_seconds=args.max_seconds, progress=progress
             )
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
         return _fail("bench", exc)
