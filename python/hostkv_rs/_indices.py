@@ -7,16 +7,35 @@ import torch
 _ACCEPTED = (torch.int32, torch.int64)
 
 
+def _not_integer(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+
+
 def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     """Return a contiguous 1-D int32/int64 tensor holding `indices`, on `device` when given.
 
-    Other integer dtypes are widened to int64; lists and numpy arrays are accepted too. The
-    returned tensor must be kept alive until the transfer call returns.
+    Other integer dtypes are widened to int64; lists and numpy arrays are accepted too (an empty
+    list is an empty int64 array). Float, complex and bool values are refused rather than
+    truncated, and so are tensors on the meta device, which hold no values. The returned tensor
+    must be kept alive until the transfer call returns.
     """
+    if indices is None:
+        raise TypeError("index tensors must be integer tensors, got None")
     if not isinstance(indices, torch.Tensor):
-        indices = torch.as_tensor(indices, dtype=torch.int64)
+        try:
+            # No dtype here: asking for int64 would silently truncate 1.5 to 1.
+            converted = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(
+                f"index tensors must be integer tensors, got {type(indices).__name__}: {exc}"
+            ) from None
+        if converted.numel() == 0 and converted.dtype.is_floating_point:
+            converted = converted.to(torch.int64)  # [] defaults to float32
+        indices = converted
+    if indices.device.type == "meta":
+        raise ValueError("index tensors on the meta device hold no values")
     if indices.dtype not in _ACCEPTED:
-        if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        if _not_integer(indices.dtype):
             raise TypeError(f"index tensors must be integer tensors, got {indices.dtype}")
         indices = indices.to(torch.int64)
     if device is not None and indices.device != device:
