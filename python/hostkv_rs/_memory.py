@@ -69,6 +69,20 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
     return region
 
 
+class HostTensorAllocator:
+    """SGLang's default host allocator (`pool.allocator`), backed by a Rust `HostRegion`:
+    pre-touched anonymous memory, hugepages per SGLANG_HUGEPAGE_SIZE/MODE. It owns no file
+    descriptor, so `pool.fd` is None."""
+
+    def allocate(self, dims, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        if str(device) != "cpu":
+            raise AssertionError(
+                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
+            )
+        nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
+        return region_view(alloc_host_region(nbytes, pin_memory=False), dtype, dims)
+
+
 _CPU_ENGINES = ("plan", "emulated")
 
 

@@ -106,10 +106,23 @@ def refuse_layer_sharding(device_pool) -> None:
         )
 
 
+def ranks_per_host() -> int:
+    """Ranks of this job on this machine (SGLang's `base.ranks_per_host`)."""
+    return _memory.ranks_per_host()
+
+
+def host_memory_budget_bytes() -> int:
+    """Host RAM this rank may claim for a HiCache pool: (available - 10 GiB) // ranks_per_host()
+    (G-Aug26). Kept under SGLang's name in this module, so code that patches
+    `base.host_memory_budget_bytes` (as SGLang's tests do) steers the check; it defers to
+    `_memory` so patching that module works as well."""
+    return _memory.host_memory_budget_bytes()
+
+
 def check_host_memory(requested_bytes: int) -> int:
     """Raise SGLang's ValueError when `requested_bytes` exceeds the G-Aug26 host budget; returns
-    the budget. The budget is read through `_memory` at call time so tests can patch it."""
-    available_bytes = _memory.host_memory_budget_bytes()
+    the budget. The budget function is looked up at call time so tests can patch it."""
+    available_bytes = host_memory_budget_bytes()
     if requested_bytes > available_bytes:
         raise ValueError(
             f"Not enough host memory available. Requesting {requested_bytes / 1e9:.2f} GB but "
@@ -117,6 +130,20 @@ def check_host_memory(requested_bytes: int) -> int:
             f"hierarchical cache."
         )
     return available_bytes
+
+
+def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
+    """SGLang picks the host allocator from `--hicache-storage-backend`; hostkv_rs always
+    allocates in Rust, so every type gets the default `HostTensorAllocator`. The storage-owned
+    allocators (mooncake, mori, shm, tensorcast) deserve a warning rather than silence."""
+    if allocator_type in _STORAGE_OWNED_ALLOCATORS:
+        logger.warning(
+            "hostkv_rs allocates HiCache host memory itself; the %r storage allocator is "
+            "not used for the %s host pool.",
+            allocator_type,
+            pool_label,
+        )
+    return _memory.HostTensorAllocator()
 
 
 class DeviceLayers(NamedTuple):
@@ -262,15 +289,7 @@ class HostKVCache(abc.ABC):
             )
         self.device = device
         self.allocator_type = allocator_type
-        # Host memory always comes from the Rust core (HostRegion), never a storage allocator.
-        self.allocator = None
-        if allocator_type in _STORAGE_OWNED_ALLOCATORS:
-            logger.warning(
-                "hostkv_rs allocates HiCache host memory itself; the %r storage allocator is "
-                "not used for the %s host pool.",
-                allocator_type,
-                pool_label,
-            )
+        self.allocator = get_allocator_from_storage(allocator_type, pool_label)
         self.can_use_write_back_jit = False
 
         self.dtype = device_pool.store_dtype
@@ -299,12 +318,29 @@ class HostKVCache(abc.ABC):
 
         requested_bytes = self.size * self.size_per_token
         check_host_memory(requested_bytes)
-        logger.info(
-            "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory.",
-            pool_label,
-            self.size,
-            requested_bytes / 1e9,
-        )
+        # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
+        # neither (e.g. allocator-only test pools) working.
+        layer_num = getattr(self, "layer_num", 0)
+        target_layer_num = getattr(self, "target_layer_num", layer_num)
+        draft_layer_num = layer_num - target_layer_num
+        if draft_layer_num > 0:
+            logger.info(
+                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory, "
+                "packed MTP KV layers: target_layers=%d, draft_layers=%d, total_layers=%d.",
+                pool_label,
+                self.size,
+                requested_bytes / 1e9,
+                target_layer_num,
+                draft_layer_num,
+                layer_num,
+            )
+        else:
+            logger.info(
+                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory.",
+                pool_label,
+                self.size,
+                requested_bytes / 1e9,
+            )
 
         self.kv_buffer = self.init_kv_buffer()
         self.fd = getattr(self.allocator, "fd", None)
@@ -336,6 +372,28 @@ class HostKVCache(abc.ABC):
     @abc.abstractmethod
     def init_kv_buffer(self):
         """Allocate and return `kv_buffer` (sets `token_stride_size` / `layout_dim`)."""
+        raise NotImplementedError()
+
+    # SGLang declares these abstract; here they raise like an abstract method would when called,
+    # so that an allocator-only subclass (two abstract methods) can still be built.
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ) -> None:
+        raise NotImplementedError()
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        raise NotImplementedError()
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        raise NotImplementedError()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        raise NotImplementedError()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         raise NotImplementedError()
 
     def get_ksize_per_token(self):
