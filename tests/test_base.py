@@ -130,7 +130,7 @@ def test_budget_formula(monkeypatch):
     assert _memory.host_memory_budget_bytes() == 10 * 1024**3
 
 
-def test_dcp_and_mtp_arguments_are_accepted_but_not_implemented():
+def test_dcp_and_mla_mtp_arguments_are_accepted_but_not_implemented():
     dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
     host = MLATokenToKVPoolHost(
         dp, 2.0, 0, 16, "layer_first", True, "cpu", "default", None, (), 1, 0, pool_label="x"
@@ -140,13 +140,6 @@ def test_dcp_and_mtp_arguments_are_accepted_but_not_implemented():
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
     with pytest.raises(NotImplementedError, match="MTP"):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
-    mha_dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
-    with pytest.raises(NotImplementedError, match="MTP"):
-        MHATokenToKVPoolHost(mha_dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(mha_dp,))
-    host, dp = make_mha("layer_first", 16)
-    idx = torch.arange(16)
-    with pytest.raises(NotImplementedError, match="MTP"):
-        host.load_to_device_per_layer(dp, idx, idx + 16, 0, "kernel", is_draft=True)
 
 
 def test_dcp_page_size_assert_text():
@@ -197,7 +190,7 @@ def test_storage_allocator_type_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="hostkv_rs"):
         host, _ = make_mha("page_first", 16, allocator_type="mooncake")
     assert "'mooncake' storage allocator is not used" in caplog.text
-    assert host.allocator is None and host.fd is None
+    assert isinstance(host.allocator, _memory.HostTensorAllocator) and host.fd is None
 
 
 def test_cpu_engine_selection(monkeypatch):

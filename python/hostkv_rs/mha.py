@@ -12,6 +12,7 @@ from hostkv_rs import _core, _memory
 from hostkv_rs._indices import index_arg
 from hostkv_rs.base import (
     HostKVCache,
+    as_int,
     check_layer_count,
     check_layer_id,
     device_layers,
@@ -36,9 +37,10 @@ _ASYM_FLAT_PAGE_TEXT = (
 
 
 def _not_implemented_mtp():
+    """For pools that do not pack MTP draft layers yet (the MHA pools here do)."""
     return NotImplementedError(
-        "hostkv_rs host pools do not pack MTP draft layers yet: pass mtp_draft_device_pools=() "
-        "and build a separate host pool for the draft model"
+        "this hostkv_rs host pool does not pack MTP draft layers yet: pass "
+        "mtp_draft_device_pools=() and build a separate host pool for the draft model"
     )
 
 
@@ -55,7 +57,13 @@ class MHATokenToKVPoolHost(HostKVCache):
     layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
     page_first_direct as `Unsupported IO backend: kernel_ascend`, otherwise with SGLang's
     `Unsupported layout: {layout}`.
+
+    MTP packing: with `mtp_draft_device_pools`, the host holds the target's layers followed by one
+    layer per draft pool; backups read the packed device layer lists, and a draft load is called
+    with `is_draft=True`, `layer_id = target_layer_num + k` and the draft device pool.
     """
+
+    mtp_draft_device_pools: tuple = ()
 
     def __init__(
         self,
@@ -71,9 +79,8 @@ class MHATokenToKVPoolHost(HostKVCache):
         mtp_draft_device_pools: Sequence = (),
         pool_label: str = "kv",
     ):
+        # MTP packing (G-Aug26): each draft pool's layer is appended after the target's layers.
         self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
-        if self.mtp_draft_device_pools:
-            raise _not_implemented_mtp()
         super().__init__(
             device_pool,
             host_to_device_ratio,
@@ -88,6 +95,8 @@ class MHATokenToKVPoolHost(HostKVCache):
         self.element_dim = self.head_num * self.head_dim
         self.can_use_jit = False
         self._init_data_refs()
+        self._init_packed_device_tables()
+        self._init_write_back_staging_buffers()
         item_bytes = self._plane_item_bytes()
         self._pool_core = _core.PoolCore(
             self.layout,
@@ -164,6 +173,28 @@ class MHATokenToKVPoolHost(HostKVCache):
         self.k_data_ptrs = self._ptr_table(self.k_data_refs)
         self.v_data_ptrs = self._ptr_table(self.v_data_refs)
 
+    def _init_packed_device_tables(self):
+        """With MTP drafts, backups read the target pool's layers followed by every draft pool's
+        (SGLang's packed_device_* tables); without drafts these attributes do not exist."""
+        if not self.mtp_draft_device_pools:
+            return
+        pools = (self.device_pool, *self.mtp_draft_device_pools)
+        self.packed_device_k_buffers = [t for pool in pools for t in pool.k_buffer]
+        self.packed_device_v_buffers = [t for pool in pools for t in pool.v_buffer]
+        self.packed_device_kv_buffers = self.packed_device_k_buffers + self.packed_device_v_buffers
+        self.packed_device_k_data_ptrs = self._ptr_table(self.packed_device_k_buffers)
+        self.packed_device_v_data_ptrs = self._ptr_table(self.packed_device_v_buffers)
+
+    def _init_write_back_staging_buffers(self):
+        # The staged write-back JIT needs a CUDA/HIP build of SGLang's kernels; the Rust core
+        # writes host pages directly, so no GPU staging exists and the controller must not keep
+        # host indices on the CPU for it.
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self.staging_k_buffer = None
+        self.staging_v_buffer = None
+        self.can_use_write_back_jit = False
+
     def _ptr_table(self, tensors) -> torch.Tensor:
         return torch.tensor(
             [t.data_ptr() for t in tensors], dtype=torch.uint64, device=self.device_pool.device
@@ -204,24 +235,37 @@ class MHATokenToKVPoolHost(HostKVCache):
         else:
             raise ValueError(f"Unsupported IO backend: {io_backend}")
 
+    def _load_layers(self, device_pool, layer_id, is_draft) -> tuple[int, list, list]:
+        """(host layer, device K layer, device V layer) of one per-layer load. A draft call
+        (`is_draft=True`, `layer_id = target_layer_num + k`) reads host layer `layer_id` into
+        layer 0 of the draft device pool it is given, as SGLang's MTP packing does."""
+        k_layers, v_layers = list(device_pool.k_buffer), list(device_pool.v_buffer)
+        if not is_draft:
+            layer = check_layer_id(layer_id, min(len(k_layers), len(v_layers)), self.layer_num)
+            return layer, k_layers[layer], v_layers[layer]
+        host_layer = as_int("layer_id", layer_id)
+        if not self.target_layer_num <= host_layer < self.layer_num:
+            raise _core.TransferError(
+                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
+                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
+            )
+        if not k_layers or not v_layers:
+            raise _core.TransferError("the draft device pool has no layers")
+        return host_layer, k_layers[0], v_layers[0]
+
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         """Copy host layer `layer_id` of `host_indices` into device layer `layer_id` at
         `device_indices` (work is enqueued on torch's current stream for a CUDA device pool)."""
         self._check_io(io_backend)
-        if is_draft:
-            raise _not_implemented_mtp()
         core = self._live_core()
-        k_layers, v_layers = list(device_pool.k_buffer), list(device_pool.v_buffer)
-        layer = check_layer_id(layer_id, min(len(k_layers), len(v_layers)), self.layer_num)
-        dev = device_layers(
-            [[k_layers[layer]], [v_layers[layer]]], self._plane_item_bytes(), "device pool"
-        )
+        host_layer, k_layer, v_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
+        dev = device_layers([[k_layer], [v_layer]], self._plane_item_bytes(), "device pool")
         host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
         core.load(
             io_backend,
-            layer,
+            host_layer,
             dev.ptrs,
             dev.rows,
             index_arg(host_idx),
@@ -231,12 +275,25 @@ class MHATokenToKVPoolHost(HostKVCache):
             dev.engine,
         )
 
+    def _backup_device_layers(self, device_pool) -> tuple[list, list]:
+        """Device K and V layer lists for an all-layer backup: the packed target + draft lists
+        when MTP drafts are packed (SGLang then ignores `device_pool`), else the pool's own."""
+        if self.mtp_draft_device_pools:
+            k_layers, v_layers = self.packed_device_k_buffers, self.packed_device_v_buffers
+            what = "packed target + MTP draft device pools"
+        else:
+            k_layers, v_layers = device_pool.k_buffer, device_pool.v_buffer
+            what = "device pool"
+        return (
+            check_layer_count(f"{what} k_buffer", k_layers, self.layer_num),
+            check_layer_count(f"{what} v_buffer", v_layers, self.layer_num),
+        )
+
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         """Copy every layer of `device_indices` (device) into `host_indices` (host)."""
         self._check_io(io_backend)
         core = self._live_core()
-        k_layers = check_layer_count("device pool k_buffer", device_pool.k_buffer, self.layer_num)
-        v_layers = check_layer_count("device pool v_buffer", device_pool.v_buffer, self.layer_num)
+        k_layers, v_layers = self._backup_device_layers(device_pool)
         dev = device_layers([k_layers, v_layers], self._plane_item_bytes(), "device pool")
         host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
         core.backup(
@@ -490,8 +547,9 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
 
 def _is_mxfp8_device_pool(device_pool) -> bool:
     """SGLang picks the MXFP8 host pool for `MHATokenToKVPoolMXFP8` device pools; recognise that
-    class by name anywhere in the MRO, or any pool with a truthy `is_mxfp8` attribute."""
-    if getattr(device_pool, "is_mxfp8", False):
+    class by name anywhere in the MRO, or a pool whose `is_mxfp8` attribute is True (`is True`, so
+    a mock's auto-created attribute does not count)."""
+    if getattr(device_pool, "is_mxfp8", False) is True:
         return True
     return any(cls.__name__ == "MHATokenToKVPoolMXFP8" for cls in type(device_pool).__mro__)
 
