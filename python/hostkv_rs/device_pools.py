@@ -67,7 +67,12 @@ class _DevicePool:
 
 class MHATokenToKVPool(_DevicePool):
     """Per layer one K tensor `(size + page_size, head_num, head_dim)` and one V tensor with
-    `v_head_dim`, plus uint64 pointer tables on the pool's device."""
+    `v_head_dim`, plus uint64 pointer tables on the pool's device.
+
+    The parameters follow SGLang's `MHATokenToKVPool` in order, so code written for SGLang's
+    signature builds it unchanged: `enable_memory_saver`, `enable_alt_stream` and
+    `enable_kv_cache_copy` are accepted and have no effect here, and the `swa_*` overrides replace
+    `head_num` / `head_dim` / `v_head_dim` as they do there."""
 
     def __init__(
         self,
@@ -78,11 +83,22 @@ class MHATokenToKVPool(_DevicePool):
         head_dim: int,
         layer_num: int,
         device: str = "cpu",
+        enable_memory_saver: bool = False,
         v_head_dim: int | None = None,
+        swa_head_num: int | None = None,
+        swa_head_dim: int | None = None,
+        swa_v_head_dim: int | None = None,
         start_layer: int | None = None,
         end_layer: int | None = None,
+        enable_alt_stream: bool = True,
+        enable_kv_cache_copy: bool = False,
     ):
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer)
+        self.enable_memory_saver = bool(enable_memory_saver)
+        head_num = head_num if swa_head_num is None else swa_head_num
+        head_dim = head_dim if swa_head_dim is None else swa_head_dim
+        if swa_v_head_dim is not None:
+            v_head_dim = swa_v_head_dim
         self.head_num = positive_int("head_num", head_num)
         self.head_dim = positive_int("head_dim", head_dim)
         self.v_head_dim = positive_int("v_head_dim", head_dim if v_head_dim is None else v_head_dim)
@@ -117,7 +133,11 @@ class MHATokenToKVPool(_DevicePool):
 
 class MLATokenToKVPool(_DevicePool):
     """Per layer one latent tensor `(size + page_size, 1, kv_cache_dim)`; `kv_cache_dim` defaults
-    to `kv_lora_rank + qk_rope_head_dim` (pass the packed width for FP8 DSA layouts)."""
+    to `kv_lora_rank + qk_rope_head_dim` (pass the packed width, as `override_kv_cache_dim` or
+    `kv_cache_dim`, for FP8 DSA layouts).
+
+    The positional parameters follow SGLang's `MLATokenToKVPool`; `enable_memory_saver` and
+    `use_nsa` are accepted and have no effect here."""
 
     def __init__(
         self,
@@ -128,11 +148,24 @@ class MLATokenToKVPool(_DevicePool):
         qk_rope_head_dim: int,
         layer_num: int,
         device: str = "cpu",
-        kv_cache_dim: int | None = None,
+        enable_memory_saver: bool = False,
         start_layer: int | None = None,
         end_layer: int | None = None,
+        use_nsa: bool = False,
+        override_kv_cache_dim: int | None = None,
+        *,
+        kv_cache_dim: int | None = None,
     ):
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer)
+        self.enable_memory_saver = bool(enable_memory_saver)
+        self.use_nsa = bool(use_nsa)
+        if kv_cache_dim is None:
+            kv_cache_dim = override_kv_cache_dim
+        elif override_kv_cache_dim is not None and override_kv_cache_dim != kv_cache_dim:
+            raise ValueError(
+                f"kv_cache_dim ({kv_cache_dim}) and override_kv_cache_dim "
+                f"({override_kv_cache_dim}) disagree"
+            )
         self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
         if qk_rope_head_dim < 0:
             raise ValueError(f"qk_rope_head_dim must not be negative, got {qk_rope_head_dim}")
