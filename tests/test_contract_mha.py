@@ -1,0 +1,418 @@
+"""Contract audit of the MHA host pools and HostKVCache (host-pool-contract.md §1-§4) as an outside
+caller sees them: device pools that are plain namespaces with only SGLang's attributes (§2.0), MTP
+draft packing (§1.2, §1.4, §2.1, §3.1), the allocator object, SGLang's abstract methods, the
+budget hook under its SGLang name, and hostile index arguments that must be refused without
+touching either pool."""
+
+from __future__ import annotations
+
+import logging
+import re
+import types
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hostkv_rs import (
+    AsymmetricMHATokenToKVPoolHost,
+    HostKVCache,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    TransferError,
+    _memory,
+    base,
+    get_mha_host_pool_cls,
+)
+from reference import (
+    ASYM_PAIRS,
+    MHA_PAIRS,
+    assert_device_equal,
+    assert_host_equal,
+    expected_backup,
+    expected_load,
+    fill_random,
+    host_planes,
+    page_tokens,
+    round_trip,
+    snapshot_device,
+    snapshot_host,
+)
+
+L, H, D, P = 3, 2, 8, 16
+
+
+def duck_mha_pool(
+    size=64,
+    page_size=P,
+    dtype=torch.bfloat16,
+    heads=H,
+    head_dim=D,
+    v_head_dim=None,
+    layers=L,
+    start_layer=0,
+):
+    """Only the attributes SGLang's MHATokenToKVPool has (§2.0): no methods, no sharding hooks."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    store = torch.uint8 if dtype in fp8 else dtype
+    k = [torch.zeros(size + page_size, heads, head_dim, dtype=store) for _ in range(layers)]
+    v = [torch.zeros(size + page_size, heads, v_head_dim, dtype=store) for _ in range(layers)]
+    k_ptrs = torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64)
+    v_ptrs = torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)
+    return types.SimpleNamespace(
+        size=size,
+        page_size=page_size,
+        dtype=dtype,
+        store_dtype=store,
+        device="cpu",
+        layer_num=layers,
+        start_layer=start_layer,
+        end_layer=start_layer + layers - 1,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        row_dim=heads * head_dim,
+        k_buffer=k,
+        v_buffer=v,
+        k_data_ptrs=k_ptrs,
+        v_data_ptrs=v_ptrs,
+        data_ptrs=torch.cat([k_ptrs, v_ptrs]),
+    )
+
+
+def _raw(tensors):
+    return [t.view(torch.uint8) for t in tensors]
+
+
+# ---- §2.0 / §2.1 / §2.2 with a namespace device pool -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_namespace_device_pool_geometry(layout, dtype):
+    dp = duck_mha_pool(dtype=dtype)
+    host = get_mha_host_pool_cls(dp)(dp, 2.0, 0, P, layout)
+    assert type(host) is MHATokenToKVPoolHost
+    e = 1 if dtype == torch.float8_e4m3fn else 2
+    S, Pn = 144, 9  # 64 * 2.0 = 128 tokens -> 8 pages + 1
+    assert (host.size, host.page_num, host.page_size) == (S, Pn, P)
+    assert host.dtype == (torch.uint8 if e == 1 else torch.bfloat16)
+    shape = {
+        "layer_first": (2, L, S, H, D),
+        "page_first": (2, S, L, H, D),
+        "page_first_direct": (2, Pn, L, P, H, D),
+        "page_head": (2, Pn, H, P, L, D),
+    }[layout]
+    assert tuple(host.kv_buffer.shape) == shape and host.kv_buffer.is_contiguous()
+    assert host.size_per_token == 2 * L * H * D * e
+    assert host.get_ksize_per_token() == L * H * D * e
+    assert host.token_stride_size == H * D * e and host.layout_dim == L * H * D * e
+    assert host.element_dim == H * D
+    assert host.v_buffer.data_ptr() - host.k_buffer.data_ptr() == L * S * H * D * e
+    assert host.k_data_ptrs.dtype == torch.uint64 and host.k_data_ptrs.device.type == "cpu"
+    assert len(host.host_kv_data_refs) == 2 * len(host.k_data_refs)
+    # No GPU staging exists, so the controller must keep kernel page_first indices on the device.
+    assert host.can_use_write_back_jit is False
+    assert (host.staging_page_capacity, host.staging_token_capacity) == (0, 0)
+    assert host.staging_k_buffer is None and host.staging_v_buffer is None
+    assert isinstance(host.allocator, _memory.HostTensorAllocator) and host.fd is None
+
+
+PAIRS = [(b, lay, False) for b, lay in MHA_PAIRS] + [(b, lay, True) for b, lay in ASYM_PAIRS]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("backend,layout,asym", PAIRS)
+def test_namespace_device_pool_round_trip(backend, layout, asym, dtype):
+    dp = duck_mha_pool(dtype=dtype, v_head_dim=4 if asym else None)
+    host = get_mha_host_pool_cls(dp)(dp, 2.0, 0, P, layout)
+    assert isinstance(host, AsymmetricMHATokenToKVPoolHost) == asym
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens([5, 0, 8], P),
+        page_tokens([1, 4, 2], P),
+        page_tokens([3, 1, 4], P),
+    )
+
+
+def test_asymmetric_has_no_shared_stride_and_no_staging():
+    dp = duck_mha_pool(v_head_dim=4)
+    host = get_mha_host_pool_cls(dp)(dp, 2.0, 0, P, "page_first")
+    assert isinstance(host.kv_buffer, tuple) and len(host.kv_buffer) == 2
+    for name in ("token_stride_size", "layout_dim"):
+        with pytest.raises(AttributeError):
+            getattr(host, name)
+    assert host.staging_k_buffer is None and host.can_use_write_back_jit is False
+
+
+# ---- §1.2 / §1.4 / §2.1 / §3.1: MTP draft packing ------------------------------------------
+
+
+def _mtp_pools(v_head_dim=None, drafts=2):
+    target = duck_mha_pool(v_head_dim=v_head_dim)
+    return target, [duck_mha_pool(v_head_dim=v_head_dim, layers=1) for _ in range(drafts)]
+
+
+def test_mtp_geometry_tables_and_log(caplog):
+    target, drafts = _mtp_pools()
+    with caplog.at_level(logging.INFO, logger="hostkv_rs"):
+        host = MHATokenToKVPoolHost(
+            target, 2.0, 0, P, "page_first", mtp_draft_device_pools=drafts, pool_label="kv"
+        )
+    assert (host.target_layer_num, host.layer_num) == (L, L + 2)
+    assert host.mtp_draft_device_pools == tuple(drafts)
+    assert host.size_per_token == 2 * (L + 2) * H * D * 2
+    assert tuple(host.kv_buffer.shape) == (2, host.size, L + 2, H, D)
+    packed_k = target.k_buffer + [t for d in drafts for t in d.k_buffer]
+    packed_v = target.v_buffer + [t for d in drafts for t in d.v_buffer]
+    assert all(a is b for a, b in zip(host.packed_device_k_buffers, packed_k, strict=True))
+    assert all(a is b for a, b in zip(host.packed_device_v_buffers, packed_v, strict=True))
+    assert len(host.packed_device_kv_buffers) == 2 * (L + 2)
+    assert host.packed_device_k_data_ptrs.tolist() == [t.data_ptr() for t in packed_k]
+    assert host.packed_device_v_data_ptrs.dtype == torch.uint64
+    gb = host.size * host.size_per_token / 1e9
+    assert (
+        f"Allocating kv hierarchical KV host pool: {host.size} tokens, {gb:.2f} GB host memory, "
+        f"packed MTP KV layers: target_layers={L}, draft_layers=2, total_layers={L + 2}."
+    ) in caplog.text
+    # Without drafts the packed tables do not exist and the plain log is used.
+    plain = MHATokenToKVPoolHost(target, 2.0, 0, P, "page_first")
+    assert plain.mtp_draft_device_pools == () and not hasattr(plain, "packed_device_k_buffers")
+
+
+@pytest.mark.parametrize("backend,layout,asym", PAIRS)
+def test_mtp_backup_and_draft_load_bytes(backend, layout, asym):
+    target, drafts = _mtp_pools(v_head_dim=4 if asym else None)
+    host = get_mha_host_pool_cls(target)(target, 2.0, 0, P, layout, mtp_draft_device_pools=drafts)
+    rng = np.random.default_rng(3)
+    for pool in (target, *drafts):
+        fill_random(_raw(pool.k_buffer + pool.v_buffer), rng)
+    fill_random(host_planes(host), rng)
+    host_before = snapshot_host(host)
+    # The oracle sees the packed layer lists as one device pool of L + 2 layers.
+    packed = types.SimpleNamespace(
+        k_buffer=host.packed_device_k_buffers, v_buffer=host.packed_device_v_buffers
+    )
+    h_idx, d_idx = page_tokens([6, 2], P), page_tokens([3, 1], P)
+    hi, di = torch.as_tensor(h_idx), torch.as_tensor(d_idx)
+    # SGLang backs up the packed target + draft layers whatever pool is passed.
+    host.backup_from_device_all_layer(target, hi, di, backend)
+    want_host = expected_backup(host, host_before, packed, h_idx, d_idx)
+    assert_host_equal(host, want_host, "host after MTP backup")
+
+    # Draft k (host layer L + k) loads into layer 0 of the draft device pool it is given.
+    for k, draft in enumerate(drafts):
+        fill_random(_raw(draft.k_buffer + draft.v_buffer), rng)
+        before = snapshot_device(draft)
+        load_rows = page_tokens([4], P)
+        host_rows = page_tokens([2], P)
+        host.load_to_device_per_layer(
+            draft,
+            torch.as_tensor(host_rows),
+            torch.as_tensor(load_rows),
+            L + k,
+            backend,
+            is_draft=True,
+        )
+        # expected_load writes device layer == host layer; re-index the draft's single layer.
+        widened = [[np.zeros_like(plane[0])] * (L + k) + plane for plane in before]
+        want = expected_load(host, want_host, widened, host_rows, load_rows, L + k)
+        assert_device_equal(draft, [plane[L + k :] for plane in want], f"draft {k} after load")
+    assert_host_equal(host, want_host, "host after draft loads")
+
+
+@pytest.mark.parametrize("layer_id", [0, L - 1, L + 2, -1])
+def test_mtp_draft_load_out_of_range_is_refused(layer_id):
+    target, drafts = _mtp_pools()
+    host = MHATokenToKVPoolHost(target, 2.0, 0, P, "layer_first", mtp_draft_device_pools=drafts)
+    rng = np.random.default_rng(0)
+    fill_random(_raw(drafts[0].k_buffer + drafts[0].v_buffer), rng)
+    fill_random(host_planes(host), rng)
+    dev_before, host_before = snapshot_device(drafts[0]), snapshot_host(host)
+    idx = torch.arange(P, 2 * P)
+    with pytest.raises(TransferError, match="not a packed MTP draft layer"):
+        host.load_to_device_per_layer(drafts[0], idx, idx, layer_id, "kernel", is_draft=True)
+    assert_device_equal(drafts[0], dev_before)
+    assert_host_equal(host, host_before)
+
+
+def test_is_draft_without_drafts_is_refused():
+    dp = duck_mha_pool()
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, P, "layer_first")
+    idx = torch.arange(P)
+    with pytest.raises(TransferError, match=re.escape("holds draft layers [3, 3)")):
+        host.load_to_device_per_layer(dp, idx, idx + P, 0, "kernel", is_draft=True)
+
+
+def test_mtp_draft_with_more_than_one_layer_is_refused_at_backup():
+    target = duck_mha_pool()
+    host = MHATokenToKVPoolHost(
+        target, 2.0, 0, P, "layer_first", mtp_draft_device_pools=[duck_mha_pool(layers=2)]
+    )
+    before = snapshot_host(host)
+    idx = torch.arange(P)
+    with pytest.raises(TransferError, match="packed target \\+ MTP draft device pools"):
+        host.backup_from_device_all_layer(target, idx, idx + P, "kernel")
+    assert_host_equal(host, before)
+
+
+# ---- §1.3 / §1.4 / §4.3: base class surface -------------------------------------------------
+
+
+class _SlotsOnly(HostKVCache):
+    """What a caller needs to reuse the allocator: SGLang's two geometry hooks and nothing else."""
+
+    def get_size_per_token(self):
+        self.layer_num = 1
+        return 8
+
+    def init_kv_buffer(self):
+        return torch.zeros(self.size, 8, dtype=torch.uint8)
+
+
+def test_allocator_only_subclass_and_abstract_methods():
+    dp = duck_mha_pool()
+    pool = _SlotsOnly(dp, 1.0, 0, P, "layer_first", True, "cpu")
+    assert (pool.size, pool.page_num) == (80, 5)
+    assert pool.alloc(2 * P).tolist() == list(range(2 * P))
+    idx = torch.arange(P)
+    for call in (
+        lambda: pool.load_to_device_per_layer(dp, idx, idx, 0, "kernel"),
+        lambda: pool.load_to_device_per_layer(dp, idx, idx, 0, "kernel", is_draft=True),
+        lambda: pool.backup_from_device_all_layer(dp, idx, idx, "kernel"),
+        lambda: pool.get_data_page(0),
+        lambda: pool.get_dummy_flat_data_page(),
+        lambda: pool.set_from_flat_data_page(0, torch.zeros(1)),
+    ):
+        with pytest.raises(NotImplementedError):
+            call()
+    with pytest.raises(TypeError):
+        HostKVCache(dp, 1.0, 0, P, "layer_first", True, "cpu")
+
+
+def test_budget_hook_under_sglang_name(monkeypatch):
+    dp = duck_mha_pool()
+    requested = 144 * 2 * L * H * D * 2
+    monkeypatch.setattr(base, "host_memory_budget_bytes", lambda: requested - 1)
+    want = (
+        f"Not enough host memory available. Requesting {requested / 1e9:.2f} GB but only have "
+        f"{(requested - 1) / 1e9:.2f} GB free. Please reduce the size of the hierarchical cache."
+    )
+    with pytest.raises(ValueError, match=re.escape(want)):
+        MHATokenToKVPoolHost(dp, 2.0, 0, P, "layer_first")
+    monkeypatch.setattr(base, "host_memory_budget_bytes", lambda: requested)
+    MHATokenToKVPoolHost(dp, 2.0, 0, P, "layer_first")
+
+
+def test_budget_follows_psutil(monkeypatch):
+    class VM:
+        available = 10 * 1024**3 + 1000
+
+    monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: VM)
+    assert base.host_memory_budget_bytes() == 1000
+    with pytest.raises(ValueError, match="but only have 0.00 GB free"):
+        MHATokenToKVPoolHost(duck_mha_pool(), 2.0, 0, P, "layer_first")
+
+
+def test_host_tensor_allocator():
+    alloc = _memory.HostTensorAllocator()
+    t = alloc.allocate((3, 5), torch.bfloat16, "cpu")
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and bool((t == 0).all())
+    with pytest.raises(
+        AssertionError,
+        match=re.escape("HostTensorAllocator only supports CPU allocations; got device='cuda'"),
+    ):
+        alloc.allocate((3,), torch.uint8, "cuda")
+
+
+def test_mxfp8_detection_ignores_mock_attributes():
+    dp = mock.MagicMock()
+    dp.head_dim, dp.v_head_dim = 8, 8  # a Mock's is_mxfp8 is a truthy Mock, not True
+    assert get_mha_host_pool_cls(dp) is MHATokenToKVPoolHost
+    dp.v_head_dim = 4
+    assert get_mha_host_pool_cls(dp) is AsymmetricMHATokenToKVPoolHost
+
+
+# ---- hostile index arguments -----------------------------------------------------------------
+
+
+HOSTILE = {
+    "meta": (lambda i: torch.empty(i.numel(), dtype=torch.int64, device="meta"), ValueError),
+    "none": (lambda i: None, TypeError),
+    "float-list": (lambda i: [float(x) + 0.5 for x in i.tolist()], TypeError),
+    "float-ndarray": (lambda i: i.numpy().astype(np.float64), TypeError),
+    "complex": (lambda i: i.to(torch.complex64), TypeError),
+    "ragged": (lambda i: [[0], [1, 2]], TypeError),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+@pytest.mark.parametrize("side", ["host", "device"])
+@pytest.mark.parametrize("op", ["backup", "load"])
+def test_hostile_transfer_indices_change_nothing(op, side, kind):
+    make, exc = HOSTILE[kind]
+    dp = duck_mha_pool()
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, P, "page_first")
+    rng = np.random.default_rng(1)
+    fill_random(_raw(dp.k_buffer + dp.v_buffer), rng)
+    fill_random(host_planes(host), rng)
+    host_before, dev_before = snapshot_host(host), snapshot_device(dp)
+    good = torch.arange(P, 2 * P)
+    bad = make(good)
+    hi, di = (bad, good) if side == "host" else (good, bad)
+    with pytest.raises(exc):
+        if op == "backup":
+            host.backup_from_device_all_layer(dp, hi, di, "kernel")
+        else:
+            host.load_to_device_per_layer(dp, hi, di, 0, "kernel")
+    assert_host_equal(host, host_before)
+    assert_device_equal(dp, dev_before)
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_free_changes_nothing(kind):
+    make, exc = HOSTILE[kind]
+    host = MHATokenToKVPoolHost(duck_mha_pool(), 2.0, 0, P, "layer_first")
+    slots = host.alloc(2 * P).clone()
+    with pytest.raises(exc):
+        host.free(make(slots[:2]))
+    assert host.available_size() == host.size - 2 * P
+    assert bool(host.slot_used[slots].all()) and host.num_release_slots == 0
+
+
+def test_free_accepts_empty_and_integer_lists():
+    host = MHATokenToKVPoolHost(duck_mha_pool(), 2.0, 0, P, "layer_first")
+    host.alloc(P)
+    assert host.free([]) == 0
+    assert host.free([1, 2]) == 2 and host.free(np.array([3], dtype=np.int16)) == 1
+    assert host.available_size() == host.size - P + 3
+
+
+# ---- §2.0: the reference device pools take SGLang's constructor arguments --------------------
+
+
+def test_reference_pools_take_sglang_positional_arguments():
+    # SGLang: (size, page_size, dtype, head_num, head_dim, layer_num, device,
+    # enable_memory_saver, v_head_dim, swa_head_num, swa_head_dim, swa_v_head_dim, start_layer,
+    # end_layer, enable_alt_stream, enable_kv_cache_copy)
+    dp = MHATokenToKVPool(32, 8, torch.bfloat16, 2, 8, 3, "cpu", False, 4, None, None, None, 1, 3)
+    assert (dp.v_head_dim, dp.start_layer, dp.end_layer, dp.enable_memory_saver) == (4, 1, 3, False)
+    assert get_mha_host_pool_cls(dp) is AsymmetricMHATokenToKVPoolHost
+    swa = MHATokenToKVPool(
+        32, 8, torch.bfloat16, 2, 8, 3, "cpu", False, swa_head_num=4, swa_head_dim=16
+    )
+    assert (swa.head_num, swa.head_dim, swa.v_head_dim, swa.row_dim) == (4, 16, 16, 64)
+    assert tuple(swa.k_buffer[0].shape) == (40, 4, 16)
+    # SGLang: (size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
+    # enable_memory_saver, start_layer, end_layer, use_nsa, override_kv_cache_dim)
+    mla = MLATokenToKVPool(32, 8, torch.uint8, 512, 64, 2, "cpu", False, None, None, True, 656)
+    assert mla.kv_cache_dim == 656 and tuple(mla.kv_buffer[0].shape) == (40, 1, 656)
+    assert MLATokenToKVPool(32, 8, torch.bfloat16, 12, 4, 2).kv_cache_dim == 16
+    with pytest.raises(ValueError, match="disagree"):
+        MLATokenToKVPool(
+            32, 8, torch.uint8, 512, 64, 2, override_kv_cache_dim=656, kv_cache_dim=600
+        )
