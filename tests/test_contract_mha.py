@@ -416,3 +416,29 @@ def test_reference_pools_take_sglang_positional_arguments():
         MLATokenToKVPool(
             32, 8, torch.uint8, 512, 64, 2, override_kv_cache_dim=656, kv_cache_dim=600
         )
+
+
+@pytest.mark.parametrize("backend", [["kernel"], {"kernel": 1}, 3, b"kernel"], ids=repr)
+@pytest.mark.parametrize("v_head_dim", [None, 4], ids=["mha", "asym"])
+def test_non_string_io_backend_gets_sglang_value_error(backend, v_head_dim):
+    dp = duck_mha_pool(v_head_dim=v_head_dim)
+    host = get_mha_host_pool_cls(dp)(dp, 2.0, 0, P, "page_first")
+    idx = torch.arange(P)
+    prefix = "Unsupported IO backend" + (
+        "" if v_head_dim is None else " for models with head_dim != v_head_dim"
+    )
+    want = f"{prefix}: {backend}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        host.load_to_device_per_layer(dp, idx, idx + P, 0, backend)
+    with pytest.raises(ValueError, match=re.escape(want)):
+        host.backup_from_device_all_layer(dp, idx, idx + P, backend)
+
+
+def test_meta_flat_page_is_refused_and_changes_nothing():
+    host = MHATokenToKVPoolHost(duck_mha_pool(), 2.0, 0, P, "layer_first")
+    fill_random(host_planes(host), np.random.default_rng(2))
+    before = snapshot_host(host)
+    page = torch.empty(host.get_dummy_flat_data_page().numel(), dtype=host.dtype, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        host.set_from_flat_data_page(P, page)
+    assert_host_equal(host, before)

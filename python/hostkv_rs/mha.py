@@ -225,7 +225,8 @@ class MHATokenToKVPoolHost(HostKVCache):
     # ----------------------------------------------------------------- transfers
 
     def _check_io(self, io_backend: str):
-        if io_backend in _SUPPORTED:
+        # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
+        if isinstance(io_backend, str) and io_backend in _SUPPORTED:
             if self.layout not in _SUPPORTED[io_backend]:
                 raise ValueError(f"Unsupported layout: {self.layout}")
         elif io_backend == "kernel_ascend":
@@ -350,6 +351,8 @@ class MHATokenToKVPoolHost(HostKVCache):
         if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
             got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
             raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
+        if data_page.device.type == "meta":
+            raise ValueError("a flat data page on the meta device holds no values")
         page = data_page.reshape(shape)
         if self.layout == "layer_first":
             self.kv_buffer[:, :, index : index + P] = page
