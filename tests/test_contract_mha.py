@@ -442,3 +442,31 @@ def test_meta_flat_page_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="meta device"):
         host.set_from_flat_data_page(P, page)
     assert_host_equal(host, before)
+
+
+def test_dcp_slot_space_on_a_pool_without_transfers():
+    """§1.3 / §4.1: page_size arrives widened; size/page_size are per rank, slots are logical."""
+    dp = duck_mha_pool()
+    pool = _SlotsOnly(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 1)
+    assert (pool.dcp_size, pool.dcp_rank, pool.page_size) == (2, 1, P)
+    assert (pool.size, pool.page_num) == (80, 5)
+    assert (pool.logical_size, pool.logical_page_size) == (160, 2 * P)
+    assert pool.available_size() == 160 and pool.slot_used.numel() == 160
+    with pytest.raises(AssertionError, match="multiple of the page size"):
+        pool.alloc(P)
+    slots = pool.alloc(2 * P)
+    assert slots.tolist() == list(range(2 * P))
+    assert pool.maybe_dcp_kernel_indices(slots).tolist() == list(range(P))
+    assert pool.free(slots) == 2 * P
+    with pytest.raises(ValueError, match="dcp_rank"):
+        _SlotsOnly(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 2)
+    # Pools whose transfers do not translate logical slots still refuse DCP.
+
+    class _Transfers(_SlotsOnly):
+        def load_to_device_per_layer(self, *args, **kwargs):
+            return None
+
+    with pytest.raises(NotImplementedError, match="decode context parallelism"):
+        _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0)
+    _Transfers.dcp_aware_transfers = True
+    assert _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0).size == 80

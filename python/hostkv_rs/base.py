@@ -274,7 +274,10 @@ class HostKVCache(abc.ABC):
                 f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
                 f"({dcp_size}); expected the widened page from the DCP paged allocator."
             )
-        if dcp_size != 1 or dcp_rank != 0:
+        dcp_rank = as_int("dcp_rank", dcp_rank)
+        if not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}")
+        if dcp_size != 1 and not self._dcp_ready():
             raise NotImplementedError(
                 f"hostkv_rs host pools do not implement decode context parallelism yet "
                 f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
@@ -346,6 +349,21 @@ class HostKVCache(abc.ABC):
         self.fd = getattr(self.allocator, "fd", None)
         self.lock = threading.RLock()
         self.clear()
+
+    # Set True on a subclass whose transfers pass both index tensors through
+    # maybe_dcp_kernel_indices (as SGLang's MLA pool does).
+    dcp_aware_transfers = False
+
+    @classmethod
+    def _dcp_ready(cls) -> bool:
+        """DCP only changes the slot space; the allocator handles that. A pool may accept it if
+        its transfers translate logical slots, or if it has no transfers of its own."""
+        if cls.dcp_aware_transfers:
+            return True
+        return (
+            cls.load_to_device_per_layer is HostKVCache.load_to_device_per_layer
+            and cls.backup_from_device_all_layer is HostKVCache.backup_from_device_all_layer
+        )
 
     def _host_capacity(self, device_pool, host_to_device_ratio, host_size) -> tuple[int, int]:
         """(size, page_num): decimal GB / bytes per token (floor) or ratio x device size, then one
