@@ -1,0 +1,93 @@
+"""SGLang's `HiSparseHostPoolMixin` (pool_host/hisparse.py): request rows of host slots that grow
+one page at a time, for the MLA and DeepSeek V4 paged host pools.
+
+The pool supplies `page_size` and `alloc(n)` (None when short). Everything a refused call could
+get wrong is checked before any slot is taken, so a refusal leaves the pool and the row alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hostkv_rs.base import as_int
+
+logger = logging.getLogger(__name__)
+
+
+class HiSparseHostPoolMixin:
+    def _round_up_to_page_size(self, size: int) -> int:
+        return (size + self.page_size - 1) // self.page_size * self.page_size
+
+    def alloc_page(self, num_pages: int) -> torch.Tensor | None:
+        """`num_pages` whole pages of token slots, or None when the pool is short."""
+        num_pages = as_int("num_pages", num_pages)
+        if num_pages < 0:
+            raise ValueError(f"num_pages must not be negative, got {num_pages}")
+        return self.alloc(num_pages * self.page_size)
+
+    def alloc_paged_token_slots(
+        self,
+        req_to_host_pool: torch.Tensor,
+        req_to_host_pool_allocated_len: torch.Tensor,
+        req_pool_idx: int,
+        start_pos: int,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Grow request row `req_pool_idx` page by page until it covers `start_pos + num_tokens`
+        and return that row's token slots `[start_pos, start_pos + num_tokens)`."""
+        device = req_to_host_pool.device
+        num_tokens = as_int("num_tokens", num_tokens)
+        if num_tokens <= 0:
+            return torch.empty((0,), dtype=torch.int64, device=device)
+        req_pool_idx = as_int("req_pool_idx", req_pool_idx)
+        start_pos = as_int("start_pos", start_pos)
+        if start_pos < 0:
+            raise ValueError(f"start_pos must not be negative, got {start_pos}")
+        rows, width = req_to_host_pool.shape[0], req_to_host_pool.shape[1]
+        if not 0 <= req_pool_idx < rows:
+            raise IndexError(f"req_pool_idx {req_pool_idx} is outside the {rows} request rows")
+
+        allocated_len = int(req_to_host_pool_allocated_len[req_pool_idx])
+        end_pos = start_pos + num_tokens
+        page_end = self._round_up_to_page_size(end_pos)
+        # SGLang: a bare `assert start_pos <= allocated_len`.
+        if start_pos > allocated_len:
+            raise AssertionError(
+                f"start_pos ({start_pos}) must not exceed the allocated length ({allocated_len})"
+            )
+        # SGLang would take the slots and then fail to store them (leaking them); refuse first.
+        if page_end > width:
+            raise ValueError(
+                f"request row holds {width} host slots but {page_end} are needed "
+                f"(start_pos={start_pos}, num_tokens={num_tokens})"
+            )
+
+        if page_end > allocated_len:
+            num_new_pages = (page_end - allocated_len) // self.page_size
+            host_locs = self.alloc_page(num_new_pages)
+            if host_locs is None:
+                logger.error(
+                    "HiSparse: host mem pool alloc failed for %d host pages "
+                    "(req_pool_idx=%d, start_pos=%d, num_tokens=%d)",
+                    num_new_pages,
+                    req_pool_idx,
+                    start_pos,
+                    num_tokens,
+                )
+                raise RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
+            req_to_host_pool[req_pool_idx, allocated_len:page_end] = host_locs.to(
+                device=device, non_blocking=True
+            )
+            req_to_host_pool_allocated_len[req_pool_idx] = page_end
+
+        return req_to_host_pool[req_pool_idx, start_pos:end_pos]
+
+    def allocated_host_indices(
+        self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
+    ) -> torch.Tensor:
+        """The row's non-negative host slots up to its page-rounded allocated length."""
+        host_len = min(self._round_up_to_page_size(int(allocated_len)), req_to_host_pool.shape[1])
+        host_indices = req_to_host_pool[req_pool_idx, :host_len]
+        return host_indices[host_indices >= 0]
