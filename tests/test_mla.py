@@ -133,9 +133,34 @@ def test_get_contiguous_buf_infos():
     assert ptrs == [host.kv_buffer.data_ptr() + layer * S * T for layer in range(LAYERS)]
     assert lens == [S * T] * LAYERS
     assert items == [T * 4] * LAYERS
-    pf, _ = make_mla("page_first", 4, torch.bfloat16)
-    with pytest.raises(ValueError, match="layer_first"):
-        pf.get_contiguous_buf_infos()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_get_contiguous_buf_infos_page_layouts_report_what_sglang_reports(layout):
+    # §4.3: data_ptrs are the per-layer data_refs pointers, data_lens `kv_buffer[l].nbytes`
+    # (one token's or one page's slab in these layouts), item_lens `T * P`.
+    P, L = 4, LAYERS
+    host, _ = make_mla(layout, P, torch.bfloat16, device_pages=8)
+    T, base = host.token_stride_size, host.kv_buffer.data_ptr()
+    ptrs, lens, items = host.get_contiguous_buf_infos()
+    if layout == "page_first":
+        assert ptrs == [base + layer * T for layer in range(L)]
+        assert lens == [L * T] * L
+    else:
+        assert ptrs == [base + layer * L * P * T for layer in range(L)]
+        assert lens == [L * P * T] * L
+    assert items == [T * P] * L
+
+
+def test_get_contiguous_buf_infos_refuses_fewer_pages_than_layers_and_destroyed_pools():
+    host, _ = make_mla("page_first_direct", 4, torch.bfloat16, layers=7, device_pages=1, ratio=1.0)
+    assert host.page_num < 7
+    with pytest.raises(ValueError, match="7 layers"):
+        host.get_contiguous_buf_infos()
+    lf, _ = make_mla("layer_first", 4, torch.bfloat16)
+    lf.destroy()
+    with pytest.raises(RuntimeError, match="no KV bytes"):
+        lf.get_contiguous_buf_infos()
 
 
 def test_data_refs_and_ptrs():

@@ -19,9 +19,9 @@ from hostkv_rs.base import (
     device_layers,
     positive_int,
     refuse_layer_sharding,
-    sync_fixed_hicache_size,
     transfer_indices,
 )
+from hostkv_rs.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.mha import _not_implemented_mtp, _pin_dummy_pages
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ _SUPPORTED = {
 }
 
 
-class MLATokenToKVPoolHost(HostKVCache):
+class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     """Supported (io_backend, layout): kernel + layer_first/page_first, direct +
     layer_first/page_first_direct. `kernel_ascend` serves only the Ascend `page_first_kv_split`
     layout, which this package does not build, so it is refused with SGLang's
@@ -97,6 +97,7 @@ class MLATokenToKVPoolHost(HostKVCache):
             pool_label=pool_label,
         )
         self.can_use_jit = False
+        self._no_write_back_staging()
         if self.layout == "page_first":
             view = self.kv_buffer.transpose(0, 1)
         else:
@@ -119,6 +120,14 @@ class MLATokenToKVPoolHost(HostKVCache):
             1,
         )
 
+    def _no_write_back_staging(self) -> None:
+        # SGLang allocates a GPU staging buffer only for its staged write-back JIT, which
+        # hostkv_rs never enables (the Rust core copies straight into host memory).
+        self.can_use_write_back_jit = False
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self.staging_buffer = None
+
     def _init_dummy(
         self,
         device_pool,
@@ -136,20 +145,20 @@ class MLATokenToKVPoolHost(HostKVCache):
         """Allocator-only pool (one TP rank keeps the MLA bytes, the others only the slots)."""
         self.device_pool = device_pool
         self.pool_label = pool_label
-        self.dcp_size = dcp_size
-        self.dcp_rank = dcp_rank
         page_size = positive_int("page_size", page_size)
         dcp_size = positive_int("dcp_size", dcp_size)
+        dcp_rank = as_int("dcp_rank", dcp_rank)
         if page_size % dcp_size != 0:
             raise AssertionError(
                 f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
                 f"({dcp_size})."
             )
-        if dcp_size != 1 or dcp_rank != 0:
-            raise NotImplementedError(
-                f"hostkv_rs host pools do not implement decode context parallelism yet "
-                f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
-            )
+        if not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}")
+        # A dummy pool owns no bytes, so DCP is only its slot arithmetic: slots are handed out
+        # in the widened (logical) space, `size`/`page_size` stay per-rank physical.
+        self.dcp_size = dcp_size
+        self.dcp_rank = dcp_rank
         refuse_layer_sharding(device_pool)
         self.page_size = page_size // dcp_size
         self.layout = layout
@@ -164,12 +173,7 @@ class MLATokenToKVPoolHost(HostKVCache):
                 f"{type(self).__name__}: bytes per token must be positive, got "
                 f"{self.size_per_token} (check the device pool's layer geometry)"
             )
-        if host_size > 0:
-            size = sync_fixed_hicache_size(int(host_size * 1e9 // self.size_per_token), host_size)
-        else:
-            size = int(device_pool.size * host_to_device_ratio)
-        self.page_num = size // self.page_size + 1
-        self.size = self.page_num * self.page_size
+        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
         self.logical_size = self.size * dcp_size
         self.logical_page_size = self.page_size * dcp_size
         self.start_layer = device_pool.start_layer
@@ -177,7 +181,7 @@ class MLATokenToKVPoolHost(HostKVCache):
         self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
         self.can_use_jit = False
-        self.can_use_write_back_jit = False
+        self._no_write_back_staging()
         self.kv_buffer = None
         self.data_refs = None
         self.data_ptrs = None
@@ -197,6 +201,8 @@ class MLATokenToKVPoolHost(HostKVCache):
         dp = self.device_pool
         self.kv_lora_rank = dp.kv_lora_rank
         self.qk_rope_head_dim = dp.qk_rope_head_dim
+        # Read by L3 stores (FP8 DSA packs K/V into one device buffer); kept for parity.
+        self.dsa_kv_cache_store_fp8 = getattr(dp, "dsa_kv_cache_store_fp8", False)
         self.target_layer_num = dp.layer_num
         self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
         self.kv_cache_dim = self.override_kv_cache_dim or (
@@ -229,19 +235,23 @@ class MLATokenToKVPoolHost(HostKVCache):
         return _memory.region_view(region, self.dtype, dims)
 
     def get_contiguous_buf_infos(self):
-        """(per-layer host pointers, per-layer byte lengths, bytes per page) for registering the
-        host pool with a disaggregation transfer engine. Per-layer slabs exist only in
-        layer_first; other layouts are refused rather than reporting page slabs as layers."""
+        """(per-layer host pointers, `kv_buffer[l].nbytes`, `token_stride_size * page_size`) for
+        registering the host pool with a disaggregation transfer engine, as SGLang reports them.
+        Only layer_first has per-layer slabs; for the page layouts SGLang reports the per-layer
+        `data_refs` pointers next to `kv_buffer[l]` (one token or one page), and so do we."""
         if self._is_dummy:
             return [], [], []
-        if self.layout != "layer_first":
+        self._require_bytes()
+        L = self.layer_num
+        if self.kv_buffer.shape[0] < L:
+            # page_first_direct with fewer pages than layers: SGLang fails building data_refs.
             raise ValueError(
-                f"get_contiguous_buf_infos needs per-layer contiguous buffers (layout="
-                f"'layer_first'); this pool uses {self.layout!r}"
+                f"get_contiguous_buf_infos: kv_buffer has {self.kv_buffer.shape[0]} entries along "
+                f"dim 0 but the pool has {L} layers (layout {self.layout!r})"
             )
-        data_ptrs = [self.kv_buffer[i].data_ptr() for i in range(self.layer_num)]
-        data_lens = [self.kv_buffer[i].nbytes for i in range(self.layer_num)]
-        item_lens = [self.token_stride_size * self.page_size] * self.layer_num
+        data_ptrs = [ref.data_ptr() for ref in self.data_refs]
+        data_lens = [self.kv_buffer[i].nbytes for i in range(L)]
+        item_lens = [self.token_stride_size * self.page_size] * L
         return data_ptrs, data_lens, item_lens
 
     def get_hybrid_pool_buffer(self):
@@ -264,6 +274,15 @@ class MLATokenToKVPoolHost(HostKVCache):
         else:
             raise ValueError(f"Unsupported IO backend: {io_backend}")
 
+    def _kernel_indices(self, host_indices, device_indices, io_backend, dev):
+        """Both index arrays as the core reads them, after SGLang's DCP translation (logical
+        widened slots -> this rank's physical slots; the identity when dcp_size == 1)."""
+        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        if int(self.dcp_size) != 1:
+            host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
+            dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
+        return host_idx, dev_idx
+
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
@@ -276,7 +295,7 @@ class MLATokenToKVPoolHost(HostKVCache):
         layers = list(device_pool.kv_buffer)
         layer = check_layer_id(layer_id, len(layers), self.layer_num)
         dev = device_layers([[layers[layer]]], [self.token_stride_size], "device pool")
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.load(
             io_backend,
             layer,
@@ -296,7 +315,7 @@ class MLATokenToKVPoolHost(HostKVCache):
         core = self._live_core()
         layers = check_layer_count("device pool kv_buffer", device_pool.kv_buffer, self.layer_num)
         dev = device_layers([layers], [self.token_stride_size], "device pool")
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.backup(
             io_backend,
             dev.ptrs,
@@ -318,7 +337,16 @@ class MLATokenToKVPoolHost(HostKVCache):
             "page_first_direct": (1, L, P, 1, C),
         }.get(self.layout)
 
+    def _require_no_dcp(self):
+        if int(self.dcp_size) != 1:
+            raise AssertionError(
+                "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need "
+                "dcp_rank-scoped keys); --hicache-storage-backend with --dcp-size > 1 should "
+                "have been rejected at server start."
+            )
+
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        self._require_no_dcp()
         if self._page_shape() is None:
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
@@ -341,6 +369,8 @@ class MLATokenToKVPoolHost(HostKVCache):
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        # SGLang checks DCP only when reading a page; writing one is no less rank-blind.
+        self._require_no_dcp()
         shape = self._page_shape()
         if shape is None:
             raise ValueError(f"Unsupported layout: {self.layout}")
@@ -358,54 +388,6 @@ class MLATokenToKVPoolHost(HostKVCache):
             self.kv_buffer[index : index + P] = page
         else:
             self.kv_buffer[index // P : index // P + 1] = page
-
-    # ----------------------------------------------------------------- HiSparse request rows
-
-    def alloc_page(self, num_pages: int):
-        """`num_pages` whole pages of token slots (None when the pool is short)."""
-        return self.alloc(as_int("num_pages", num_pages) * self.page_size)
-
-    def _page_ceil(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
-
-    def alloc_paged_token_slots(
-        self,
-        req_to_host_pool: torch.Tensor,
-        req_to_host_pool_allocated_len: torch.Tensor,
-        req_pool_idx: int,
-        start_pos: int,
-        num_tokens: int,
-    ) -> torch.Tensor:
-        """Extend request row `req_pool_idx` with whole pages until it covers
-        `start_pos + num_tokens`, and return that row's slots `[start_pos, start_pos+num_tokens)`."""
-        if num_tokens <= 0:
-            return torch.empty(0, dtype=torch.int64, device=req_to_host_pool.device)
-        have = int(req_to_host_pool_allocated_len[req_pool_idx])
-        if start_pos > have:
-            raise AssertionError(f"start_pos ({start_pos}) must not exceed the allocated ({have})")
-        end = start_pos + num_tokens
-        need = self._page_ceil(end)
-        if need > req_to_host_pool.shape[1]:
-            raise ValueError(
-                f"request row has {req_to_host_pool.shape[1]} slots but {need} are needed"
-            )
-        if need > have:
-            pages = (need - have) // self.page_size
-            slots = self.alloc_page(pages)
-            if slots is None:
-                logger.error("HiSparse host mem pool alloc failed for %d pages", pages)
-                raise RuntimeError(f"HiSparse host mem pool alloc failed for {pages} pages")
-            req_to_host_pool[req_pool_idx, have:need] = slots.to(req_to_host_pool.device)
-            req_to_host_pool_allocated_len[req_pool_idx] = need
-        return req_to_host_pool[req_pool_idx, start_pos:end]
-
-    def allocated_host_indices(
-        self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
-    ) -> torch.Tensor:
-        """The row's non-negative slots up to its page-rounded allocated length."""
-        end = min(self._page_ceil(int(allocated_len)), req_to_host_pool.shape[1])
-        row = req_to_host_pool[req_pool_idx, :end]
-        return row[row >= 0]
 
     # ----------------------------------------------------------------- zero-copy metadata
 

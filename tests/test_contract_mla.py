@@ -1,0 +1,299 @@
+"""MLATokenToKVPoolHost audited against host-pool-contract.md (§1.3, §2.0, §2.3, §3.4, §4.1,
+§4.3, §4.4): pools built from a minimal duck-typed device pool carrying only SGLang's attributes,
+SGLang's extra attributes, DCP slot arithmetic, the HiSparse mixin, and hostile inputs."""
+
+from __future__ import annotations
+
+import logging
+import re
+import types
+
+import numpy as np
+import pytest
+import torch
+from hostkv_rs import MLATokenToKVPoolHost
+from hostkv_rs.hisparse import HiSparseHostPoolMixin
+from reference import (
+    MLA_PAIRS,
+    assert_bytes_equal,
+    distinct_pages,
+    fill_random,
+    host_planes,
+    page_tokens,
+    round_trip,
+    snapshot_device,
+    snapshot_host,
+)
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def duck_mla(size=32, page_size=4, layers=3, rank=12, rope=4, dtype=torch.bfloat16, **extra):
+    """Only what SGLang's MLATokenToKVPool exposes (§2.0): no layer-sharding hooks, `device` a
+    string, `kv_buffer` a list of `(size + page_size, 1, kv_cache_dim)` tensors."""
+    store = torch.uint8 if dtype in FP8 else dtype
+    C = extra.pop("kv_cache_dim", rank + rope)
+    kv = [torch.zeros(size + page_size, 1, C, dtype=store) for _ in range(layers)]
+    return types.SimpleNamespace(
+        size=size,
+        page_size=page_size,
+        dtype=dtype,
+        store_dtype=store,
+        device="cpu",
+        layer_num=layers,
+        start_layer=0,
+        end_layer=layers - 1,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=C,
+        kv_buffer=kv,
+        data_ptrs=torch.tensor([t.data_ptr() for t in kv], dtype=torch.uint64),
+        **extra,
+    )
+
+
+def host_and_device(layout, P=4, **kw):
+    dp = duck_mla(page_size=P, **kw)
+    return MLATokenToKVPoolHost(dp, 2.0, 0, P, layout), dp
+
+
+# ---- duck-typed device pools ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_round_trip_with_a_duck_typed_device_pool(backend, layout, dtype):
+    P = 4
+    host, dp = host_and_device(layout, P, dtype=dtype)
+    assert host.dtype == dp.store_dtype
+    rng = np.random.default_rng(5)
+    dev_pages = distinct_pages(rng, 1, dp.size // P + 1, 3)
+    round_trip(
+        host,
+        dp,
+        backend,
+        page_tokens(distinct_pages(rng, 0, host.page_num, 3), P),
+        page_tokens(dev_pages, P),
+        page_tokens(np.roll(dev_pages, 1), P),
+    )
+
+
+def test_duck_typed_pool_sizing_and_geometry():
+    dp = duck_mla(size=200, page_size=16, layers=5, rank=12, rope=4)
+    host = MLATokenToKVPoolHost(dp, 1.5, 0, 16, "layer_first")
+    # int(200 * 1.5) = 300 tokens -> 300 // 16 + 1 = 19 pages (the +1 is unconditional)
+    assert (host.size, host.page_num) == (19 * 16, 19)
+    assert host.size_per_token == 16 * 2 * 5 and isinstance(host.size_per_token, int)
+    assert host.kv_buffer.shape == (5, 19 * 16, 1, 16)
+    assert (host.start_layer, host.end_layer) == (0, 4)
+
+
+# ---- attributes SGLang's MLA host pool carries ----------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_write_back_staging_is_off_and_empty(layout):
+    # §3.1: the staging buffer exists only with the staged write-back JIT (never enabled here).
+    host, _ = host_and_device(layout)
+    assert host.can_use_write_back_jit is False and host.can_use_jit is False
+    assert host.staging_buffer is None
+    assert host.staging_page_capacity == 0 and host.staging_token_capacity == 0
+
+
+def test_dsa_fp8_flag_mirrors_the_device_pool():
+    host, _ = host_and_device("layer_first")
+    assert host.dsa_kv_cache_store_fp8 is False
+    packed, _ = host_and_device("layer_first", dsa_kv_cache_store_fp8=True)
+    assert packed.dsa_kv_cache_store_fp8 is True
+
+
+def test_hisparse_mixin_comes_first_in_the_bases():
+    assert MLATokenToKVPoolHost.__mro__[1] is HiSparseHostPoolMixin
+
+
+# ---- DCP ------------------------------------------------------------------------------------
+
+
+def test_dummy_pool_hands_out_slots_in_the_widened_space():
+    # §1.3 step 1 / §4.1: page_size and size are per-rank physical, slots are logical.
+    dp = duck_mla(size=64, page_size=16)
+    host = MLATokenToKVPoolHost(
+        dp, 2.0, 0, 16, "layer_first", dcp_size=2, dcp_rank=1, is_dummy=True
+    )
+    assert (host.dcp_size, host.dcp_rank) == (2, 1)
+    assert host.page_size == 8
+    assert (host.size, host.page_num) == (136, 17)  # 128 // 8 + 1 pages of 8
+    assert (host.logical_size, host.logical_page_size) == (272, 16)
+    assert host.available_size() == 272
+    with pytest.raises(
+        AssertionError, match=re.escape("The requested size should be a multiple of the page size.")
+    ):
+        host.alloc(8)
+    assert host.alloc(32).tolist() == list(range(32))
+    assert host.available_size() == 240
+
+
+def test_dummy_pool_refuses_a_rank_outside_the_group():
+    dp = duck_mla(size=64, page_size=16)
+    with pytest.raises(ValueError, match=re.escape("dcp_rank must lie in [0, 2), got 2")):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2, dcp_rank=2, is_dummy=True)
+
+
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_transfers_translate_logical_slots_to_this_ranks_physical_slots(backend, layout):
+    # §3.4 / §4.1: load and backup pass both index tensors through maybe_dcp_kernel_indices
+    # (`idx[rank::dcp] // dcp`). The pool poses as rank 1 of 2 over its physical geometry.
+    P = 4
+    host, dp = host_and_device(layout, P)
+    host.dcp_size, host.dcp_rank = 2, 1
+    rng = np.random.default_rng(3)
+    fill_random(host_planes(host), rng)
+    fill_random([t.view(torch.uint8) for t in dp.kv_buffer], rng)
+    host_before = snapshot_host(host)[0]
+    # logical widened pages (2P slots) 3 and 1 on the host, 2 and 4 on the device
+    logical_host = page_tokens([3, 1], 2 * P)
+    logical_dev = page_tokens([2, 4], 2 * P)
+    host.backup_from_device_all_layer(
+        dp, torch.as_tensor(logical_host), torch.as_tensor(logical_dev), backend
+    )
+    phys_host, phys_dev = logical_host[1::2] // 2, logical_dev[1::2] // 2
+    assert phys_host.tolist() == list(range(12, 16)) + list(range(4, 8))
+    T, L, S = host.token_stride_size, host.layer_num, host.size
+    want = host_before.copy()
+    for layer in range(L):
+        rows = dp.kv_buffer[layer].view(torch.uint8).reshape(dp.kv_buffer[layer].shape[0], -1)
+        for h, d in zip(phys_host, phys_dev):
+            if layout == "layer_first":
+                off = layer * S * T + h * T
+            elif layout == "page_first":
+                off = h * L * T + layer * T
+            else:
+                off = (h // P) * P * L * T + layer * P * T + (h % P) * T
+            want[off : off + T] = rows[d].numpy()
+    assert_bytes_equal(snapshot_host(host)[0], want, "host after a DCP backup")
+
+    for t in dp.kv_buffer:
+        t.zero_()
+    host.load_to_device_per_layer(
+        dp, torch.as_tensor(logical_host), torch.as_tensor(logical_dev), 2, backend
+    )
+    rows = dp.kv_buffer[2].view(torch.uint8).reshape(dp.kv_buffer[2].shape[0], -1)
+    src = dp.kv_buffer[0].view(torch.uint8).reshape(dp.kv_buffer[0].shape[0], -1)
+    assert not src.any()  # only layer 2 was loaded
+    touched = set(phys_dev.tolist())
+    for d in range(rows.shape[0]):
+        if d not in touched:
+            assert not rows[d].any()
+    assert rows[sorted(touched)].any()
+
+
+def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
+    host, dp = host_and_device("layer_first")
+    host.dcp_size, host.dcp_rank = 2, 0
+    before = snapshot_host(host)
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "HiCache DCP translation expects runs of whole widened pages; got 7 logical slots "
+            "with dcp_size=2."
+        ),
+    ):
+        host.backup_from_device_all_layer(dp, torch.arange(7), torch.arange(7), "kernel")
+    assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused DCP backup")
+
+
+def test_l3_pages_refuse_dcp_with_sglangs_text_and_write_nothing():
+    host, _ = host_and_device("layer_first")
+    page = host.get_dummy_flat_data_page()
+    host.dcp_size = 2
+    text = (
+        "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped "
+        "keys); --hicache-storage-backend with --dcp-size > 1 should have been rejected at "
+        "server start."
+    )
+    before = snapshot_host(host)
+    with pytest.raises(AssertionError, match=re.escape(text)):
+        host.get_data_page(0)
+    with pytest.raises(AssertionError, match=re.escape(text)):
+        host.set_from_flat_data_page(0, page + 1)
+    assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused page write")
+
+
+# ---- HiSparse request rows -------------------------------------------------------------------
+
+
+def test_hisparse_failure_logs_sglangs_error_and_takes_nothing(caplog):
+    host, _ = host_and_device("layer_first")
+    rows = torch.full((1, 4096), -1, dtype=torch.int64)
+    lens = torch.zeros(1, dtype=torch.int64)
+    free = host.available_size()
+    with (
+        caplog.at_level(logging.ERROR),
+        pytest.raises(
+            RuntimeError, match=re.escape("HiSparse host mem pool alloc failed for 1024 pages")
+        ),
+    ):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 4096)
+    assert (
+        "HiSparse: host mem pool alloc failed for 1024 host pages "
+        "(req_pool_idx=0, start_pos=0, num_tokens=4096)"
+    ) in caplog.text
+    assert host.available_size() == free and int(lens[0]) == 0 and bool((rows == -1).all())
+
+
+@pytest.mark.parametrize(
+    "args, exc",
+    [
+        ((0, -1, 4), ValueError),  # negative start
+        ((2, 0, 4), IndexError),  # no such request row
+        ((0, 0, 40), ValueError),  # more slots than the row holds
+        ((0, 0.5, 4), TypeError),
+    ],
+)
+def test_hisparse_refusals_take_no_slots(args, exc):
+    host, _ = host_and_device("layer_first")
+    rows = torch.full((2, 32), -1, dtype=torch.int64)
+    lens = torch.zeros(2, dtype=torch.int64)
+    free = host.available_size()
+    with pytest.raises(exc):
+        host.alloc_paged_token_slots(rows, lens, *args)
+    assert host.available_size() == free and not lens.any() and bool((rows == -1).all())
+
+
+def test_alloc_page_refuses_negative_counts():
+    host, _ = host_and_device("layer_first")
+    with pytest.raises(ValueError, match="num_pages must not be negative"):
+        host.alloc_page(-1)
+    assert host.alloc_page(2).tolist() == list(range(8))
+
+
+# ---- hostile inputs --------------------------------------------------------------------------
+
+HOSTILE = {
+    "float": lambda h, d: (h.float(), d),
+    "bool": lambda h, d: (torch.ones_like(h, dtype=torch.bool), d),
+    "meta": lambda h, d: (h.to("meta"), d),
+    "negative": lambda h, d: (h - 100, d),
+    "huge": lambda h, d: (h + 2**40, d),
+    "device out of range": lambda h, d: (h, d + 10_000),
+    "length mismatch": lambda h, d: (h, torch.cat([d, d])),
+    "none": lambda h, d: (None, d),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_hostile_indices_raise_and_change_nothing(backend, layout, case):
+    host, dp = host_and_device(layout)
+    rng = np.random.default_rng(9)
+    fill_random(host_planes(host), rng)
+    fill_random([t.view(torch.uint8) for t in dp.kv_buffer], rng)
+    host_before, dev_before = snapshot_host(host), snapshot_device(dp)
+    h, d = HOSTILE[case](torch.arange(4, 8), torch.arange(8, 12))
+    with pytest.raises((TypeError, ValueError, NotImplementedError, RuntimeError)):
+        host.backup_from_device_all_layer(dp, h, d, backend)
+    with pytest.raises((TypeError, ValueError, NotImplementedError, RuntimeError)):
+        host.load_to_device_per_layer(dp, h, d, 1, backend)
+    assert_bytes_equal(snapshot_host(host)[0], host_before[0], "host")
+    for got, want in zip(snapshot_device(dp)[0], dev_before[0]):
+        assert_bytes_equal(got, want, "device")
