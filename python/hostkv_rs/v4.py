@@ -11,6 +11,7 @@ slots as stable page anchors.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -18,6 +19,9 @@ import torch
 from hostkv_rs import _core, _memory
 from hostkv_rs._indices import as_index_array, index_arg
 from hostkv_rs.base import HostKVCache, as_int, synchronized
+from hostkv_rs.hisparse import HiSparseHostPoolMixin
+
+logger = logging.getLogger(__name__)
 
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # (io_backend, layout) pairs SGLang serves for page-aligned V4 transfers (contract §3.5).
@@ -27,8 +31,17 @@ _PAGE_PAIRS = {
     ("direct", "layer_first"),
     ("direct", "page_first_direct"),
 }
-# Token-granular transfers need per-layer host row pointers, which only layer_first has.
-_TOKEN_PAIRS = {("kernel", "layer_first"), ("direct", "layer_first")}
+# kernel_ascend moves whole pages one layer at a time through `_host_page_view`, which SGLang
+# builds for these layouts only; with CPU (or CUDA) device buffers we run the same page-row
+# copy on the core's direct path.
+_ASCEND_LAYOUTS = ("layer_first", "page_first_direct")
+# Token-granular transfers go to SGLang's dedicated DSV4 kernel whatever the backend; it needs
+# per-layer host row pointers, which only layer_first has.
+_TOKEN_BACKENDS = ("kernel", "direct", "kernel_ascend")
+# `layer_id` of a backup: every layer.
+_ALL_LAYERS = object()
+# SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK: the staging buffer holds at most this many page rows.
+_WRITE_BACK_STAGING_PAGE_CHUNK = 64
 
 # SGLang's token-granular path is `transfer_cache_dsv4_mla` (jit_kernel/hisparse.py + csrc
 # hisparse.cuh, page arithmetic in include/sgl_kernel/deepseek_v4/kvcacheio.cuh). It ignores
@@ -56,7 +69,7 @@ def _pin_ok(pin_memory: bool) -> bool:
     return bool(pin_memory) and torch.cuda.is_available()
 
 
-class DeepSeekV4PagedHostPool(HostKVCache):
+class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     """Host mirror of a DeepSeek V4 paged KV/indexer sub-pool, in page-row units."""
 
     # HostKVCache.__init__ is not called (as in SGLang), so the DCP defaults live here too.
@@ -110,7 +123,7 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         self.lock = threading.RLock()
         self.device_buffers = device_buffers
         self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
-        self._device_rows = self._check_device_buffers(device_buffers)
+        self._device_rows = self._device_row_counts(device_buffers, item_bytes, "device buffer")
 
         requested_bytes = self.layer_num * num_host_pages * item_bytes
         available_bytes = _memory.host_memory_budget_bytes()
@@ -122,6 +135,11 @@ class DeepSeekV4PagedHostPool(HostKVCache):
             )
         if layout not in _LAYOUTS:
             raise ValueError(f"Unsupported layout: {layout}")
+        if device != "cpu":
+            # SGLang's HostTensorAllocator.allocate asserts the same.
+            raise AssertionError(
+                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
+            )
 
         # Page layouts must not split one page (all layers of a row) across two CUDA
         # registrations; layer_first must not split one row.
@@ -142,6 +160,16 @@ class DeepSeekV4PagedHostPool(HostKVCache):
             self.kv_buffer = self._view((Nh, L, IB))
         else:
             self.kv_buffer = self._view((Nh, L, 1, IB))
+        logger.info(
+            "Allocating %.2f GB host memory for V4 paged pool '%s' "
+            "(layers=%d, pages=%d, item_bytes=%d, layout=%s).",
+            requested_bytes / 1e9,
+            pool_name,
+            L,
+            Nh,
+            IB,
+            layout,
+        )
 
         self.device_ptrs = torch.tensor(
             [b.data_ptr() for b in device_buffers], dtype=torch.uint64, device=self.gpu_device
@@ -156,13 +184,21 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         self.scale_kv_buffer = None
         self.scale_device_buffers = None
         self.scale_item_bytes = 0
-        self.scale_data_refs = []
-        self.scale_data_ptrs = None
-        self.scale_device_ptrs = None
+        self._scale_region = None
+        self._scale_core = None
+        self._scale_device_rows: list[int] = []
         self.can_use_jit = False
         self.can_use_write_back_jit = False
-        # Staging buffers belong to the GPU write-back JIT, which this pool never enables.
+        # SGLang allocates the page_first staging buffer on the device buffers' device even
+        # though its write-back JIT may stay off (and hostkv_rs never turns it on), so callers
+        # and memory budgets see the same buffer.
         self.staging_buffer = None
+        if layout == "page_first":
+            self.staging_buffer = torch.empty(
+                (min(Nh, _WRITE_BACK_STAGING_PAGE_CHUNK), L, IB),
+                dtype=self.dtype,
+                device=self.gpu_device,
+            )
         self._destroyed = False
         self._page_core = self._make_core(Nh, IB)
         self._token_cores = None
@@ -175,24 +211,25 @@ class DeepSeekV4PagedHostPool(HostKVCache):
 
     # ---- construction helpers -------------------------------------------------------------
 
-    def _check_device_buffers(self, buffers) -> list[int]:
+    def _device_row_counts(self, buffers, row_bytes: int, what: str) -> list[int]:
+        """Rows of `row_bytes` in each device buffer; every buffer must be a dense tensor of
+        whole rows on the pool's device."""
         rows = []
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
-                raise TypeError(f"{self.pool_name}: device buffer {i} is not a tensor")
+                raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
             if buf.device != self.gpu_device:
                 raise ValueError(
-                    f"{self.pool_name}: device buffer {i} is on {buf.device}, "
-                    f"expected {self.gpu_device}"
+                    f"{self.pool_name}: {what} {i} is on {buf.device}, expected {self.gpu_device}"
                 )
             nbytes = buf.numel() * buf.element_size()
-            if not buf.is_contiguous() or nbytes % self.item_bytes != 0:
+            if not buf.is_contiguous() or nbytes % row_bytes != 0:
                 raise ValueError(
-                    f"{self.pool_name}: device buffer {i} must be contiguous rows of "
-                    f"item_bytes={self.item_bytes}, got shape {tuple(buf.shape)} "
+                    f"{self.pool_name}: {what} {i} must be contiguous rows of "
+                    f"{row_bytes} bytes, got shape {tuple(buf.shape)} "
                     f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
                 )
-            rows.append(nbytes // self.item_bytes)
+            rows.append(nbytes // row_bytes)
         return rows
 
     def _view(self, shape, offset: int = 0) -> torch.Tensor:
@@ -269,61 +306,12 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         self.free_slots = self.free_slots[need_size:]
         return select_index
 
-    # ---- HiSparse request-row helpers (SGLang's HiSparseHostPoolMixin) -----------------------
-
-    def _round_up_to_page_size(self, size: int) -> int:
-        return (size + self.page_size - 1) // self.page_size * self.page_size
-
-    def alloc_page(self, num_pages: int) -> torch.Tensor | None:
-        return self.alloc(as_int("num_pages", num_pages) * self.page_size)
-
-    def alloc_paged_token_slots(
-        self,
-        req_to_host_pool: torch.Tensor,
-        req_to_host_pool_allocated_len: torch.Tensor,
-        req_pool_idx: int,
-        start_pos: int,
-        num_tokens: int,
-    ) -> torch.Tensor:
-        """Grow request row `req_pool_idx` page by page up to `start_pos + num_tokens` and return
-        the token slots `[start_pos, start_pos + num_tokens)` of that row."""
-        device = req_to_host_pool.device
-        if num_tokens <= 0:
-            return torch.empty((0,), dtype=torch.int64, device=device)
-        allocated_len = int(req_to_host_pool_allocated_len[req_pool_idx])
-        end_pos = start_pos + num_tokens
-        page_end = self._round_up_to_page_size(end_pos)
-        if start_pos > allocated_len:
-            raise AssertionError(
-                f"start_pos {start_pos} is past the allocated length {allocated_len}"
-            )
-        if page_end > req_to_host_pool.shape[1]:
-            raise ValueError(
-                f"{self.pool_name}: request row holds {req_to_host_pool.shape[1]} slots, "
-                f"{page_end} needed"
-            )
-        if page_end > allocated_len:
-            num_new_pages = (page_end - allocated_len) // self.page_size
-            host_locs = self.alloc_page(num_new_pages)
-            if host_locs is None:
-                raise RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
-            req_to_host_pool[req_pool_idx, allocated_len:page_end] = host_locs.to(
-                device=device, non_blocking=True
-            )
-            req_to_host_pool_allocated_len[req_pool_idx] = page_end
-        return req_to_host_pool[req_pool_idx, start_pos:end_pos]
-
-    def allocated_host_indices(
-        self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
-    ) -> torch.Tensor:
-        """The non-negative host slots of a request row up to its page-rounded length."""
-        host_len = min(self._round_up_to_page_size(int(allocated_len)), req_to_host_pool.shape[1])
-        host_indices = req_to_host_pool[req_pool_idx, :host_len]
-        return host_indices[host_indices >= 0]
-
     @synchronized
     def free(self, indices) -> int:
-        indices_cpu = _index_tensor(indices).detach().to("cpu").reshape(-1).to(torch.int64)
+        """Release slots lazily (any device; no page or double-free check, as in SGLang). Only
+        integer slots inside the pool are taken back: anything else would later be handed out
+        as a slot that does not exist."""
+        indices_cpu = as_index_array(indices, torch.device("cpu")).to(torch.int64)
         n = indices_cpu.numel()
         if n == 0:
             return 0
@@ -336,6 +324,68 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         self.release_slots.append(indices_cpu)
         self.num_release_slots += n
         return n
+
+    # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
+
+    def attach_scale_buffers(self, scale_device_buffers: list, scale_item_bytes: int) -> None:
+        """Mirror per-layer scale rows (`scale_item_bytes` per device page row) next to the KV
+        rows. Only kernel_ascend transfers move them, as in SGLang."""
+        if self.scale_kv_buffer is not None:
+            raise RuntimeError(f"{self.pool_name}: scale buffers already attached")
+        self._require_live()
+        buffers = list(scale_device_buffers)
+        if len(buffers) != self.layer_num:
+            raise ValueError(
+                f"{self.pool_name}: scale_device_buffers has {len(buffers)} layers, "
+                f"expected {self.layer_num}"
+            )
+        scale_item_bytes = as_int("scale_item_bytes", scale_item_bytes)
+        if scale_item_bytes <= 0:
+            raise ValueError(
+                f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
+            )
+        if self.layout not in _LAYOUTS:
+            raise ValueError(
+                f"{self.pool_name} attach_scale_buffers: unsupported layout {self.layout!r}"
+            )
+        device_rows = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+
+        L, Nh, SIB = self.layer_num, self.num_host_pages, scale_item_bytes
+        nbytes = L * Nh * SIB
+        logger.info(
+            "Attaching %.2f MB host memory for V4 indexer scale pool '%s' "
+            "(layers=%d, pages=%d, scale_item_bytes=%d, layout=%s).",
+            nbytes / 1e6,
+            self.pool_name,
+            L,
+            Nh,
+            SIB,
+            self.layout,
+        )
+        region, core = None, None
+        if nbytes > 0:
+            granularity = SIB if self.layout == "layer_first" else L * SIB
+            region = _memory.alloc_host_region(nbytes, self.pin_memory, granularity)
+            # (Nh, L, 1, SIB) is page_first_direct with one-row pages: row t, layer l at
+            # t*L*SIB + l*SIB.
+            core_layout = "layer_first" if self.layout == "layer_first" else "page_first_direct"
+            core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region.address])
+
+        def view(shape, offset=0):
+            if region is None:
+                return torch.empty(shape, dtype=torch.uint8)
+            return _memory.region_view(region, torch.uint8, shape, offset)
+
+        if self.layout == "layer_first":
+            host = [view((Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
+        else:
+            host = view((Nh, L, 1, SIB))
+        self._scale_region = region
+        self._scale_core = core
+        self._scale_device_rows = device_rows
+        self.scale_device_buffers = buffers
+        self.scale_item_bytes = SIB
+        self.scale_kv_buffer = host
 
     # ---- transfers --------------------------------------------------------------------------
 
@@ -385,42 +435,84 @@ class DeepSeekV4PagedHostPool(HostKVCache):
                     f"in [0, {limit * P}), got min={lo}, max={hi}"
                 )
 
-    def _plan(self, io_backend, host_indices, device_indices, layer):
-        """Validate one transfer (`layer` None for a backup) and return the core calls as
-        (core, host_rows, device_rows, device_row_count), or None when there is nothing to move.
-        Everything that can be refused is refused here, before any byte moves."""
+    def _unsupported(self, io_backend) -> ValueError:
+        return ValueError(f"Unsupported V4 paged host layout/backend: {self.layout}/{io_backend}")
+
+    def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
+        """Validate one transfer (a backup of every layer, or a load of `layer_id`)
+        and return the core calls as (core, backend, host_rows, device_rows, device_row_count),
+        or None when there is nothing to move. Everything that can be refused is refused here,
+        before any byte moves, in SGLang's order: indices, then the (layout, backend) pair, then
+        the layer."""
         self._require_live()
         pair = self._transfer_indices(host_indices, device_indices)
         if pair is None:
             return None
         host, dev = pair
-        P = self.slot_page_size
-        token_granular = host.numel() % P != 0
-        pairs = _TOKEN_PAIRS if token_granular else _PAGE_PAIRS
-        if (io_backend, self.layout) not in pairs:
-            raise ValueError(
-                f"Unsupported V4 paged host layout/backend: {self.layout}/{io_backend}"
+        if host.numel() % self.slot_page_size != 0:
+            if io_backend not in _TOKEN_BACKENDS or self.layout != "layer_first":
+                raise self._unsupported(io_backend)
+            return self._token_plan(io_backend, host, dev, self._layers(layer_id))
+        if io_backend == "kernel_ascend":
+            if self.layout not in _ASCEND_LAYOUTS and (
+                layer_id is not _ALL_LAYERS or self.layer_num
+            ):
+                raise ValueError(
+                    f"{self.pool_name} _host_page_view: kernel_ascend requires layer_first or "
+                    f"page_first_direct layout, got {self.layout!r}"
+                )
+            backend = "direct"
+        elif (io_backend, self.layout) in _PAGE_PAIRS:
+            backend = io_backend
+        else:
+            raise self._unsupported(io_backend)
+        layers = self._layers(layer_id)
+        if not layers:
+            return None  # a pool without layers has nothing to back up
+        if self._region is None:
+            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
+        target = self._index_device(backend)
+        host_rows = self._to_page_rows(as_index_array(host, target))
+        dev_rows = self._to_page_rows(as_index_array(dev, target))
+        calls = [
+            (
+                self._page_core,
+                backend,
+                host_rows,
+                dev_rows,
+                min(self._device_rows[layer] for layer in layers),
             )
-        if token_granular and self._token_cores is None and self._region is not None:
+        ]
+        if io_backend == "kernel_ascend" and self._scale_core is not None:
+            scale_rows = min(self._scale_device_rows[layer] for layer in layers)
+            # The core checks each call just before it copies; the scale rows must be known
+            # good before the KV rows move, or a refusal would leave a half-done transfer.
+            bad = (dev_rows < 0) | (dev_rows >= scale_rows)
+            if bool(bad.any()):
+                raise _core.TransferError(
+                    f"{self.pool_name} kernel_ascend: device page row "
+                    f"{int(dev_rows[bad][0])} is outside the scale device buffers "
+                    f"[0, {scale_rows})"
+                )
+            calls.append((self._scale_core, backend, host_rows, dev_rows, scale_rows))
+        return calls
+
+    def _token_plan(self, io_backend, host, dev, layers):
+        """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
+        page row (see the constants at the top), whatever the io_backend."""
+        if self._token_cores is None and self._region is not None:
             raise ValueError(
                 f"{self.pool_name} token-granular transfers need the DSV4 C4 page row "
                 f"(slot_page_size={_C4_PAGE_TOKENS}, item_bytes={_C4_ROW_BYTES}), got "
-                f"slot_page_size={P}, item_bytes={self.item_bytes}"
+                f"slot_page_size={self.slot_page_size}, item_bytes={self.item_bytes}"
             )
-        if layer is None:
-            dev_rows = min(self._device_rows, default=0)
-        else:
-            dev_rows = self._device_rows[self._check_layer(layer)]
+        if not layers:
+            return None
         if self._region is None:
-            if layer is None and self.layer_num == 0:
-                return None  # no layers, nothing to back up
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
+        P = self.slot_page_size
+        dev_rows = min(self._device_rows[layer] for layer in layers)
         target = self._index_device(io_backend)
-        if not token_granular:
-            host_rows = self._to_page_rows(as_index_array(host, target))
-            dev_row_idx = self._to_page_rows(as_index_array(dev, target))
-            return [(self._page_core, host_rows, dev_row_idx, dev_rows)]
-
         host = as_index_array(host, target).to(torch.int64)
         dev = as_index_array(dev, target).to(torch.int64)
         self._check_token_range(host, dev, dev_rows)
@@ -437,45 +529,56 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         def scale_rows(t):
             return (t // P) * scale_per_row + scale_first + t % P
 
+        backend = "direct" if io_backend == "kernel_ascend" else io_backend
         return [
-            (value_core, value_rows(host), value_rows(dev), dev_rows * value_per_row),
-            (scale_core, scale_rows(host), scale_rows(dev), dev_rows * scale_per_row),
+            (value_core, backend, value_rows(host), value_rows(dev), dev_rows * value_per_row),
+            (scale_core, backend, scale_rows(host), scale_rows(dev), dev_rows * scale_per_row),
         ]
 
-    def _check_layer(self, layer_id) -> int:
+    def _layers(self, layer_id) -> list[int]:
+        """Every layer for a backup, else the one checked load layer."""
+        if layer_id is _ALL_LAYERS:
+            return list(range(self.layer_num))
         layer = as_int("layer_id", layer_id)
         if not 0 <= layer < self.layer_num:
             raise ValueError(
                 f"{self.pool_name} layer_id {layer_id} out of range [0, {self.layer_num})"
             )
-        return layer
+        return [layer]
+
+    def _run(self, calls, device_ptrs_of, op, layer=None):
+        where, stream, engine = self._engine()
+        for core, backend, h, d, rows in calls:
+            h, d = h.contiguous(), d.contiguous()
+            ptrs = device_ptrs_of(core)
+            if op == "backup":
+                core.backup(backend, ptrs, rows, index_arg(h), index_arg(d), where, stream, engine)
+            else:
+                core.load(
+                    backend, layer, ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
+                )
+
+    def _device_buffers_of(self, core) -> list[torch.Tensor]:
+        return self.scale_device_buffers if core is self._scale_core else self.device_buffers
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
-        calls = self._plan(io_backend, host_indices, device_indices, None)
+        calls = self._plan(io_backend, host_indices, device_indices)
         if calls is None:
             return
-        where, stream, engine = self._engine()
-        dev_ptrs = [b.data_ptr() for b in self.device_buffers]
-        for core, h, d, rows in calls:
-            h, d = h.contiguous(), d.contiguous()
-            core.backup(
-                io_backend, dev_ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
-            )
+        self._run(
+            calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)], "backup"
+        )
 
     def load_to_device_per_layer(
-        self, device_pool, host_indices, device_indices, layer_id, io_backend, **_kwargs
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         calls = self._plan(io_backend, host_indices, device_indices, layer_id)
         if calls is None:
             return
-        layer = int(layer_id)
-        where, stream, engine = self._engine()
-        dev_ptrs = [self.device_buffers[layer].data_ptr()]
-        for core, h, d, rows in calls:
-            h, d = h.contiguous(), d.contiguous()
-            core.load(
-                io_backend, layer, dev_ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
-            )
+        layer = as_int("layer_id", layer_id)
+        self._run(
+            calls, lambda core: [self._device_buffers_of(core)[layer].data_ptr()], "load", layer
+        )
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
@@ -506,6 +609,11 @@ class DeepSeekV4PagedHostPool(HostKVCache):
     def set_from_flat_data_page(self, index, data_page):
         self._require_live()
         row = self._page_row(index)
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(
+                f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
+                f"got {type(data_page).__name__}"
+            )
         expected = self.layer_num * self.item_bytes
         got = data_page.numel() * data_page.element_size()
         if got != expected:
@@ -525,14 +633,14 @@ class DeepSeekV4PagedHostPool(HostKVCache):
 
     def get_page_buffer_meta(self, indices):
         self._require_live()
-        indices = _index_tensor(indices).reshape(-1)
+        indices = as_index_array(indices, torch.device("cpu")).to(torch.int64)
         P = self.slot_page_size
         if indices.numel() % P != 0:
             raise ValueError(
                 f"{self.pool_name} get_page_buffer_meta needs whole pages: got "
                 f"{indices.numel()} indices for page size {P}"
             )
-        rows = self._to_page_rows(indices.to("cpu", torch.int64)).tolist()
+        rows = self._to_page_rows(indices).tolist()
         for row, first in zip(rows, indices[::P].tolist()):
             if first < 0 or row >= self.num_host_pages:
                 raise ValueError(
@@ -556,8 +664,10 @@ class DeepSeekV4PagedHostPool(HostKVCache):
         if getattr(self, "_destroyed", True):
             return
         self._destroyed = True
-        if self._region is not None and self._region.pinned:
-            self._region.unregister_cuda()
+        for region in (self._region, self._scale_region):
+            if region is not None and region.pinned:
+                region.unregister_cuda()
+        self._scale_core = None
         self._page_core = None
         self._token_cores = None
         self.kv_buffer = None
@@ -651,7 +761,8 @@ class LogicalHostPool:
                 "LogicalHostPool free must be page-aligned, "
                 f"got len(indices)={n}, page_size={self.page_size}"
             )
-        indices_cpu = indices.to(dtype=torch.int64, device="cpu").flatten()
+        # SGLang casts whatever it gets to int64; a float or bool tensor is not slots.
+        indices_cpu = as_index_array(indices, torch.device("cpu")).to(torch.int64)
         if indices_cpu.numel() == 0:
             return 0
         lo, hi = int(indices_cpu.min()), int(indices_cpu.max())
