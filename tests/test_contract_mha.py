@@ -17,6 +17,7 @@ import torch
 from hostkv_rs import (
     AsymmetricMHATokenToKVPoolHost,
     HostKVCache,
+    HostTensorAllocator,
     MHATokenToKVPool,
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
@@ -319,7 +320,8 @@ def test_budget_follows_psutil(monkeypatch):
 
 
 def test_host_tensor_allocator():
-    alloc = _memory.HostTensorAllocator()
+    assert HostTensorAllocator is _memory.HostTensorAllocator  # exported like SGLang's pool_host
+    alloc = HostTensorAllocator()
     t = alloc.allocate((3, 5), torch.bfloat16, "cpu")
     assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and bool((t == 0).all())
     with pytest.raises(

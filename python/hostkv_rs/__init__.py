@@ -6,6 +6,7 @@ Importing the package never touches CUDA: the core probes the driver only when a
 
 from hostkv_rs._core import TransferError, cuda_available, runtime_info
 from hostkv_rs._core import __version__ as __version__
+from hostkv_rs._memory import HostTensorAllocator
 from hostkv_rs.base import HostKVCache
 from hostkv_rs.device_pools import MHATokenToKVPool, MLATokenToKVPool
 from hostkv_rs.mha import (
@@ -20,6 +21,7 @@ __all__ = [
     "AsymmetricMHATokenToKVPoolHost",
     "DeepSeekV4PagedHostPool",
     "HostKVCache",
+    "HostTensorAllocator",
     "LogicalHostPool",
     "MHATokenToKVPool",
     "MHATokenToKVPoolHost",
