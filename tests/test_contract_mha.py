@@ -472,3 +472,16 @@ def test_dcp_slot_space_on_a_pool_without_transfers():
         _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0)
     _Transfers.dcp_aware_transfers = True
     assert _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0).size == 80
+
+
+@pytest.mark.parametrize("layer_id", [-1, L, 10**19])
+def test_out_of_range_layer_is_an_index_error_and_changes_nothing(layer_id):
+    dp = duck_mha_pool()
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, P, "page_first")
+    fill_random(host_planes(host), np.random.default_rng(4))
+    dev_before = snapshot_device(dp)
+    idx = torch.arange(P)
+    with pytest.raises(IndexError) as info:
+        host.load_to_device_per_layer(dp, idx, idx + P, layer_id, "kernel")
+    assert isinstance(info.value, TransferError)
+    assert_device_equal(dp, dev_before)

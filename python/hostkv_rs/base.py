@@ -218,12 +218,17 @@ def transfer_indices(host_indices, device_indices, io_backend: str, device: str)
     return as_index_array(host_indices, target), as_index_array(device_indices, target)
 
 
+class LayerIndexError(_core.TransferError, IndexError):
+    """A layer id outside the pools: a TransferError (nothing was copied) that is also the
+    IndexError SGLang's `k_buffer[layer_id]` would raise."""
+
+
 def check_layer_id(layer_id, device_layers_count: int, host_layers: int) -> int:
     """A local device layer id valid on both sides (Python would otherwise wrap negatives)."""
     layer = as_int("layer_id", layer_id)
     limit = min(device_layers_count, host_layers)
     if not 0 <= layer < limit:
-        raise _core.TransferError(
+        raise LayerIndexError(
             f"layer_id {layer} is out of range: the device pool has {device_layers_count} layers "
             f"and the host pool {host_layers}"
         )

@@ -12,6 +12,7 @@ from hostkv_rs import _core, _memory
 from hostkv_rs._indices import index_arg
 from hostkv_rs.base import (
     HostKVCache,
+    LayerIndexError,
     as_int,
     check_layer_count,
     check_layer_id,
@@ -246,7 +247,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             return layer, k_layers[layer], v_layers[layer]
         host_layer = as_int("layer_id", layer_id)
         if not self.target_layer_num <= host_layer < self.layer_num:
-            raise _core.TransferError(
+            raise LayerIndexError(
                 f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
                 f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
             )
