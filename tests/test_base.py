@@ -136,8 +136,9 @@ def test_dcp_and_mla_mtp_arguments_are_accepted_but_not_implemented():
         dp, 2.0, 0, 16, "layer_first", True, "cpu", "default", None, (), 1, 0, pool_label="x"
     )
     assert host.dcp_size == 1 and host.dcp_rank == 0
-    with pytest.raises(NotImplementedError, match="decode context parallelism"):
-        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
+    # MLA translates DCP slots in its transfers (test_contract_mla.py covers it).
+    dcp = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
+    assert (dcp.dcp_size, dcp.page_size, dcp.logical_page_size) == (2, 8, 16)
     with pytest.raises(NotImplementedError, match="MTP"):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
 

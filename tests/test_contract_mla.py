@@ -133,19 +133,38 @@ def test_dummy_pool_hands_out_slots_in_the_widened_space():
     assert host.available_size() == 240
 
 
+def test_dummy_pool_has_sglangs_default_allocator():
+    from hostkv_rs._memory import HostTensorAllocator
+
+    host = MLATokenToKVPoolHost(duck_mla(), 2.0, 0, 4, "layer_first", is_dummy=True)
+    assert isinstance(host.allocator, HostTensorAllocator) and host.fd is None
+
+
 def test_dummy_pool_refuses_a_rank_outside_the_group():
     dp = duck_mla(size=64, page_size=16)
     with pytest.raises(ValueError, match=re.escape("dcp_rank must lie in [0, 2), got 2")):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2, dcp_rank=2, is_dummy=True)
 
 
+def test_dcp_pool_sizes_per_rank_and_hands_out_logical_slots():
+    # §1.3 step 1: the widened page arrives; size/page_size/page_num are per-rank physical.
+    dp = duck_mla(size=64, page_size=4)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "page_first_direct", dcp_size=2, dcp_rank=1)
+    assert (host.dcp_size, host.dcp_rank, host.page_size) == (2, 1, 4)
+    assert (host.size, host.page_num) == (132, 33)
+    assert (host.logical_size, host.logical_page_size) == (264, 8)
+    assert host.kv_buffer.shape == (33, 3, 4, 1, 16)
+    assert host.alloc(16).tolist() == list(range(16))
+
+
 @pytest.mark.parametrize("backend,layout", MLA_PAIRS)
 def test_transfers_translate_logical_slots_to_this_ranks_physical_slots(backend, layout):
     # §3.4 / §4.1: load and backup pass both index tensors through maybe_dcp_kernel_indices
-    # (`idx[rank::dcp] // dcp`). The pool poses as rank 1 of 2 over its physical geometry.
+    # (`idx[rank::dcp] // dcp`) before any byte moves.
     P = 4
-    host, dp = host_and_device(layout, P)
-    host.dcp_size, host.dcp_rank = 2, 1
+    dp = duck_mla(page_size=P)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 2 * P, layout, dcp_size=2, dcp_rank=1)
+    assert host.page_size == P
     rng = np.random.default_rng(3)
     fill_random(host_planes(host), rng)
     fill_random([t.view(torch.uint8) for t in dp.kv_buffer], rng)
@@ -177,19 +196,26 @@ def test_transfers_translate_logical_slots_to_this_ranks_physical_slots(backend,
     host.load_to_device_per_layer(
         dp, torch.as_tensor(logical_host), torch.as_tensor(logical_dev), 2, backend
     )
-    rows = dp.kv_buffer[2].view(torch.uint8).reshape(dp.kv_buffer[2].shape[0], -1)
-    src = dp.kv_buffer[0].view(torch.uint8).reshape(dp.kv_buffer[0].shape[0], -1)
-    assert not src.any()  # only layer 2 was loaded
-    touched = set(phys_dev.tolist())
-    for d in range(rows.shape[0]):
-        if d not in touched:
-            assert not rows[d].any()
-    assert rows[sorted(touched)].any()
+    for layer, t in enumerate(dp.kv_buffer):
+        rows = t.view(torch.uint8).reshape(t.shape[0], -1)
+        for d in range(rows.shape[0]):
+            if layer == 2 and d in phys_dev:
+                (k,) = np.flatnonzero(phys_dev == d)
+                h = phys_host[k]
+                if layout == "layer_first":
+                    off = layer * S * T + h * T
+                elif layout == "page_first":
+                    off = h * L * T + layer * T
+                else:
+                    off = (h // P) * P * L * T + layer * P * T + (h % P) * T
+                assert_bytes_equal(rows[d].numpy(), want[off : off + T], f"device row {d}")
+            else:
+                assert not rows[d].any()
 
 
 def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
-    host, dp = host_and_device("layer_first")
-    host.dcp_size, host.dcp_rank = 2, 0
+    dp = duck_mla(page_size=4)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "layer_first", dcp_size=2, dcp_rank=0)
     before = snapshot_host(host)
     with pytest.raises(
         AssertionError,
@@ -203,9 +229,8 @@ def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
 
 
 def test_l3_pages_refuse_dcp_with_sglangs_text_and_write_nothing():
-    host, _ = host_and_device("layer_first")
+    host = MLATokenToKVPoolHost(duck_mla(page_size=4), 2.0, 0, 8, "layer_first", dcp_size=2)
     page = host.get_dummy_flat_data_page()
-    host.dcp_size = 2
     text = (
         "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped "
         "keys); --hicache-storage-backend with --dcp-size > 1 should have been rejected at "

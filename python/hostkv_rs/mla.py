@@ -17,6 +17,7 @@ from hostkv_rs.base import (
     check_layer_count,
     check_layer_id,
     device_layers,
+    get_allocator_from_storage,
     positive_int,
     refuse_layer_sharding,
     transfer_indices,
@@ -44,6 +45,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     """
 
     mtp_draft_device_pools: tuple = ()
+    # load/backup pass both index tensors through maybe_dcp_kernel_indices (SGLang §3.4).
+    dcp_aware_transfers = True
 
     def __init__(
         self,
@@ -165,7 +168,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self.pin_memory = pin_memory
         self.device = device
         self.allocator_type = allocator_type
-        self.allocator = None
+        self.allocator = get_allocator_from_storage(allocator_type, pool_label)
         self.dtype = device_pool.store_dtype
         self.size_per_token = self.get_size_per_token()
         if self.size_per_token <= 0:
@@ -185,7 +188,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self.kv_buffer = None
         self.data_refs = None
         self.data_ptrs = None
-        self.fd = None
+        self.fd = getattr(self.allocator, "fd", None)
         logger.info(
             "MLATokenToKVPoolHost dummy mode: allocator-only, size=%d tokens, saving %.2f GB "
             "host memory",
