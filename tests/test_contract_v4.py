@@ -72,6 +72,28 @@ def test_construction_logs_sglangs_allocation_line(caplog):
     ) in caplog.text
 
 
+def test_memory_check_reads_the_budget_where_sglang_imports_it(monkeypatch):
+    # SGLang's V4 pool imports host_memory_budget_bytes from pool_host.base.
+    from hostkv_rs import base
+
+    monkeypatch.setattr(base, "host_memory_budget_bytes", lambda: 3 * 5 * 48 - 1)
+    with pytest.raises(ValueError) as e:
+        make_pool(L=3, item=48, pages=5)
+    assert str(e.value) == (
+        "Not enough host memory for V4 paged pool c4_kv. Requesting 0.00 GB but only have "
+        "0.00 GB free."
+    )
+    monkeypatch.setattr(base, "host_memory_budget_bytes", lambda: 3 * 5 * 48)
+    assert make_pool(L=3, item=48, pages=5)[0].size == 10
+
+
+def test_allocator_is_sglangs_default_host_allocator():
+    from hostkv_rs._memory import HostTensorAllocator
+
+    pool, _ = make_pool()
+    assert isinstance(pool.allocator, HostTensorAllocator) and pool.fd is None
+
+
 def test_host_device_must_be_cpu():
     with pytest.raises(
         AssertionError,

@@ -17,8 +17,9 @@ import threading
 import torch
 
 from hostkv_rs import _core, _memory
+from hostkv_rs import base as pool_host_base
 from hostkv_rs._indices import as_index_array, index_arg
-from hostkv_rs.base import HostKVCache, as_int, synchronized
+from hostkv_rs.base import HostKVCache, as_int, get_allocator_from_storage, synchronized
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.device = device
         self.pin_memory = pin_memory
         self.allocator_type = allocator_type
-        self.allocator = None
-        self.fd = None
+        # SGLang's allocator object; the bytes themselves always come from a Rust HostRegion.
+        self.allocator = get_allocator_from_storage(allocator_type, pool_name)
+        self.fd = getattr(self.allocator, "fd", None)
         self.page_size = slot_page_size
         self.size = num_host_pages * slot_page_size
         self.logical_size = self.size
@@ -126,7 +128,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._device_rows = self._device_row_counts(device_buffers, item_bytes, "device buffer")
 
         requested_bytes = self.layer_num * num_host_pages * item_bytes
-        available_bytes = _memory.host_memory_budget_bytes()
+        # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
+        # `base.host_memory_budget_bytes` (or `_memory`'s) steers this check too.
+        available_bytes = pool_host_base.host_memory_budget_bytes()
         if requested_bytes > available_bytes:
             raise ValueError(
                 f"Not enough host memory for V4 paged pool {pool_name}. "
