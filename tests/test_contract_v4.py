@@ -294,3 +294,23 @@ def test_logical_free_refuses_non_integer_slots(bad):
     with pytest.raises(TypeError):
         pool.free(bad)
     assert pool.available_size() == 0 and pool.release_slots == []
+
+
+def test_out_of_range_layers_and_pages_are_also_sglangs_index_errors():
+    # SGLang indexes Python lists / tensors here, so callers may catch IndexError.
+    pool, dev = make_pool("page_first", L=3, pages=5, P=2)
+    before = rows_of(pool.kv_buffer, "page_first", 3, 48)
+    dev_before = [d.clone() for d in dev]
+    with pytest.raises(IndexError) as e:
+        pool.load_to_device_per_layer(None, tokens([0], 2), tokens([0], 2), 3, "kernel")
+    assert isinstance(e.value, TransferError) and isinstance(e.value, ValueError)
+    for call in (
+        lambda: pool.get_data_page(10),
+        lambda: pool.set_from_flat_data_page(-1, torch.zeros(3 * 48, dtype=torch.uint8)),
+        lambda: pool.get_page_buffer_meta(tokens([5], 2)),
+    ):
+        with pytest.raises(IndexError) as e:
+            call()
+        assert isinstance(e.value, ValueError)
+    assert torch.equal(rows_of(pool.kv_buffer, "page_first", 3, 48), before)
+    assert all(torch.equal(a, b) for a, b in zip(dev, dev_before))

@@ -19,7 +19,13 @@ import torch
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
 from hostkv_rs._indices import as_index_array, index_arg
-from hostkv_rs.base import HostKVCache, as_int, get_allocator_from_storage, synchronized
+from hostkv_rs.base import (
+    HostKVCache,
+    LayerIndexError,
+    as_int,
+    get_allocator_from_storage,
+    synchronized,
+)
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
@@ -57,6 +63,11 @@ _C4_VALUE_BYTES = 576
 _C4_SCALE_BYTES = 8
 _C4_ROW_BYTES = -(-(_C4_VALUE_BYTES + _C4_SCALE_BYTES) * _C4_PAGE_TOKENS // 576) * 576
 _C4_SCALE_OFFSET = _C4_VALUE_BYTES * _C4_PAGE_TOKENS
+
+
+class PageIndexError(ValueError, IndexError):
+    """A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]`
+    raises for the same call."""
 
 
 def _index_tensor(indices) -> torch.Tensor:
@@ -545,7 +556,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return list(range(self.layer_num))
         layer = as_int("layer_id", layer_id)
         if not 0 <= layer < self.layer_num:
-            raise ValueError(
+            raise LayerIndexError(
                 f"{self.pool_name} layer_id {layer_id} out of range [0, {self.layer_num})"
             )
         return [layer]
@@ -590,7 +601,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         index = as_int("index", index)
         row = index // self.slot_page_size
         if index < 0 or row >= self.num_host_pages:
-            raise ValueError(f"{self.pool_name} page index {index} out of range [0, {self.size})")
+            raise PageIndexError(
+                f"{self.pool_name} page index {index} out of range [0, {self.size})"
+            )
         return row
 
     def get_data_page(self, index, flat=True):
@@ -647,7 +660,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         rows = self._to_page_rows(indices).tolist()
         for row, first in zip(rows, indices[::P].tolist()):
             if first < 0 or row >= self.num_host_pages:
-                raise ValueError(
+                raise PageIndexError(
                     f"{self.pool_name} page index {first} out of range [0, {self.size})"
                 )
         ptr_list = []
