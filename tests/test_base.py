@@ -130,7 +130,7 @@ def test_budget_formula(monkeypatch):
     assert _memory.host_memory_budget_bytes() == 10 * 1024**3
 
 
-def test_dcp_and_mla_mtp_arguments_are_accepted_but_not_implemented():
+def test_mla_dcp_and_mtp_arguments_are_accepted():
     dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
     host = MLATokenToKVPoolHost(
         dp, 2.0, 0, 16, "layer_first", True, "cpu", "default", None, (), 1, 0, pool_label="x"
@@ -139,8 +139,9 @@ def test_dcp_and_mla_mtp_arguments_are_accepted_but_not_implemented():
     # MLA translates DCP slots in its transfers (test_contract_mla.py covers it).
     dcp = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
     assert (dcp.dcp_size, dcp.page_size, dcp.logical_page_size) == (2, 8, 16)
-    with pytest.raises(NotImplementedError, match="MTP"):
-        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
+    # MLA packs MTP draft layers (test_contract_mla.py covers it).
+    mtp = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
+    assert (mtp.target_layer_num, mtp.layer_num) == (LAYERS, LAYERS + 1)
 
 
 def test_dcp_page_size_assert_text():

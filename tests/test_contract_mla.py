@@ -322,3 +322,58 @@ def test_hostile_indices_raise_and_change_nothing(backend, layout, case):
     assert_bytes_equal(snapshot_host(host)[0], host_before[0], "host")
     for got, want in zip(snapshot_device(dp)[0], dev_before[0]):
         assert_bytes_equal(got, want, "device")
+
+
+# ---- MTP draft packing -----------------------------------------------------------------------
+
+
+def test_mtp_draft_layers_are_packed_after_the_target_layers(caplog):
+    # §1.4 log, §2.3 packed tables, §3.1 draft loads (is_draft, device layer 0), §3.4 backup.
+    P = 4
+    target = duck_mla(page_size=P, layers=3)
+    drafts = [duck_mla(page_size=P, layers=1) for _ in range(2)]
+    with caplog.at_level(logging.INFO):
+        host = MLATokenToKVPoolHost(target, 2.0, 0, P, "page_first", mtp_draft_device_pools=drafts)
+    assert (host.target_layer_num, host.layer_num) == (3, 5)
+    assert host.size_per_token == 16 * 2 * 5
+    assert "packed MTP KV layers: target_layers=3, draft_layers=2, total_layers=5." in caplog.text
+    packed = target.kv_buffer + [d.kv_buffer[0] for d in drafts]
+    assert [t.data_ptr() for t in host.packed_device_kv_buffers] == [t.data_ptr() for t in packed]
+    assert host.packed_device_data_ptrs.dtype == torch.uint64
+    assert host.packed_device_data_ptrs.tolist() == [t.data_ptr() for t in packed]
+
+    rng = np.random.default_rng(4)
+    fill_random([t.view(torch.uint8) for t in packed], rng)
+    h, d = torch.arange(8, 12), torch.arange(4, 8)
+    host.backup_from_device_all_layer(target, h, d, "kernel")
+    T, L = host.token_stride_size, host.layer_num
+    flat = snapshot_host(host)[0]
+    for layer, t in enumerate(packed):
+        rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+        for hh, dd in zip(h.tolist(), d.tolist()):
+            off = hh * L * T + layer * T  # page_first
+            assert_bytes_equal(flat[off : off + T], rows[dd], f"host layer {layer} slot {hh}")
+
+    for t in packed:
+        t.zero_()
+    host.load_to_device_per_layer(drafts[1], h, d + 4, 4, "kernel", is_draft=True)
+    rows = drafts[1].kv_buffer[0].view(torch.uint8).reshape(drafts[1].kv_buffer[0].shape[0], -1)
+    for hh, dd in zip(h.tolist(), (d + 4).tolist()):
+        off = hh * L * T + 4 * T
+        assert_bytes_equal(rows[dd].numpy(), flat[off : off + T], f"draft row {dd}")
+    assert not any(t.any() for t in target.kv_buffer + drafts[0].kv_buffer)
+
+    with pytest.raises(IndexError, match="not a packed MTP draft layer"):
+        host.load_to_device_per_layer(drafts[0], h, d, 1, "kernel", is_draft=True)
+
+
+def test_mtp_backup_needs_one_layer_per_draft_pool():
+    P = 4
+    target, two_layer_draft = duck_mla(page_size=P, layers=3), duck_mla(page_size=P, layers=2)
+    host = MLATokenToKVPoolHost(
+        target, 2.0, 0, P, "layer_first", mtp_draft_device_pools=[two_layer_draft]
+    )
+    before = snapshot_host(host)[0]
+    with pytest.raises(ValueError, match="5 layers but the host pool holds 4"):
+        host.backup_from_device_all_layer(target, torch.arange(4), torch.arange(4), "direct")
+    assert_bytes_equal(snapshot_host(host)[0], before, "host after a refused MTP backup")

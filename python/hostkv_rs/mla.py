@@ -13,6 +13,7 @@ from hostkv_rs import _core, _memory
 from hostkv_rs._indices import index_arg
 from hostkv_rs.base import (
     HostKVCache,
+    LayerIndexError,
     as_int,
     check_layer_count,
     check_layer_id,
@@ -23,7 +24,7 @@ from hostkv_rs.base import (
     transfer_indices,
 )
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.mha import _not_implemented_mtp, _pin_dummy_pages
+from hostkv_rs.mha import _pin_dummy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     `is_dummy=True` sizes the pool and runs the slot allocator without allocating any bytes
     (`kv_buffer = data_refs = data_ptrs = None`); transfers on it fail SGLang's asserts.
+
+    MTP packing: with `mtp_draft_device_pools` the host holds the target's layers followed by one
+    layer per draft pool; backups read the packed device layer lists, and a draft load comes with
+    `is_draft=True`, `layer_id = target_layer_num + k` and the draft device pool. DCP: slots are
+    logical (widened) and transfers translate them to this rank's physical slots.
     """
 
     mtp_draft_device_pools: tuple = ()
@@ -69,8 +75,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self.override_kv_cache_dim = override_kv_cache_dim
         self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
         self._is_dummy = bool(is_dummy)
-        if self.mtp_draft_device_pools:
-            raise _not_implemented_mtp()
         if self._is_dummy:
             self._init_dummy(
                 device_pool,
@@ -113,6 +117,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             dtype=torch.uint64,
             device=self.device_pool.device,
         )
+        self._init_packed_device_tables()
         self._pool_core = _core.PoolCore(
             self.layout,
             self.layer_num,
@@ -121,6 +126,20 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             [self.token_stride_size],
             [self.kv_buffer.data_ptr()],
             1,
+        )
+
+    def _init_packed_device_tables(self) -> None:
+        """MTP packing (G-Aug26): the host holds the target's layers followed by one layer per
+        draft pool, and backups read the target pool's layers followed by every draft pool's
+        (SGLang's packed_device_* tables; absent without drafts)."""
+        if not self.mtp_draft_device_pools:
+            return
+        pools = (self.device_pool, *self.mtp_draft_device_pools)
+        self.packed_device_kv_buffers = [t for pool in pools for t in pool.kv_buffer]
+        self.packed_device_data_ptrs = torch.tensor(
+            [t.data_ptr() for t in self.packed_device_kv_buffers],
+            dtype=torch.uint64,
+            device=self.device_pool.device,
         )
 
     def _no_write_back_staging(self) -> None:
@@ -286,18 +305,33 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
         return host_idx, dev_idx
 
+    def _load_layers(self, device_pool, layer_id, is_draft):
+        """(host layer, device layer tensor) of one per-layer load. A draft call (`is_draft`,
+        `layer_id = target_layer_num + k`) reads host layer `layer_id` into layer 0 of the draft
+        device pool it is given, as SGLang's MTP packing does."""
+        layers = list(device_pool.kv_buffer)
+        if not is_draft:
+            layer = check_layer_id(layer_id, len(layers), self.layer_num)
+            return layer, layers[layer]
+        host_layer = as_int("layer_id", layer_id)
+        if not self.target_layer_num <= host_layer < self.layer_num:
+            raise LayerIndexError(
+                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
+                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
+            )
+        if not layers:
+            raise _core.TransferError("the draft device pool has no layers")
+        return host_layer, layers[0]
+
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         if self._is_dummy:
             raise AssertionError("load on a dummy (non-src MLA) host pool")
         self._check_io(io_backend)
-        if is_draft:
-            raise _not_implemented_mtp()
         core = self._live_core()
-        layers = list(device_pool.kv_buffer)
-        layer = check_layer_id(layer_id, len(layers), self.layer_num)
-        dev = device_layers([[layers[layer]]], [self.token_stride_size], "device pool")
+        layer, device_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
+        dev = device_layers([[device_layer]], [self.token_stride_size], "device pool")
         host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.load(
             io_backend,
@@ -316,7 +350,12 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
         self._check_io(io_backend)
         core = self._live_core()
-        layers = check_layer_count("device pool kv_buffer", device_pool.kv_buffer, self.layer_num)
+        if self.mtp_draft_device_pools:
+            # SGLang then reads the packed tables and ignores `device_pool`.
+            what, layers = "packed target + MTP draft device pools", self.packed_device_kv_buffers
+        else:
+            what, layers = "device pool", device_pool.kv_buffer
+        layers = check_layer_count(f"{what} kv_buffer", layers, self.layer_num)
         dev = device_layers([layers], [self.token_stride_size], "device pool")
         host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.backup(
