@@ -377,3 +377,22 @@ def test_mtp_backup_needs_one_layer_per_draft_pool():
     with pytest.raises(ValueError, match="5 layers but the host pool holds 4"):
         host.backup_from_device_all_layer(target, torch.arange(4), torch.arange(4), "direct")
     assert_bytes_equal(snapshot_host(host)[0], before, "host after a refused MTP backup")
+
+
+@pytest.mark.parametrize("backend", [["kernel"], None, 3])
+def test_odd_backend_values_get_sglangs_value_error(backend):
+    host, dp = host_and_device("layer_first")
+    idx = torch.arange(4)
+    with pytest.raises(ValueError, match=re.escape(f"Unsupported IO backend: {backend}")):
+        host.backup_from_device_all_layer(dp, idx, idx + 4, backend)
+    with pytest.raises(ValueError, match=re.escape(f"Unsupported IO backend: {backend}")):
+        host.load_to_device_per_layer(dp, idx, idx + 4, 0, backend)
+
+
+@pytest.mark.parametrize("layout, aligned", [("layer_first", False), ("page_first", True)])
+def test_stride_page_alignment_uses_the_page_stride(layout, aligned):
+    # §4.3: P * L * C * e = 16 * 4 * 32 * 2 = 4096 bytes per page.
+    dp = duck_mla(size=64, page_size=16, layers=4, rank=28, rope=4)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, layout)
+    assert host.is_stride_page_aligned() is aligned
+    assert host.is_stride_page_aligned(8192) is False

@@ -314,3 +314,18 @@ def test_out_of_range_layers_and_pages_are_also_sglangs_index_errors():
         assert isinstance(e.value, ValueError)
     assert torch.equal(rows_of(pool.kv_buffer, "page_first", 3, 48), before)
     assert all(torch.equal(a, b) for a, b in zip(dev, dev_before))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unhashable_backend_gets_the_v4_value_error(layout):
+    pool, _ = make_pool(layout)
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(None, tokens([0], 2), tokens([0], 2), ["kernel"])
+    assert str(e.value) == f"Unsupported V4 paged host layout/backend: {layout}/['kernel']"
+
+
+@pytest.mark.parametrize("layout, aligned", [("layer_first", False), ("page_first", True)])
+def test_stride_page_alignment_uses_the_page_row(layout, aligned):
+    # §4.3: L * item_bytes = 4 * 1024 = 4096 bytes per page row.
+    pool, _ = make_pool(layout, L=4, item=1024, pages=3)
+    assert pool.is_stride_page_aligned() is aligned

@@ -288,7 +288,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     # ----------------------------------------------------------------- transfers
 
     def _check_io(self, io_backend: str):
-        if io_backend in _SUPPORTED:
+        # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
+        if isinstance(io_backend, str) and io_backend in _SUPPORTED:
             if self.layout not in _SUPPORTED[io_backend]:
                 raise ValueError(f"Unsupported layout: {self.layout}")
         elif io_backend == "kernel_ascend":

@@ -477,7 +477,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"page_first_direct layout, got {self.layout!r}"
                 )
             backend = "direct"
-        elif (io_backend, self.layout) in _PAGE_PAIRS:
+        elif isinstance(io_backend, str) and (io_backend, self.layout) in _PAGE_PAIRS:
             backend = io_backend
         else:
             raise self._unsupported(io_backend)
