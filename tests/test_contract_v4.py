@@ -329,3 +329,13 @@ def test_stride_page_alignment_uses_the_page_row(layout, aligned):
     # §4.3: L * item_bytes = 4 * 1024 = 4096 bytes per page row.
     pool, _ = make_pool(layout, L=4, item=1024, pages=3)
     assert pool.is_stride_page_aligned() is aligned
+
+
+def test_meta_device_buffers_build_but_cannot_transfer():
+    dev = [torch.zeros(4, 48, dtype=torch.uint8, device="meta") for _ in range(2)]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, 48, 3, 2)
+    assert pool.gpu_device.type == "meta" and pool.size == 6
+    with pytest.raises(ValueError, match="must be on CPU or CUDA"):
+        pool.backup_from_device_all_layer(None, tokens([0], 2), tokens([1], 2), "direct")
+    with pytest.raises(ValueError, match="must be on CPU or CUDA"):
+        pool.load_to_device_per_layer(None, tokens([0], 2), tokens([1], 2), 0, "direct")

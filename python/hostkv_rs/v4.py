@@ -464,6 +464,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if pair is None:
             return None
         host, dev = pair
+        if self.gpu_device.type not in ("cpu", "cuda"):
+            # The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
+            raise ValueError(
+                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
+                f"got {self.gpu_device}"
+            )
         if host.numel() % self.slot_page_size != 0:
             if io_backend not in _TOKEN_BACKENDS or self.layout != "layer_first":
                 raise self._unsupported(io_backend)
