@@ -321,10 +321,10 @@ def test_console_script_entry_point():
     assert cli.build_parser().prog == "hostkv-rs"
 
 
-def test_bench_runs_merge_rows_by_median():
+def test_bench_runs_keep_each_measurement_at_its_best():
     from hostkv_rs import bench
 
-    def row(pages, gbps, us):
+    def row(pages, gbps, torch_gbps, us):
         return {
             "pool": "mha",
             "layout": "layer_first",
@@ -334,13 +334,17 @@ def test_bench_runs_merge_rows_by_median():
             "pages": pages,
             "bytes": 4096,
             "gbps": gbps,
+            "torch_gbps": torch_gbps,
             "us_per_call": us,
         }
 
-    runs = [[row(1, 1.0, 9.0), row(4, 5.0, 1.0)], [row(1, 100.0, 3.0)], [row(1, 2.0, 5.0)]]
-    merged = bench._median_rows(runs, bench._ROW_KEY)
-    assert [(r["pages"], r["gbps"], r["us_per_call"], r["runs"]) for r in merged] == [
-        (1, 2.0, 5.0, 3),
-        (4, 5.0, 1.0, 1),
+    runs = [
+        [row(1, 1.0, 7.0, 9.0), row(4, 5.0, 1.0, 1.0)],
+        [row(1, 3.0, 2.0, 3.0)],
+        [row(1, 2.0, 0.5, 5.0)],
     ]
-    assert merged[0]["bytes"] == 4096  # integers are identities of the row, not averaged
+    merged = bench._best_rows(runs, bench._ROW_KEY)
+    assert [
+        (r["pages"], r["gbps"], r["torch_gbps"], r["us_per_call"], r["runs"]) for r in merged
+    ] == [(1, 3.0, 7.0, 3.0, 3), (4, 5.0, 1.0, 1.0, 1)]
+    assert merged[0]["bytes"] == 4096  # integers identify the row; they are not merged

@@ -684,9 +684,10 @@ _ROW_KEY = ("pool", "layout", "backend", "op", "item_bytes", "pages")
 _FOUNDATION_KEY = ("what",)
 
 
-def _median_rows(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
-    """Rows of several runs merged by `key`: every float field becomes its median across the runs
-    that measured the row (order of the first run)."""
+def _best_rows(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
+    """Rows of several runs merged by `key`, each measurement at its best run: the highest GB/s
+    and the lowest time per call (order of the first run). Other work on the machine only ever
+    adds time, so the best of several medians is the closest to an undisturbed one."""
     merged: dict[tuple, list[dict]] = {}
     for rows in runs:
         for row in rows:
@@ -694,17 +695,18 @@ def _median_rows(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
     out = []
     for group in merged.values():
         row = dict(group[0])
-        for field_name, value in group[0].items():
+        for name, value in group[0].items():
             if isinstance(value, float):
-                row[field_name] = median([g[field_name] for g in group])
+                pick = max if name.endswith("gbps") else min
+                row[name] = pick(g[name] for g in group)
         row["runs"] = len(group)
         out.append(row)
     return out
 
 
 def run_many(matrix: Matrix, runs: int, **kwargs) -> dict:
-    """`runs` complete runs of the matrix; each number is the median over the runs (a shared
-    machine's bursts of other work then spoil one run's sample of a row, not the table)."""
+    """`runs` complete runs of the matrix, merged with `_best_rows` (a burst of other work on a
+    shared machine then spoils one run's sample of a row, not the table)."""
     reports = [run(matrix, **kwargs) for _ in range(max(runs, 1))]
     if len(reports) == 1:
         return reports[0]
@@ -712,8 +714,8 @@ def run_many(matrix: Matrix, runs: int, **kwargs) -> dict:
     out["machine"] = reports[0]["machine"]
     out["runs"] = len(reports)
     out["truncated"] = any(r["truncated"] for r in reports)
-    out["results"] = _median_rows([r["results"] for r in reports], _ROW_KEY)
-    out["foundation"] = _median_rows([r["foundation"] for r in reports], _FOUNDATION_KEY)
+    out["results"] = _best_rows([r["results"] for r in reports], _ROW_KEY)
+    out["foundation"] = _best_rows([r["foundation"] for r in reports], _FOUNDATION_KEY)
     return out
 
 
@@ -814,7 +816,10 @@ def format_table(report: dict) -> str:
         ),
     ]
     if report.get("runs", 1) > 1:
-        lines.append(f"(each number: median over {report['runs']} runs of the whole matrix)")
+        lines.append(
+            f"(each number: the best of {report['runs']} runs of the whole matrix, each run "
+            "taking the median of its repeats)"
+        )
     if report.get("truncated"):
         lines.append("(stopped early: --max-seconds reached)")
     return "\n".join(lines)

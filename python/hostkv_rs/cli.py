@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--runs",
         type=positive_int,
         default=1,
-        help="repeat the whole matrix N times and report per-row medians (for busy machines)",
+        help="run the whole matrix N times and keep each number's best run (for busy machines)",
     )
     bench.add_argument(
         "--markdown", action="store_true", help="print the tables as Markdown instead"
