@@ -37,10 +37,14 @@ typedef unsigned int hkv_u32;
 #define HKV_SIDE_HOST 0
 #define HKV_SIDE_DEVICE 1
 
-// Error record shared by every launch of a process (host-mapped pinned memory on a GPU): the
-// first bad device-resident index wins `flag` and fills value/bound/side; the host reports it
-// (check_device_errors) and clears `flag`. abort_ring[seq % HKV_ABORT_RING] == seq tells the copy
-// kernel of launch `seq` that its index check failed, so it writes nothing at all.
+// Error record shared by every launch of a process (host-mapped pinned memory on a GPU). The
+// first bad device-resident index claims `flag` (0 -> HKV_FLAG_CLAIMED, compare-and-swap), fills
+// value/bound/side, fences, then publishes (flag = HKV_FLAG_PUBLISHED). The host reads the record
+// without synchronising, so it reports only a published record (a claimed one may still have
+// half-written fields) and then clears `flag` back to 0. abort_ring[seq % HKV_ABORT_RING] == seq
+// tells the copy kernel of launch `seq` that its index check failed, so it writes nothing at all.
+#define HKV_FLAG_CLAIMED 1ULL
+#define HKV_FLAG_PUBLISHED 2ULL
 struct HkvErrorRecord {
     hkv_u64 flag;
     hkv_u64 value;
@@ -194,11 +198,14 @@ __device__ __forceinline__ void hkv_record_bad_index(const HkvParams& p, long lo
         return;
     }
     HkvErrorRecord* rec = reinterpret_cast<HkvErrorRecord*>(p.err);
-    if (atomicCAS(&rec->flag, 0ULL, 1ULL) == 0ULL) {
+    if (atomicCAS(&rec->flag, 0ULL, HKV_FLAG_CLAIMED) == 0ULL) {
         volatile HkvErrorRecord* v = rec;
         v->value = static_cast<hkv_u64>(value);
         v->bound = bound;
         v->side = side;
+        // The fields must reach host memory before the host can see the record as published.
+        __threadfence_system();
+        v->flag = HKV_FLAG_PUBLISHED;
     }
     if (p.abort_seq != 0) {
         volatile hkv_u64* ring = rec->abort_ring;

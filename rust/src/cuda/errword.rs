@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 
 use super::driver::check;
-use super::params::{bad_index_message, HkvErrorRecord};
+use super::params::{bad_index_message, HkvErrorRecord, FLAG_PUBLISHED};
 use crate::error::{Error, Result};
 
 struct Record {
@@ -60,7 +60,7 @@ pub(crate) fn device_ptr() -> Result<u64> {
     Ok(d)
 }
 
-/// Reports (and clears) a bad index recorded by a finished kernel.
+/// Reports (and clears) a bad index recorded by a kernel, once the kernel has published it.
 pub(crate) fn take() -> Result<()> {
     let host = {
         let guard = RECORD.lock().unwrap_or_else(|p| p.into_inner());
@@ -69,19 +69,61 @@ pub(crate) fn take() -> Result<()> {
             Some(r) => r.host as *mut HkvErrorRecord,
         }
     };
-    // SAFETY: the record lives for the whole process; kernels write it concurrently, hence the
-    // volatile accesses (the GPU side uses an atomic compare-and-swap on `flag`).
-    unsafe {
-        let flag = std::ptr::addr_of_mut!((*host).flag);
-        if flag.read_volatile() == 0 {
-            return Ok(());
-        }
-        let side = std::ptr::addr_of!((*host).side).read_volatile();
-        let value = std::ptr::addr_of!((*host).value).read_volatile();
-        let bound = std::ptr::addr_of!((*host).bound).read_volatile();
-        flag.write_volatile(0);
-        Err(Error::InvalidTransfer(bad_index_message(
-            side, value, bound,
-        )))
+    // SAFETY: the record lives for the whole process.
+    unsafe { take_from(host) }
+}
+
+/// # Safety
+/// `host` points at a live, 8-byte aligned record that kernels may be writing concurrently.
+unsafe fn take_from(host: *mut HkvErrorRecord) -> Result<()> {
+    // `flag` is read with acquire ordering, so the fields a kernel wrote before publishing the
+    // record (fields, system fence, then flag = PUBLISHED) are read whole.
+    let flag = &*(std::ptr::addr_of!((*host).flag) as *const AtomicU64);
+    if flag.load(Ordering::Acquire) != FLAG_PUBLISHED {
+        // 0: nothing to report; CLAIMED: a kernel is still filling it in (reported later).
+        return Ok(());
+    }
+    let side = std::ptr::addr_of!((*host).side).read_volatile();
+    let value = std::ptr::addr_of!((*host).value).read_volatile();
+    let bound = std::ptr::addr_of!((*host).bound).read_volatile();
+    // Only one caller reports a given record (two Python threads may ask at once).
+    if flag
+        .compare_exchange(FLAG_PUBLISHED, 0, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return Ok(());
+    }
+    Err(Error::InvalidTransfer(bad_index_message(
+        side, value, bound,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::params::ABORT_RING;
+    use super::*;
+
+    #[test]
+    fn only_a_published_record_is_reported_and_only_once() {
+        let mut rec = Box::new(HkvErrorRecord {
+            flag: 1,
+            value: 77,
+            bound: 10,
+            side: 1,
+            abort_ring: [0; ABORT_RING],
+        });
+        let p: *mut HkvErrorRecord = &mut *rec;
+        // Claimed by a kernel that has not finished writing: not reported, not cleared.
+        assert!(unsafe { take_from(p) }.is_ok());
+        assert_eq!(unsafe { (*p).flag }, 1);
+        unsafe { (*p).flag = FLAG_PUBLISHED };
+        let e = unsafe { take_from(p) }.unwrap_err();
+        assert!(matches!(e, Error::InvalidTransfer(_)));
+        assert!(
+            e.to_string().starts_with("device index 77 ") && e.to_string().contains("[0, 10)"),
+            "{e}"
+        );
+        assert_eq!(unsafe { (*p).flag }, 0);
+        assert!(unsafe { take_from(p) }.is_ok());
     }
 }

@@ -57,6 +57,9 @@ pub(crate) struct HkvErrorRecord {
 }
 
 pub(crate) const SIDE_HOST: u64 = 0;
+/// `HkvErrorRecord::flag` once a kernel has filled in the fields (`HKV_FLAG_PUBLISHED`); 1 means
+/// claimed and still being written.
+pub(crate) const FLAG_PUBLISHED: u64 = 2;
 
 /// Parameters plus what they still need placed in device-visible memory.
 pub(crate) struct Marshalled {
@@ -88,7 +91,13 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
     let planes = to_u32("planes", c.nplanes as u64)?;
     let layer_count = to_u32("layers per transfer", c.layer_count)?;
     let nptrs = planes as u64 * layer_count as u64;
-    to_u32("planes x layers", nptrs)?;
+    // The copy kernel advances its task counter as (i, r) with r + step < 2 * nptrs in 32 bits.
+    if nptrs > i32::MAX as u64 {
+        return Err(Error::Unsupported(format!(
+            "the CUDA kernel path supports planes x layers up to {}; got {nptrs}",
+            i32::MAX
+        )));
+    }
     let mut params = Box::new(HkvParams {
         dev_ptrs: [0; INLINE_PTRS],
         dev_table: 0,
