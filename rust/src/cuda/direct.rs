@@ -8,6 +8,7 @@
 //! signature fixed at build time (SGLang's segfault, issues #21869 / #36302).
 
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
@@ -66,9 +67,14 @@ fn batch_fn(driver_version: i32) -> Batch {
     })
 }
 
+/// Set once the driver answered CUDA_ERROR_NOT_SUPPORTED: later calls go straight to the
+/// per-copy path instead of asking again.
+static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
+
 /// `HOSTKV_DIRECT_BATCH=0` forces the per-copy path (a diagnostic switch).
 fn batch_enabled() -> bool {
-    std::env::var("HOSTKV_DIRECT_BATCH").map_or(true, |v| v.trim() != "0")
+    !BATCH_REFUSED.load(Ordering::Relaxed)
+        && std::env::var("HOSTKV_DIRECT_BATCH").map_or(true, |v| v.trim() != "0")
 }
 
 const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
@@ -140,7 +146,8 @@ fn submit(ops: &[CopyOp], to_host: bool, stream: u64, driver_version: i32) -> Re
                 }
             };
             if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
-                // This driver/platform cannot batch: copy one by one instead.
+                // This driver/platform cannot batch: copy one by one, now and from now on.
+                BATCH_REFUSED.store(true, Ordering::Relaxed);
                 return per_copy(ops, s);
             }
             if rc != 0 {
@@ -205,7 +212,8 @@ fn host_copy(idx: &IndexArray, stream: u64) -> Result<Vec<u8>> {
 }
 
 pub(crate) fn run(req: &TransferRequest, stream: u64, driver_version: i32) -> Result<()> {
-    probe::bind_context(req.device.layer_ptrs.first().copied())?;
+    // Held to the end: the copies and the index reads must run in the pointers' context.
+    let _ctx = probe::bind_context(req.device.layer_ptrs.first().copied())?;
     // Keep the host copies alive until the plan is built.
     let host_buf = req
         .host_idx

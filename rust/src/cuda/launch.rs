@@ -2,7 +2,7 @@
 //! oversized layer table) in staging memory, then launch the index check (when some indices
 //! live on the GPU) and the copy kernel on the caller's stream.
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 
@@ -78,13 +78,45 @@ fn launch(f: sys::CUfunction, p: &HkvParams, grid: u32, stream: sys::CUstream) -
     )
 }
 
+/// Every device layer pointer and GPU-resident index array must be on the device whose context
+/// runs the kernel; the kernel could not read another GPU's memory (no peer mapping is set up)
+/// and would fault. Pointers the driver cannot place are left to the caller's contract.
+fn check_same_device(ordinal: c_int, req: &TransferRequest) -> Result<()> {
+    let refuse = |what: String, p: u64, o: c_int| {
+        Err(Error::InvalidTransfer(format!(
+            "{what} ({p:#x}) is on CUDA device {o}, but this transfer runs on device {ordinal} \
+             (the device of the first device layer): every device tensor and GPU-resident index \
+             array of one transfer must be on the same device"
+        )))
+    };
+    for (k, &p) in req.device.layer_ptrs.iter().enumerate() {
+        match probe::pointer_device(p) {
+            Some(o) if o != ordinal => return refuse(format!("device layer pointer {k}"), p, o),
+            _ => {}
+        }
+    }
+    for (side, idx) in [("host", &req.host_idx), ("device", &req.dev_idx)] {
+        if idx.on_device && idx.len > 0 {
+            match probe::pointer_device(idx.ptr) {
+                Some(o) if o != ordinal => {
+                    return refuse(format!("the GPU-resident {side} index array"), idx.ptr, o)
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn run(
     req: &TransferRequest,
     c: &Checked,
     stream: sys::CUstream,
     pr: &Probe,
 ) -> Result<()> {
-    let ctx = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+    // Held to the end of the call: module, staging, launches and the event all belong to it.
+    let scope = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+    let ctx = scope.ctx();
     let ordinal = probe::current_device()?;
     if let Some(d) = pr.devices.get(ordinal as usize) {
         if !d.unified_addressing {
@@ -94,6 +126,7 @@ pub(crate) fn run(
             )));
         }
     }
+    check_same_device(ordinal, req)?;
     let quota = params::block_quota()?;
     let kernels = module::kernels(ctx, pr.driver_version)?;
     let mut m = params::marshal(req, c)?;
@@ -117,14 +150,16 @@ pub(crate) fn run(
     let off_host = align16(table_bytes);
     let off_dev = off_host + align16(host_idx_bytes);
     let total = off_dev + align16(dev_idx_bytes);
+    m.params.err = errword::device_ptr()?;
     let lease = if total > 0 {
         Some(staging::acquire(ctx, total)?)
     } else {
         None
     };
     if let Some(l) = &lease {
-        // SAFETY: the lease is `total` bytes of host memory; the caller keeps the index arrays
-        // (validated by plan::validate) alive for this call.
+        // SAFETY: the lease is `total` bytes of host memory that no queued kernel reads any
+        // more (staging::acquire); the caller keeps the index arrays (validated by
+        // plan::validate) alive for this call, and they are copied before it returns.
         unsafe {
             if let Some(t) = &m.table {
                 std::ptr::copy_nonoverlapping(t.as_ptr().cast::<u8>(), l.host, table_bytes);
@@ -149,28 +184,24 @@ pub(crate) fn run(
         }
     }
 
-    let result = (|| {
-        m.params.err = errword::device_ptr()?;
-        if req.host_idx.on_device || req.dev_idx.on_device {
-            m.params.abort_seq = errword::next_seq();
-            launch(
-                kernels.check,
-                &m.params,
-                params::check_grid(m.params.n, quota),
-                stream,
-            )?;
-        }
-        launch(
-            kernels.transfer,
-            &m.params,
-            params::transfer_grid(m.tasks, quota),
-            stream,
-        )
-    })();
+    let mut launched = false;
+    let mut result = Ok(());
+    if req.host_idx.on_device || req.dev_idx.on_device {
+        m.params.abort_seq = errword::next_seq();
+        let grid = params::check_grid(m.params.n, quota);
+        result = launch(kernels.check, &m.params, grid, stream);
+        launched = result.is_ok();
+    }
+    if result.is_ok() {
+        let grid = params::transfer_grid(m.tasks, quota);
+        result = launch(kernels.transfer, &m.params, grid, stream);
+        launched |= result.is_ok();
+    }
     if let Some(l) = lease {
-        // Even after a failed launch the check kernel may be queued: keep the buffer busy
-        // until the stream passes this point.
-        staging::release(l, Some(stream))?;
+        // Once anything was queued the buffer stays busy until the stream passes this point;
+        // if nothing was, it is free at once.
+        let released = staging::release(l, launched.then_some(stream));
+        result = result.and(released);
     }
     result
 }

@@ -237,46 +237,113 @@ pub(crate) fn describe(p: &Probe) -> String {
 /// the CUDA runtime does).
 static PRIMARY: Mutex<Option<HashMap<i32, usize>>> = Mutex::new(None);
 
-/// Makes a context current on this thread and returns it: the current one if the caller (torch)
-/// already has one, else the primary context of the device owning `hint` (or device 0).
-pub(crate) fn bind_context(hint: Option<u64>) -> Result<sys::CUcontext> {
-    // SAFETY: driver calls with valid out-pointers; called only when `ready()` succeeded.
+/// The primary context of device `ordinal` (the one torch and every CUDA runtime user share),
+/// retained on first use.
+fn primary(ordinal: c_int) -> Result<sys::CUcontext> {
+    let mut guard = lock(&PRIMARY);
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(&c) = map.get(&ordinal) {
+        return Ok(c as sys::CUcontext);
+    }
+    let mut dev: sys::CUdevice = 0;
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointers.
     unsafe {
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
-        if !ctx.is_null() {
-            return Ok(ctx);
+        check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+        check(
+            sys::cuDevicePrimaryCtxRetain(&mut c, dev),
+            "cuDevicePrimaryCtxRetain",
+        )?;
+    }
+    map.insert(ordinal, c as usize);
+    Ok(c)
+}
+
+/// The device ordinal owning `ptr` (device memory, or memory the driver maps), when the driver
+/// can tell.
+pub(crate) fn pointer_device(ptr: u64) -> Option<c_int> {
+    let mut o: c_int = -1;
+    // SAFETY: valid out-pointer for a 32-bit attribute; the driver only looks the address up.
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut o as *mut c_int).cast(),
+            sys::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (rc == Cu::CUDA_SUCCESS && o >= 0).then_some(o)
+}
+
+/// A context made current on this thread for the length of one call. When it had to be pushed
+/// (the thread had no context, or another device's), the thread's previous context is restored
+/// on drop, so torch's notion of the current device is never changed behind its back.
+pub(crate) struct CtxScope {
+    ctx: sys::CUcontext,
+    pushed: bool,
+}
+
+impl CtxScope {
+    pub(crate) fn ctx(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
+    fn push(ctx: sys::CUcontext) -> Result<Self> {
+        // SAFETY: a live (retained primary) context.
+        check(unsafe { sys::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
+        Ok(CtxScope { ctx, pushed: true })
+    }
+}
+
+impl Drop for CtxScope {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut prev: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: pops exactly the context `push` made current on this thread.
+            let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut prev) };
         }
-        let mut ordinal: c_int = 0;
-        if let Some(ptr) = hint {
-            let mut o: c_int = 0;
-            let rc = sys::cuPointerGetAttribute(
-                (&mut o as *mut c_int).cast(),
-                sys::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                ptr,
-            );
-            if rc == Cu::CUDA_SUCCESS {
-                ordinal = o;
+    }
+}
+
+/// Makes the right context current on this thread for one call.
+///
+/// With `hint` (a device pointer of the transfer): the primary context of the device owning it,
+/// which is the context torch allocated it in and the one torch's streams for that device
+/// belong to, whatever device is current on this thread. Without: the thread's current context
+/// if it has one, else device 0's primary context.
+pub(crate) fn bind_context(hint: Option<u64>) -> Result<CtxScope> {
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; called only when `ready()` succeeded.
+    check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    let keep_or_push = |target: sys::CUcontext| -> Result<CtxScope> {
+        if target == cur {
+            Ok(CtxScope {
+                ctx: cur,
+                pushed: false,
+            })
+        } else {
+            CtxScope::push(target)
+        }
+    };
+    match hint.map(|p| (p, pointer_device(p))) {
+        Some((_, Some(ordinal))) => keep_or_push(primary(ordinal)?),
+        _ if !cur.is_null() => Ok(CtxScope {
+            ctx: cur,
+            pushed: false,
+        }),
+        None => CtxScope::push(primary(0)?),
+        Some((ptr, None)) => {
+            // No context on this thread, and the driver could not place the pointer without
+            // one: ask again with device 0's primary context current.
+            let first = CtxScope::push(primary(0)?)?;
+            match pointer_device(ptr) {
+                Some(o) if o != 0 => {
+                    let target = primary(o)?;
+                    drop(first);
+                    CtxScope::push(target)
+                }
+                _ => Ok(first),
             }
         }
-        let mut guard = lock(&PRIMARY);
-        let map = guard.get_or_insert_with(HashMap::new);
-        let ctx = match map.get(&ordinal) {
-            Some(&c) => c as sys::CUcontext,
-            None => {
-                let mut dev: sys::CUdevice = 0;
-                check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
-                let mut c: sys::CUcontext = std::ptr::null_mut();
-                check(
-                    sys::cuDevicePrimaryCtxRetain(&mut c, dev),
-                    "cuDevicePrimaryCtxRetain",
-                )?;
-                map.insert(ordinal, c as usize);
-                c
-            }
-        };
-        check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
-        Ok(ctx)
     }
 }
 
@@ -286,4 +353,37 @@ pub(crate) fn current_device() -> Result<c_int> {
     // SAFETY: valid out-pointer; a context is current (bind_context ran).
     check(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
     Ok(dev)
+}
+
+/// Waits for all work queued in every active primary context (torch's included), so that host
+/// memory about to be unpinned or unmapped is no longer the source or target of a copy or a
+/// kernel. Errors are ignored: this runs on the way to freeing memory.
+pub(crate) fn drain_active_devices() {
+    let count = probe().devices.len();
+    for ordinal in 0..count as c_int {
+        // SAFETY: valid out-pointers; retain/push/pop/release are balanced, and a context is
+        // only retained when it is already active (nothing is created here).
+        unsafe {
+            let mut dev: sys::CUdevice = 0;
+            if sys::cuDeviceGet(&mut dev, ordinal) != Cu::CUDA_SUCCESS {
+                continue;
+            }
+            let (mut flags, mut active): (std::ffi::c_uint, c_int) = (0, 0);
+            if sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) != Cu::CUDA_SUCCESS
+                || active == 0
+            {
+                continue;
+            }
+            let mut c: sys::CUcontext = std::ptr::null_mut();
+            if sys::cuDevicePrimaryCtxRetain(&mut c, dev) != Cu::CUDA_SUCCESS {
+                continue;
+            }
+            if sys::cuCtxPushCurrent_v2(c) == Cu::CUDA_SUCCESS {
+                let _ = sys::cuCtxSynchronize();
+                let mut prev: sys::CUcontext = std::ptr::null_mut();
+                let _ = sys::cuCtxPopCurrent_v2(&mut prev);
+            }
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(dev);
+        }
+    }
 }

@@ -2,6 +2,7 @@
 //! copy unit (each chunk is a whole multiple of the granularity), in parallel threads for large
 //! regions, rolled back completely when any chunk fails.
 
+use std::sync::Mutex;
 use std::time::Instant;
 
 use cudarc::driver::sys;
@@ -53,9 +54,31 @@ fn unregister_one(ptr: u64) {
     let _ = unsafe { sys::cuMemHostUnregister(as_void(ptr)) };
 }
 
-/// Registers every chunk; returns each chunk's result code, in chunk order.
-fn register_chunks(ptr: u64, parts: &[(usize, usize)], len: usize) -> Result<(Vec<i32>, usize)> {
-    let threads = if len >= PARALLEL_BYTES && parts.len() > 1 {
+type Share<'a> = Mutex<Option<(usize, &'a mut [i32])>>;
+
+fn take_share<'a>(cell: &Share<'a>) -> Option<(usize, &'a mut [i32])> {
+    // Taking a share cannot panic halfway, so a poisoned lock still holds valid data.
+    cell.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Registers every chunk; returns each chunk's result code, in chunk order, and the number of
+/// threads used. `ctx` is current on the calling thread; helper threads make it current too.
+/// `PARALLEL_BYTES`, or `HOSTKV_REGISTER_PARALLEL_BYTES` (lets tests exercise the threaded path
+/// on small regions).
+fn parallel_bytes() -> usize {
+    std::env::var("HOSTKV_REGISTER_PARALLEL_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(PARALLEL_BYTES)
+}
+
+fn register_chunks(
+    ctx: sys::CUcontext,
+    ptr: u64,
+    parts: &[(usize, usize)],
+    len: usize,
+) -> (Vec<i32>, usize) {
+    let threads = if len >= parallel_bytes() && parts.len() > 1 {
         std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(MAX_THREADS)
@@ -63,36 +86,56 @@ fn register_chunks(ptr: u64, parts: &[(usize, usize)], len: usize) -> Result<(Ve
     } else {
         1
     };
-    if threads <= 1 {
-        return Ok((
-            parts
-                .iter()
-                .map(|&(o, s)| register_one(ptr + o as u64, s))
-                .collect(),
-            1,
-        ));
-    }
-    let ctx = probe::bind_context(None)?;
-    let ctx_addr = ctx as usize;
     let mut rcs = vec![0i32; parts.len()];
+    let fill = |first: usize, slots: &mut [i32]| {
+        for (k, rc) in slots.iter_mut().enumerate() {
+            let (o, s) = parts[first + k];
+            *rc = register_one(ptr + o as u64, s);
+        }
+    };
+    if threads <= 1 {
+        fill(0, &mut rcs);
+        return (rcs, 1);
+    }
+    let ctx_addr = ctx as usize;
+    let per = parts.len().div_ceil(threads);
+    let fill = &fill;
+    // Each share sits in a cell so that a share whose thread could not be spawned is done on
+    // this thread instead (a failed spawn must not panic, nor leave chunks unregistered).
+    let shares: Vec<Share> = rcs
+        .chunks_mut(per)
+        .enumerate()
+        .map(|(t, slots)| Mutex::new(Some((t * per, slots))))
+        .collect();
+    let mut spawned = 0;
     std::thread::scope(|scope| {
-        for (t, slots) in rcs.chunks_mut(parts.len().div_ceil(threads)).enumerate() {
-            let first = t * parts.len().div_ceil(threads);
-            scope.spawn(move || {
+        for cell in &shares {
+            let worker = move || {
                 // SAFETY: the context stays alive (primary or caller's) for the whole call.
                 let set = code(unsafe { sys::cuCtxSetCurrent(ctx_addr as sys::CUcontext) });
-                for (k, rc) in slots.iter_mut().enumerate() {
-                    let (o, s) = parts[first + k];
-                    *rc = if set != 0 {
-                        set
+                if let Some((first, slots)) = take_share(cell) {
+                    if set != 0 {
+                        slots.iter_mut().for_each(|rc| *rc = set);
                     } else {
-                        register_one(ptr + o as u64, s)
-                    };
+                        fill(first, slots);
+                    }
                 }
-            });
+            };
+            match std::thread::Builder::new()
+                .name("hostkv-register".into())
+                .spawn_scoped(scope, worker)
+            {
+                Ok(_) => spawned += 1,
+                Err(_) => {
+                    if let Some((first, slots)) = take_share(cell) {
+                        fill(first, slots);
+                    }
+                }
+            }
         }
     });
-    Ok((rcs, threads))
+    drop(shares);
+    (rcs, spawned.max(1))
 }
 
 pub(crate) fn register(
@@ -106,9 +149,10 @@ pub(crate) fn register(
         return Ok(Vec::new());
     }
     probe::ready()?;
-    probe::bind_context(None)?;
+    // PORTABLE registrations belong to every context: any current one will do.
+    let scope = probe::bind_context(None)?;
     let start = Instant::now();
-    let (rcs, threads) = register_chunks(ptr, &parts, len)?;
+    let (rcs, threads) = register_chunks(scope.ctx(), ptr, &parts, len);
     if let Some(bad) = rcs.iter().position(|&rc| rc != 0) {
         for (&(o, _), _) in parts.iter().zip(&rcs).filter(|(_, &rc)| rc == 0).rev() {
             unregister_one(ptr + o as u64);
@@ -140,9 +184,13 @@ pub(crate) fn unregister(ranges: &[(u64, usize)]) {
     if ranges.is_empty() || !probe::initialised_here() {
         return;
     }
-    if probe::bind_context(None).is_err() {
+    // A copy or kernel still queued on any stream may read or write this memory: let it finish
+    // before the pages are unpinned (and, on drop, unmapped). Pool destruction is rare; a
+    // device fault from a DMA into unmapped memory would end the process.
+    probe::drain_active_devices();
+    let Ok(_scope) = probe::bind_context(None) else {
         return;
-    }
+    };
     for &(p, _) in ranges.iter().rev() {
         unregister_one(p);
     }
