@@ -1,0 +1,483 @@
+"""The CUDA driver code of the Rust core (rust/src/cuda) run end to end on the CPU against a
+stand-in libcuda.so (rust/kernels/mock_libcuda.cpp): probe, context binding, pinned registration
+and its rollback, PTX module load, kernel launches, staging buffers recycled through events, the
+device error record, and the direct backend's batch / per-copy submission for 12.x and 13.x
+drivers.
+
+The mock queues work per stream and runs it only when something synchronises, so a host buffer
+reused before the queued work ran shows up as wrong bytes; it records protocol violations (a call
+without a current context, a released context made current, unregistering memory with work
+queued, ...). Each scenario runs in its own process with LD_LIBRARY_PATH pointing at the mock
+(cudarc opens `libcuda.so` by name). The expected bytes come from the CPU engine on copies of
+the same pools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, "rust", "kernels")
+MOCK_SRC = os.path.join(KERNELS, "mock_libcuda.cpp")
+
+
+@pytest.fixture(scope="module")
+def mock_dir(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx or not os.path.exists(MOCK_SRC):
+        pytest.skip("needs a C++ compiler and rust/kernels/mock_libcuda.cpp")
+    out = tmp_path_factory.mktemp("mock_cuda")
+    cmd = [
+        cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
+        "-I", KERNELS, MOCK_SRC, "-o", str(out / "libcuda.so"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return str(out)
+
+
+PRELUDE = r'''
+import ctypes, gc, os, sys, threading
+import numpy as np
+import hostkv_rs
+from hostkv_rs import _core
+
+m = ctypes.CDLL("libcuda.so")
+for name, res in [("mock_stream_create", ctypes.c_uint64), ("mock_current_ctx", ctypes.c_uint64),
+                  ("mock_primary_ctx", ctypes.c_uint64), ("mock_violation_text", ctypes.c_char_p),
+                  ("mock_pending_ops", ctypes.c_long), ("mock_registrations", ctypes.c_long),
+                  ("mock_counter", ctypes.c_long)]:
+    getattr(m, name).restype = res
+m.mock_label.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
+m.cuCtxSetCurrent.argtypes = [ctypes.c_uint64]
+assert "Mock GPU" in _core.runtime_info() or os.environ.get("EXPECT_UNAVAILABLE"), \
+    _core.runtime_info()
+
+def no_violations():
+    assert m.mock_violations() == 0, m.mock_violation_text()
+
+def arr(a, on_device=False):
+    return (a.ctypes.data, a.size, a.itemsize, on_device)
+
+class Pool:
+    """A registered host pool, device layers labelled as GPU memory, and CPU twins of both."""
+
+    def __init__(self, layout, items, layers=3, rows=32, page=4, heads=1, dev_rows=24,
+                 backup=True, device=0, granularity=0, chunk_limit=1 << 30, seed=0):
+        self.layout, self.items, self.layers, self.rows = layout, items, layers, rows
+        self.page, self.heads, self.dev_rows, self.backup = page, heads, dev_rows, backup
+        rng = np.random.default_rng(seed)
+        sizes = [_core.PoolCore.plane_nbytes(layout, layers, rows, page, i, heads) for i in items]
+        self.region = _core.HostRegion(sum(sizes))
+        self.region.register_cuda(granularity, chunk_limit)
+        self.twin = _core.HostRegion(sum(sizes))
+        host = np.frombuffer(self.region, dtype=np.uint8)
+        host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+        np.frombuffer(self.twin, dtype=np.uint8)[:] = host
+        offs = np.cumsum([0] + sizes[:-1])
+        self.core = self._core(self.region, offs)
+        self.core_cpu = self._core(self.twin, offs)
+        nlayers = layers if backup else 1
+        self.dev = [rng.integers(0, 256, (dev_rows, i), dtype=np.uint8)
+                    for i in items for _ in range(nlayers)]
+        for d in self.dev:
+            m.mock_label(d.ctypes.data, d.nbytes, device)
+        self.dev_cpu = [d.copy() for d in self.dev]
+
+    def _core(self, region, offs):
+        return _core.PoolCore(self.layout, self.layers, self.rows, self.page, self.items,
+                              [region.address + int(o) for o in offs], self.heads)
+
+    def run(self, backend, hi, di, stream, layer=0, hi_dev=False, di_dev=False):
+        ptrs = [d.ctypes.data for d in self.dev]
+        ptrs_cpu = [d.ctypes.data for d in self.dev_cpu]
+        h, d = arr(hi, hi_dev), arr(di, di_dev)
+        hi_cpu, di_cpu = hi.copy(), di.copy()  # kept alive for the calls below
+        hc, dc = arr(hi_cpu), arr(di_cpu)
+        if self.backup:
+            self.core_cpu.backup(backend, ptrs_cpu, self.dev_rows, hc, dc, "cpu", 0)
+            self.core.backup(backend, ptrs, self.dev_rows, h, d, "cuda", stream)
+        else:
+            self.core_cpu.load(backend, layer, ptrs_cpu, self.dev_rows, hc, dc, "cpu", 0)
+            self.core.load(backend, layer, ptrs, self.dev_rows, h, d, "cuda", stream)
+
+    def check(self, what=""):
+        got = np.frombuffer(self.region, dtype=np.uint8)
+        want = np.frombuffer(self.twin, dtype=np.uint8)
+        assert np.array_equal(got, want), f"host bytes differ {what}"
+        for k, (g, w) in enumerate(zip(self.dev, self.dev_cpu)):
+            assert np.array_equal(g, w), f"device layer buffer {k} differs {what}"
+
+def indices(n, bound, dtype, seed):
+    return np.random.default_rng(seed).permutation(bound)[:n].astype(dtype)
+
+def labelled(a, device=0):
+    m.mock_label(a.ctypes.data, max(a.nbytes, 1), device)
+    return a
+'''
+
+
+def run_scenario(mock_dir, body, **env):
+    """Run PRELUDE + body in a fresh interpreter against the mock driver; returns its stdout."""
+    import hostkv_rs
+
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(hostkv_rs.__file__)))
+    child_env = dict(os.environ)
+    child_env["LD_LIBRARY_PATH"] = mock_dir
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    for k in list(child_env):
+        if k.startswith(("MOCK_", "HOSTKV_")):
+            del child_env[k]
+    child_env.update({k: str(v) for k, v in env.items()})
+    script = PRELUDE + textwrap.dedent(body) + "\nno_violations()\nprint('SCENARIO OK')\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "SCENARIO OK" in done.stdout, out[-6000:]
+    return done.stdout
+
+
+def test_kernel_path_every_layout_direction_width_and_residency(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        cases = [("layer_first", [40, 12], 1), ("page_first", [48, 24], 1),
+                 ("page_first_direct", [16], 1), ("page_head", [48, 24], 2),
+                 ("page_head", [656], 8)]
+        seed = 0
+        for layout, items, heads in cases:
+            for backup in (True, False):
+                for dtype in (np.int32, np.int64):
+                    for hi_dev, di_dev in ((False, False), (True, True), (False, True)):
+                        seed += 1
+                        pool = Pool(layout, items, heads=heads, backup=backup, seed=seed)
+                        hi = indices(9, pool.rows, dtype, seed)
+                        di = indices(9, pool.dev_rows, dtype, seed + 1000)
+                        if hi_dev:
+                            labelled(hi)
+                        if di_dev:
+                            labelled(di)
+                        pool.run("kernel", hi, di, s, layer=2, hi_dev=hi_dev, di_dev=di_dev)
+                        assert m.mock_current_ctx() == 0, "the call left a context bound"
+                        assert m.mock_pending_ops() > 0, "nothing was queued"
+                        # Host-resident indices were copied at the call: scribbling over them
+                        # now must not change what the queued kernel moves.
+                        if not hi_dev:
+                            hi[:] = -5
+                        if not di_dev:
+                            di[:] = 10**6
+                        m.mock_sync_all()
+                        pool.check(f"{layout} backup={backup} {dtype} {hi_dev}/{di_dev}")
+        _core.check_device_errors()
+        """,
+    )
+
+
+def test_queued_launches_never_overwrite_staging_a_kernel_still_reads(mock_dir):
+    # 80 launches queue up before anything runs (more than the 32 staging buffers kept per
+    # context, so later calls must wait for an event); 131 layers x 2 planes also put the
+    # device layer table in staging memory.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_first", [16, 8], layers=131, rows=96, dev_rows=96, backup=True)
+        for k in range(40):
+            hi = indices(5, pool.rows, np.int64, k)
+            di = indices(5, pool.dev_rows, np.int32, k + 500)
+            pool.run("kernel", hi, di, s)
+            hi[:] = 0
+            di[:] = 0
+        loads = Pool("layer_first", [24], layers=5, rows=64, dev_rows=64, backup=False)
+        for k in range(40):
+            hi = indices(7, loads.rows, np.int32, k)
+            di = indices(7, loads.dev_rows, np.int64, k + 99)
+            loads.run("kernel", hi, di, s, layer=k % 5)
+            hi[:] = 0
+            di[:] = 0
+        assert m.mock_pending_ops() > 0
+        m.mock_sync_all()
+        pool.check("after 40 queued backups")
+        loads.check("after 40 queued loads")
+        assert m.mock_counter(0) == 80
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    "version,env,stream,counter",
+    [
+        (13000, {}, "side", 3),  # cuMemcpyBatchAsync_v2 (13.0 ABI)
+        (12080, {}, "side", 2),  # cuMemcpyBatchAsync with failIdx (12.8 ABI)
+        (12060, {}, "side", 1),  # no batch API: one cuMemcpyAsync per copy
+        (13000, {}, "legacy", 1),  # the batch API refuses the legacy stream
+        (13000, {"HOSTKV_DIRECT_BATCH": "0"}, "side", 1),
+        (12080, {"MOCK_BATCH_UNSUPPORTED": "1"}, "side", 1),  # NOT_SUPPORTED -> per copy
+    ],
+)
+def test_direct_backend_picks_the_batch_abi_at_run_time(mock_dir, version, env, stream, counter):
+    run_scenario(
+        mock_dir,
+        f"""
+        s = m.mock_stream_create(0) if "{stream}" == "side" else 0
+        for layout in ("layer_first", "page_first_direct"):
+            for backup in (True, False):
+                pool = Pool(layout, [40, 24], backup=backup, rows=32, dev_rows=24, page=4)
+                pages_h = np.array([5, 0, 3]); pages_d = np.array([2, 4, 1])
+                hi = (pages_h[:, None] * 4 + np.arange(4)).reshape(-1)
+                di = (pages_d[:, None] * 4 + np.arange(4)).reshape(-1)
+                pool.run("direct", hi, di, s, layer=1)
+                hi[:] = 0; di[:] = 0
+                m.mock_sync_all()
+                pool.check(f"{{layout}} backup={{backup}}")
+                # GPU-resident indices are read back first (a blocking copy).
+                hi = labelled((pages_h[:, None] * 4 + np.arange(4)).reshape(-1))
+                di = labelled((pages_d[:, None] * 4 + np.arange(4)).reshape(-1))
+                pool.run("direct", hi, di, s, layer=1, hi_dev=True, di_dev=True)
+                m.mock_sync_all()
+                pool.check(f"{{layout}} backup={{backup}} GPU-resident indices")
+        assert m.mock_counter(4) == 8, m.mock_counter(4)  # 2 index arrays x 4 calls
+        used = [m.mock_counter(k) for k in (1, 2, 3)]
+        if os.environ.get("MOCK_BATCH_UNSUPPORTED"):
+            # Asked once; after NOT_SUPPORTED every call copies one by one.
+            assert used[1] == 1 and used[2] == 0 and used[0] > 0, used
+        else:
+            assert used[{counter} - 1] > 0 and sum(used) == used[{counter} - 1], used
+        assert m.mock_counter(0) == 0
+        """,
+        MOCK_CUDA_VERSION=version,
+        **env,
+    )
+
+
+def test_context_is_the_pointers_device_and_the_threads_context_is_restored(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        # The thread's current context is device 0's (as torch leaves it), the pool is on GPU 1.
+        c0 = ctypes.c_uint64()
+        assert m.cuDevicePrimaryCtxRetain(ctypes.byref(c0), 0) == 0
+        assert m.cuCtxSetCurrent(c0.value) == 0
+        s1 = m.mock_stream_create(1)
+        for backend, layout in (("kernel", "page_first"), ("direct", "page_first_direct")):
+            pool = Pool(layout, [32], device=1, backup=False)
+            hi = np.arange(8); di = np.arange(8, 16)
+            pool.run(backend, hi, di, s1, layer=1)
+            assert m.mock_current_ctx() == c0.value, "the caller's context was replaced"
+            if backend == "kernel":
+                assert m.mock_last_launch_device() == 1
+            m.mock_sync_all()
+            pool.check(backend)
+
+        # A thread that never touched CUDA: bound for the call, unbound afterwards.
+        pool = Pool("page_head", [48], heads=2, device=1)
+        seen = {}
+        def worker():
+            pool.run("kernel", np.arange(4), np.arange(4, 8), s1)
+            seen["ctx"] = m.mock_current_ctx()
+        t = threading.Thread(target=worker); t.start(); t.join()
+        assert seen == {"ctx": 0}, seen
+        m.mock_sync_all()
+        pool.check("from a fresh thread")
+
+        # Device layers on two GPUs: refused before anything is queued.
+        mixed = Pool("page_first", [16], device=1)
+        labelled(mixed.dev[1], 0)
+        before = m.mock_counter(0)
+        try:
+            mixed.run("kernel", np.arange(3), np.arange(3), s1)
+        except _core.TransferError as e:
+            assert "same device" in str(e), e
+        else:
+            raise AssertionError("mixed devices were accepted")
+        # GPU-resident indices on the other GPU: refused too.
+        ok = Pool("page_first", [16], device=1)
+        try:
+            ok.run("kernel", labelled(np.arange(3), 0), labelled(np.arange(3), 0), s1,
+                   hi_dev=True, di_dev=True)
+        except _core.TransferError as e:
+            assert "index array" in str(e), e
+        else:
+            raise AssertionError("indices on another GPU were accepted")
+        assert m.mock_counter(0) == before and m.mock_current_ctx() == c0.value
+        # A stream of another device is the driver's to refuse; the error is reported.
+        s0 = m.mock_stream_create(0)
+        try:
+            ok.run("kernel", np.arange(3), np.arange(3), s0)
+        except RuntimeError as e:
+            assert "cuLaunchKernel" in str(e), e
+        else:
+            raise AssertionError("a foreign stream was accepted")
+        assert m.mock_current_ctx() == c0.value
+        """,
+        MOCK_DEVICES=2,
+    )
+
+
+def test_bad_gpu_index_reported_after_the_stream_ran_and_nothing_written(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_first", [32, 16], backup=True)
+        before = np.frombuffer(pool.region, dtype=np.uint8).copy()
+        hi = labelled(np.arange(6)); di = labelled(np.array([0, 1, 2, 99, 4, 5]))
+        pool.core.backup("kernel", [d.ctypes.data for d in pool.dev], pool.dev_rows,
+                         arr(hi, True), arr(di, True), "cuda", s)
+        _core.check_device_errors()  # nothing has run yet: nothing to report
+        m.mock_sync_all()
+        try:
+            _core.check_device_errors()
+        except _core.TransferError as e:
+            assert str(e).startswith("device index 99 "), e
+        else:
+            raise AssertionError("the bad index was not reported")
+        _core.check_device_errors()  # reported once
+        assert np.array_equal(np.frombuffer(pool.region, dtype=np.uint8), before)
+
+        # Reported by the next transfer call, which then does not run.
+        pool.core.backup("kernel", [d.ctypes.data for d in pool.dev], pool.dev_rows,
+                         arr(hi, True), arr(di, True), "cuda", s)
+        m.mock_sync_all()
+        launches = m.mock_counter(0)
+        good = np.arange(3)
+        try:
+            pool.run("kernel", good, good, s)
+        except _core.TransferError as e:
+            assert "device index 99" in str(e), e
+        else:
+            raise AssertionError("the pending error was not reported")
+        assert m.mock_counter(0) == launches
+        _core.check_device_errors()
+        """,
+    )
+
+
+def test_registration_rollback_parallel_threads_and_unregister_after_queued_work(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        g = 4096 * 3
+        region = _core.HostRegion(5 * g)
+        try:
+            region.register_cuda(g, g)  # five chunks; the mock fails the third
+        except RuntimeError as e:
+            text = str(e)
+            assert text.startswith("cudaHostRegister failed (rc=2, ") and \\
+                f"at offset={2 * g} size={g} (total={5 * g}, chunk_limit={g})" in text, text
+        else:
+            raise AssertionError("a failed chunk was not reported")
+        assert m.mock_registrations() == 0 and not region.pinned
+
+        # Threads (forced on a small region): each binds the context before registering.
+        os.environ["HOSTKV_REGISTER_PARALLEL_BYTES"] = "1"
+        region.register_cuda(g, g)
+        assert m.mock_registrations() == 5 and region.registered_ranges == [
+            (region.address + k * g, g) for k in range(5)]
+        region.unregister_cuda()
+        assert m.mock_registrations() == 0
+
+        # Unregistering, or dropping, a pool waits for the work queued on it (the mock records
+        # a violation if memory is unpinned with copies still queued).
+        s = m.mock_stream_create(0)
+        unit = 4 * 3 * 64  # one page of all layers: no copy unit straddles two chunks
+        pool = Pool("page_first", [64], granularity=unit, chunk_limit=unit, backup=True)
+        assert m.mock_registrations() > 1
+        pool.run("kernel", np.arange(5), np.arange(5), s)
+        assert m.mock_pending_ops() > 0
+        pool.region.unregister_cuda()
+        assert m.mock_pending_ops() == 0 and m.mock_registrations() == 0
+        pool.check("after unregister")
+        pool2 = Pool("layer_first", [64], backup=True)
+        pool2.run("direct", np.arange(5), np.arange(5), s)
+        del pool2
+        gc.collect()
+        assert m.mock_pending_ops() == 0 and m.mock_registrations() == 0
+        """,
+        MOCK_FAIL_REGISTER_AT=3,
+    )
+
+
+def test_empty_transfer_launches_nothing(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        for backend, layout in (("kernel", "page_head"), ("direct", "layer_first")):
+            pool = Pool(layout, [32], heads=2 if layout == "page_head" else 1)
+            e = np.zeros(0, dtype=np.int64)
+            pool.run(backend, e, e, s)
+        assert m.mock_pending_ops() == 0 and m.mock_counter(0) == 0
+        """,
+    )
+
+
+def test_driver_refusals_are_exceptions_not_crashes(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        assert not _core.cuda_available()
+        info = _core.runtime_info()
+        assert "cuInit failed: CUDA_ERROR_NO_DEVICE (rc=100)" in info, info
+        region = _core.HostRegion(4096)
+        try:
+            region.register_cuda()
+        except RuntimeError as e:
+            assert "CUDA is not available" in str(e), e
+        else:
+            raise AssertionError("registered without CUDA")
+        _core.check_device_errors()
+        """,
+        MOCK_INIT_RC=100,
+        EXPECT_UNAVAILABLE=1,
+    )
+    run_scenario(
+        mock_dir,
+        """
+        pool = Pool("page_first", [16])
+        try:
+            pool.run("kernel", np.arange(2), np.arange(2), m.mock_stream_create(0))
+        except RuntimeError as e:
+            text = str(e)
+            assert "mock ptxas: rejected the module" in text and "driver version 13000" in text
+        else:
+            raise AssertionError("a JIT failure was not reported")
+        assert m.mock_current_ctx() == 0
+        """,
+        MOCK_JIT_FAIL=1,
+    )
+
+
+def test_forked_child_does_not_touch_cuda(mock_dir):
+    run_scenario(
+        mock_dir,
+        """
+        pool = Pool("page_first", [16])
+        regs = m.mock_registrations()
+        pid = os.fork()
+        if pid == 0:
+            ok = (not _core.cuda_available()) and "spawn" in _core.runtime_info()
+            del pool
+            gc.collect()
+            # The parent's registrations are not the child's to undo.
+            ok = ok and m.mock_registrations() == regs
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        assert _core.cuda_available()
+        """,
+    )
