@@ -1,7 +1,10 @@
 """Every host pool x layout x backend x direction on a real GPU, byte-exact against the layout
 oracle (tests/reference.py): bf16 and fp8, on a side stream and on the legacy default stream,
 int32/int64 indices on the CPU and on the GPU, pinned host tensors, and bad device-resident
-indices (error reported, nothing written).
+indices (error reported, nothing written). Also the hazards only a GPU shows: many transfers
+queued behind a busy stream (staging buffers must not be reused early), a layer table too long
+for the parameter block, a transfer from a thread that never used CUDA, and a pool freed while
+a transfer into it is still queued.
 
 Names containing `smoke` form the small subset scripts/gpu_check.sh runs under
 compute-sanitizer."""
@@ -9,6 +12,11 @@ compute-sanitizer."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -51,14 +59,14 @@ IDX = [("cpu", torch.int64), ("cuda", torch.int64), ("cuda", torch.int32), ("cpu
 IDX_IDS = [f"{d}-{str(t)[6:]}" for d, t in IDX]
 
 
-def make_mha(layout, page_size, dtype, v_head_dim=None):
+def make_mha(layout, page_size, dtype, v_head_dim=None, layers=LAYERS, heads=4, head_dim=24):
     dp = MHATokenToKVPool(
         DEVICE_PAGES * page_size,
         page_size,
         dtype,
-        4,
-        24,
-        LAYERS,
+        heads,
+        head_dim,
+        layers,
         device="cuda",
         v_head_dim=v_head_dim,
     )
@@ -185,7 +193,9 @@ def round_trip(pool, dp, backend, where, idx_dtype, stream_kind, seed):
                 layer,
                 backend,
             )
-    want_dev = expect_load(pool, snap_host(pool), dev_before, host_tok, load_tok, range(LAYERS))
+    want_dev = expect_load(
+        pool, snap_host(pool), dev_before, host_tok, load_tok, range(pool.layer_num)
+    )
     for p, (gp, wp) in enumerate(zip(snap_dev(dp), want_dev)):
         for layer, (g, w) in enumerate(zip(gp, wp)):
             assert_same(g, w, f"device plane {p} layer {layer} after load")
@@ -325,3 +335,117 @@ def test_smoke_runtime_info_names_the_device():
     info = _core.runtime_info()
     assert "CUDA available" in info, info
     assert torch.cuda.get_device_name(0).split()[-1] in info, info
+
+
+def test_smoke_round_trip_from_a_thread_that_never_used_cuda():
+    # SGLang moves KV from its cache-controller threads; the core binds the device's primary
+    # context for the call whatever the thread had current.
+    pool, dp = make_mha("layer_first", 16, torch.bfloat16)  # both backends take layer_first
+    errors = []
+
+    def worker():
+        try:
+            round_trip(pool, dp, "kernel", "cpu", torch.int64, "side", seed=21)
+            round_trip(pool, dp, "direct", "cpu", torch.int64, "side", seed=22)
+        except Exception as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the transfer thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_smoke_queued_transfers_with_cpu_indices_keep_their_own_indices():
+    # The stream is held busy while 40 loads queue up: each call's CPU indices go to a staging
+    # buffer the kernel reads later, and the caller's tensors are overwritten right away. More
+    # calls than staging buffers are kept, so late calls must wait for an event, not reuse one.
+    pool, dp = make_mha("page_first", 16, torch.bfloat16)
+    fill_random_cuda(dp, 31)
+    fill_random_host(pool, 32)
+    host = snap_host(pool)
+    want = snap_dev(dp)
+    rng = np.random.default_rng(33)
+    dev_rows = rng.permutation(np.arange(16, (DEVICE_PAGES + 1) * 16))[:80]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        for k in range(40):
+            host_tok = rng.permutation(pool.size)[:2]
+            dev_tok = dev_rows[2 * k : 2 * k + 2]
+            layer = k % LAYERS
+            want = expect_load(pool, host, want, host_tok, dev_tok, [layer])
+            h = torch.as_tensor(host_tok, dtype=torch.int64)
+            d = torch.as_tensor(dev_tok, dtype=torch.int32)
+            pool.load_to_device_per_layer(dp, h, d, layer, "kernel")
+            h.fill_(0)
+            d.fill_(0)
+    s.synchronize()
+    for p, (gp, wp) in enumerate(zip(snap_dev(dp), want)):
+        for layer, (g, w) in enumerate(zip(gp, wp)):
+            assert_same(g, w, f"device plane {p} layer {layer} after 40 queued loads")
+    _core.check_device_errors()
+
+
+def test_smoke_layer_table_longer_than_the_parameter_block():
+    # 2 planes x 131 layers = 262 device layer pointers: more than the 256 carried inline.
+    pool, dp = make_mha("page_first", 16, torch.bfloat16, layers=131, heads=1, head_dim=8)
+    round_trip(pool, dp, "kernel", "cuda", torch.int64, "side", seed=41)
+    round_trip(pool, dp, "kernel", "cpu", torch.int32, "default", seed=42)
+
+
+@pytest.mark.parametrize("backend,layout", [("kernel", "page_head"), ("direct", "layer_first")])
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_smoke_empty_transfer_is_a_no_op(backend, layout, where):
+    pool, dp = make_mha(layout, 16, torch.bfloat16)
+    fill_random_cuda(dp, 51)
+    fill_random_host(pool, 52)
+    host_before, dev_before = snap_host(pool), snap_dev(dp)
+    empty = torch.zeros(0, dtype=torch.int64, device=where)
+    pool.backup_from_device_all_layer(dp, empty, empty, backend)
+    pool.load_to_device_per_layer(dp, empty, empty, 0, backend)
+    torch.cuda.synchronize()
+    for g, w in zip(snap_host(pool), host_before):
+        assert_same(g, w, "host after empty transfers")
+    for gp, wp in zip(snap_dev(dp), dev_before):
+        for g, w in zip(gp, wp):
+            assert_same(g, w, "device after empty transfers")
+    _core.check_device_errors()
+
+
+def test_smoke_pool_freed_while_a_transfer_into_it_is_queued():
+    # Unpinning or unmapping host memory a queued copy still writes would fault the GPU (and end
+    # the process): freeing a pool must wait for that work. Run in a child process so a fault
+    # cannot take the rest of the suite down with it.
+    code = textwrap.dedent(
+        """
+        import gc, torch
+        from hostkv_rs import MHATokenToKVPool, get_mha_host_pool_cls
+        for backend, layout in (("kernel", "page_first"), ("direct", "layer_first")):
+            dp = MHATokenToKVPool(64, 16, torch.bfloat16, 4, 24, 5, device="cuda")
+            pool = get_mha_host_pool_cls(dp)(dp, 2.0, 0, 16, layout)
+            idx = torch.arange(16, 48)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(200_000_000)
+                pool.backup_from_device_all_layer(dp, idx, idx, backend)
+            del pool
+            gc.collect()
+            s.synchronize()
+            torch.cuda.synchronize()
+        x = torch.ones(1 << 20, device="cuda")
+        assert float(x.sum().item()) == float(1 << 20)
+        print("CHILD OK")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0 and "CHILD OK" in done.stdout, (done.stdout + done.stderr)[-4000:]
