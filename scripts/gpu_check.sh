@@ -1,112 +1,193 @@
 #!/usr/bin/env bash
 # One command for a GPU machine with no network access: install a wheel built elsewhere, show the
-# driver/device, run the GPU tests, a compute-sanitizer pass over a small subset, and the
-# benchmark; print a summary table. Logs go to $OUT (or ./gpu-logs).
+# driver/device, run the GPU tests, a compute-sanitizer pass over a small subset, the benchmark
+# and the CPU suite; print a summary table. Logs go to $OUT (or ./gpu-logs), at most 8 files.
 #
 #   scripts/gpu_check.sh [path/to/hostkv_rs-*.whl]
 #
-# Without an argument the newest target/wheels/hostkv_rs-*.whl is used; with SKIP_INSTALL=1 the
-# already-installed package is tested. Build the wheel on a machine with the Rust toolchain:
-#   maturin build --release -o target/wheels
-# Every step runs even when an earlier one fails; the exit code is non-zero if any failed.
+# Build the wheel where the Rust toolchain is (`maturin build --release -o target/wheels`), copy
+# it with this repository's tests/ and scripts/. Without an argument the newest
+# target/wheels/hostkv_rs-*.whl is used; SKIP_INSTALL=1 tests the hostkv_rs already importable.
+# The wheel is installed into a private folder (pip --target, no network, no dependencies), so
+# the machine's Python environment is left as it was; torch, numpy and pytest must be there.
+#
+# It cannot hang: every step runs under `timeout`, within a total budget (GPU_CHECK_BUDGET
+# seconds, default 420) shared by all steps in order of importance; a step that no longer fits
+# is reported as SKIP. Every step runs even when an earlier one failed; the exit status is 1 if
+# any step failed, 2 if there is no wheel to install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 LOG=${OUT:-$ROOT/gpu-logs}
 mkdir -p "$LOG"
+BUDGET=${GPU_CHECK_BUDGET:-420}
+START=$SECONDS
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 declare -a NAMES=() RESULTS=() DETAILS=()
 
-record() {  # name rc detail
+record() {  # name result detail
     NAMES+=("$1")
-    if [[ $2 -eq 0 ]]; then RESULTS+=("PASS"); else RESULTS+=("FAIL($2)"); fi
+    RESULTS+=("$2")
     DETAILS+=("$3")
 }
 
-step() {  # name logfile command...
-    local name=$1 log=$2
+verdict() {  # rc -> PASS / TIMEOUT / FAIL(rc)
+    case $1 in
+        0) echo PASS ;;
+        124 | 137) echo "FAIL(timeout)" ;;
+        *) echo "FAIL($1)" ;;
+    esac
+}
+
+# Seconds a step may take: its own cap, cut to what is left of the budget (0: skip it).
+allow() {
+    local left=$((BUDGET - (SECONDS - START) - 5))
+    if ((left < 20)); then echo 0; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
+}
+
+run_step() {  # seconds logfile command... ; output appended to logfile, last lines shown
+    local secs=$1 log=$2
     shift 2
-    echo "== $name  (log: $log)"
-    "$@" >"$log" 2>&1
+    if ((secs <= 0)); then
+        echo "(skipped: time budget spent)" >>"$log"
+        return 125
+    fi
+    echo "\$ $*" >>"$log"
+    timeout -k 15 "$secs" "$@" >>"$log" 2>&1
     local rc=$?
-    tail -n 15 "$log"
+    ((rc == 124 || rc == 137)) && echo "(killed after ${secs}s)" >>"$log"
     return $rc
 }
 
-# 1. install
+summary_line() { grep -aE "[0-9]+ (passed|failed|skipped|errors?)" "$1" | tail -1; }
+
+ENVLOG=$LOG/env.log
+: >"$ENVLOG"
+
+# 1. install (into a private folder: nothing else on the machine changes)
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
     WHEEL=${1:-$(ls -t target/wheels/hostkv_rs-*.whl 2>/dev/null | head -1)}
     if [[ -z "$WHEEL" || ! -f "$WHEEL" ]]; then
         echo "gpu_check.sh: no wheel given and none in target/wheels" >&2
         exit 2
     fi
-    step install "$LOG/install.log" $PY -m pip install --no-index --no-deps --force-reinstall "$WHEEL"
-    record install $? "$(basename "$WHEEL")"
+    SITE=$(mktemp -d /tmp/hostkv-site.XXXXXX)
+    echo "== install $(basename "$WHEEL") into $SITE"
+    run_step "$(allow 120)" "$ENVLOG" $PY -m pip install --no-index --no-deps --no-compile \
+        --disable-pip-version-check --target "$SITE" "$WHEEL"
+    rc=$?
+    record install "$(verdict $rc)" "$(basename "$WHEEL")"
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-# 2. machine and runtime
+# 2. machine and runtime (from /tmp, so the source tree's python/ is never imported)
 {
-    echo "# nvidia-smi"; nvidia-smi 2>&1 || echo "(nvidia-smi not available)"
-    echo "# ldd --version"; ldd --version 2>&1 | head -1
-    echo "# python / torch"; $PY -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-} >"$LOG/machine.log" 2>&1
-cat "$LOG/machine.log"
-INFO=$(cd /tmp && $PY -c "import hostkv_rs; print(hostkv_rs.runtime_info())" 2>&1)
+    echo "# nvidia-smi"
+    timeout -k 5 30 nvidia-smi 2>&1 || echo "(nvidia-smi not available)"
+    echo "# ldd --version"
+    ldd --version 2>&1 | head -1
+} >>"$ENVLOG" 2>&1
+(cd /tmp && timeout -k 5 120 $PY -c "
+import sys, torch, hostkv_rs
+print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      'available', torch.cuda.is_available())
+print('hostkv_rs from', hostkv_rs.__file__)" >>"$ENVLOG" 2>&1)
+INFO=$(cd /tmp && timeout -k 5 120 $PY -c "import hostkv_rs; print(hostkv_rs.runtime_info())" 2>&1)
 rc=$?
-echo "== runtime_info: $INFO" | tee "$LOG/runtime_info.log"
+echo "# runtime_info: $INFO" >>"$ENVLOG"
 [[ $rc -eq 0 && "$INFO" == *"CUDA available"* ]]
-record runtime_info $? "$INFO"
-# The no-device path of the probe: the driver is present but hides every GPU.
-NODEV=$(cd /tmp && CUDA_VISIBLE_DEVICES="" $PY -c "from hostkv_rs import _core; print(_core.cuda_available(), '|', _core.runtime_info())" 2>&1)
-echo "== CUDA_VISIBLE_DEVICES='': $NODEV" | tee -a "$LOG/runtime_info.log"
+record runtime_info "$(verdict $?)" "${INFO:0:160}"
+# The no-device path of the probe: the driver is there but hides every GPU.
+NODEV=$(cd /tmp && CUDA_VISIBLE_DEVICES="" timeout -k 5 120 $PY -c \
+    "from hostkv_rs import _core; print(_core.cuda_available(), '|', _core.runtime_info())" 2>&1)
+echo "# CUDA_VISIBLE_DEVICES='': $NODEV" >>"$ENVLOG"
 [[ "$NODEV" == False* ]]
-record probe_no_device $? "${NODEV:0:100}"
+record probe_no_device "$(verdict $?)" "${NODEV:0:160}"
+cat "$ENVLOG"
 
-# 3. GPU tests (from tests/ so the installed wheel is imported, not the source tree)
-summary() { grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$1" | tail -1; }
-(cd tests && step gpu-tests "$LOG/pytest_gpu.log" $PY -m pytest -q -p no:cacheprovider gpu -rs \
-    --junitxml="$LOG/pytest_gpu.xml")
-rc=$?
-GPU_SUMMARY=$(summary "$LOG/pytest_gpu.log")
-# On a GPU machine nothing may be skipped: a skip here means CUDA was not usable.
-if [[ $rc -eq 0 && ( "$GPU_SUMMARY" != *passed* || "$GPU_SUMMARY" == *skipped* ) ]]; then rc=3; fi
-record gpu-tests $rc "$GPU_SUMMARY"
-
-# 4. CPU suite too (emulated kernels, pools), as a sanity check of the wheel
-(cd tests && step cpu-tests "$LOG/pytest_cpu.log" $PY -m pytest -q -p no:cacheprovider . \
-    --ignore=gpu -x)
-rc=$?
-record cpu-tests $rc "$(summary "$LOG/pytest_cpu.log")"
-
-# 5. compute-sanitizer memcheck on the smoke subset
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-if [[ -n "$SAN" ]]; then
-    (cd tests && step sanitizer "$LOG/sanitizer.log" "$SAN" --tool memcheck --leak-check no \
-        --error-exitcode 99 --target-processes all \
-        $PY -m pytest -q -p no:cacheprovider gpu -k smoke)
-    rc=$?
-    record sanitizer $rc "$(grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1) $(summary "$LOG/sanitizer.log")"
-else
-    record sanitizer 0 "skipped: compute-sanitizer not found"
+# pytest from tests/ (so `import hostkv_rs` is the installed wheel), without the project's
+# addopts (they name plugins this machine may lack); a per-test timeout when available.
+PYTEST=($PY -m pytest -q -ra -p no:cacheprovider -o addopts= -o console_output_style=classic)
+if $PY -c "import pytest_timeout" >/dev/null 2>&1; then
+    PYTEST+=(--timeout=150 --timeout-method=thread)
 fi
 
-# 6. benchmark (the CLI is part of the package; skip if this build lacks it)
-if (cd /tmp && $PY -c "import hostkv_rs.cli" >/dev/null 2>&1); then
-    (cd /tmp && step bench "$LOG/bench.log" $PY -m hostkv_rs bench --device cuda --no-progress)
+# 3. GPU tests: on a GPU machine nothing may be skipped there (a skip means CUDA was unusable)
+secs=$(allow 300)
+if ((secs > 0)); then
+    echo "== gpu tests (up to ${secs}s, log gpu_tests.log)"
+    (cd tests && run_step "$secs" "$LOG/gpu_tests.log" "${PYTEST[@]}" gpu)
     rc=$?
-    (cd /tmp && $PY -m hostkv_rs bench --device cuda --quick --json >"$LOG/bench.json" 2>"$LOG/bench_json.err")
-    record bench $rc "table in bench.log, JSON in bench.json"
+    S=$(summary_line "$LOG/gpu_tests.log")
+    if [[ $rc -eq 0 && ( "$S" != *passed* || "$S" == *skipped* ) ]]; then rc=3; fi
+    record gpu-tests "$(verdict $rc)" "$S"
+    tail -n 25 "$LOG/gpu_tests.log"
 else
-    record bench 0 "skipped: hostkv-rs bench not in this build"
+    record gpu-tests SKIP "time budget spent"
+fi
+
+# 4. compute-sanitizer memcheck over the smoke subset (some sandboxes do not support it)
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+secs=$(allow 150)
+if [[ -z "$SAN" ]]; then
+    record sanitizer SKIP "compute-sanitizer not found"
+elif ((secs == 0)); then
+    record sanitizer SKIP "time budget spent"
+else
+    echo "== compute-sanitizer (up to ${secs}s, log sanitizer.log)"
+    (cd tests && run_step "$secs" "$LOG/sanitizer.log" "$SAN" --tool memcheck --leak-check no \
+        --error-exitcode 99 --print-limit 20 --target-processes all \
+        "${PYTEST[@]}" gpu -k smoke)
+    rc=$?
+    S="$(grep -aE 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1) $(summary_line "$LOG/sanitizer.log")"
+    if [[ $rc -ne 0 ]] && grep -aqE "Device not supported|not supported on this platform|Unable to find injection" "$LOG/sanitizer.log"; then
+        record sanitizer SKIP "compute-sanitizer cannot run here: $(grep -aoE 'Device not supported|not supported on this platform|Unable to find injection[^.]*' "$LOG/sanitizer.log" | head -1)"
+    else
+        record sanitizer "$(verdict $rc)" "$S"
+    fi
+    tail -n 8 "$LOG/sanitizer.log"
+fi
+
+# 5. benchmark: the table (bench.log) and a quick JSON (bench.json), each time-boxed
+secs=$(allow 150)
+if ((secs == 0)); then
+    record bench SKIP "time budget spent"
+elif ! (cd /tmp && timeout -k 5 60 $PY -c "import hostkv_rs.cli" >/dev/null 2>&1); then
+    record bench SKIP "hostkv-rs bench is not in this build"
+else
+    echo "== bench (up to ${secs}s, log bench.log)"
+    half=$((secs / 2))
+    (cd /tmp && run_step "$half" "$LOG/bench.log" $PY -m hostkv_rs bench --device cuda \
+        --no-progress --max-seconds $((half * 3 / 4)))
+    rc=$?
+    (cd /tmp && timeout -k 5 "$half" $PY -m hostkv_rs bench --device cuda --quick --json \
+        --max-seconds $((half * 3 / 4)) >"$LOG/bench.json" 2>>"$LOG/bench.log")
+    rc2=$?
+    ((rc == 0)) && rc=$rc2
+    record bench "$(verdict $rc)" "table in bench.log, JSON in bench.json"
+    tail -n 30 "$LOG/bench.log"
+fi
+
+# 6. the CPU suite too (emulated kernels, mock driver, pools: here with pinned memory)
+secs=$(allow 240)
+if ((secs > 0)); then
+    echo "== cpu tests (up to ${secs}s, log cpu_tests.log)"
+    (cd tests && run_step "$secs" "$LOG/cpu_tests.log" "${PYTEST[@]}" . --ignore=gpu)
+    rc=$?
+    record cpu-tests "$(verdict $rc)" "$(summary_line "$LOG/cpu_tests.log")"
+    tail -n 15 "$LOG/cpu_tests.log"
+else
+    record cpu-tests SKIP "time budget spent"
 fi
 
 # 7. summary
 echo
-echo "== summary (logs in $LOG)"
-printf '%-16s %-9s %s\n' STEP RESULT DETAIL | tee "$LOG/summary.txt"
+echo "== summary ($((SECONDS - START))s; logs in $LOG)"
+printf '%-16s %-14s %s\n' STEP RESULT DETAIL | tee "$LOG/summary.txt"
 fail=0
 for i in "${!NAMES[@]}"; do
-    printf '%-16s %-9s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}" | tee -a "$LOG/summary.txt"
-    [[ "${RESULTS[$i]}" == PASS ]] || fail=1
+    printf '%-16s %-14s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}" | tee -a "$LOG/summary.txt"
+    [[ "${RESULTS[$i]}" == FAIL* ]] && fail=1
 done
 exit $fail
