@@ -44,6 +44,8 @@ PAIRS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
+# Largest scratch footprint the copy yardstick cycles through (per direction).
+_YARDSTICK_FOOTPRINT = 512 << 20
 _HEAD_DIM = 128  # MHA bench geometries vary the KV head count at head_dim 128, bf16
 
 
@@ -323,10 +325,20 @@ class Context:
             self._scratch.update(n=nbytes, host=host, dev=dev)
         return self._scratch["host"][:nbytes], self._scratch["dev"][:nbytes]
 
-    def copy_seconds(self, nbytes: int, direction: str, calls: int) -> float:
-        host, dev = self.scratch(nbytes)
-        src, dst = (dev, host) if direction == "d2h" else (host, dev)
-        return median(self.timer.each(lambda _i: dst.copy_(src, non_blocking=True), calls, 1))
+    def copy_seconds(self, nbytes: int, direction: str, calls: int, slots: int = 1) -> float:
+        """Median seconds of one contiguous copy of `nbytes`. Call i uses slot i % `slots` of the
+        scratch buffers, so a yardstick for per-layer loads (which cycle through the layers) has
+        the same memory footprint, and the same cache misses, as the loads themselves; the slot
+        count is capped where the footprint is far beyond any cache anyway."""
+        slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
+        host, dev = self.scratch(nbytes * slots)
+        src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+
+        def copy(i):
+            lo = (i % slots) * nbytes
+            dst_all[lo : lo + nbytes].copy_(src_all[lo : lo + nbytes], non_blocking=True)
+
+        return median(self.timer.each(copy, calls, 1))
 
 
 def _row(preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_secs, page_size):
@@ -468,7 +480,7 @@ def measure_cell(ctx, preset, device_pool, host_pool, layout, backend, pages, rn
         )
     )
     nbytes = tokens * row_bytes
-    copy_secs = ctx.copy_seconds(nbytes, "h2d", m.load_repeats)
+    copy_secs = ctx.copy_seconds(nbytes, "h2d", m.load_repeats, slots=L)
     ctx.results.append(
         _row(preset, layout, backend, "load", pages, nbytes, secs, torch_secs, copy_secs, P)
     )
