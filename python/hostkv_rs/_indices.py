@@ -19,6 +19,15 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     truncated, and so are tensors on the meta device, which hold no values. The returned tensor
     must be kept alive until the transfer call returns.
     """
+    if (
+        isinstance(indices, torch.Tensor)
+        and indices.dtype in _ACCEPTED
+        and indices.dim() == 1
+        and indices.is_contiguous()
+        and not indices.is_meta
+        and (device is None or (indices.is_cpu and device.type == "cpu"))
+    ):
+        return indices  # already what the core reads: the per-call fast path
     if indices is None:
         raise TypeError("index tensors must be integer tensors, got None")
     if not isinstance(indices, torch.Tensor):

@@ -12,6 +12,7 @@ import abc
 import logging
 import operator
 import threading
+import weakref
 from collections.abc import Sequence
 from functools import wraps
 from typing import NamedTuple
@@ -156,12 +157,12 @@ class DeviceLayers(NamedTuple):
     engine: str
 
 
-def device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: str) -> DeviceLayers:
-    """Check per-plane lists of device layer tensors and return their base pointers (plane-major).
+def _checked_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
+    """Check per-plane lists of device layer tensors: `(ptrs, rows, device_type, cuda_device)`.
 
     Every tensor must be a dense layer-first array whose rows are exactly the host item size of
     its plane; all must sit on one device type (CPU or CUDA). `rows` is the smallest dim 0, so
-    the core's bounds check covers every layer.
+    the core's bounds check covers every layer. Pointers are plane-major.
     """
     ptrs: list[int] = []
     rows: int | None = None
@@ -200,6 +201,58 @@ def device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: s
             ptrs.append(tensor.data_ptr())
     if device_type is None:
         raise ValueError(f"{what}: no device layer tensors")
+    return ptrs, rows or 0, device_type, cuda_device
+
+
+class DeviceLayerCache:
+    """Device layers already checked by `_checked_layers`, keyed by tensor identity.
+
+    SGLang's device pools keep the same per-layer tensors for their whole life, and checking a
+    tensor costs more than a one-page copy, so a transfer re-checks only what can change under
+    the same Python object: its address and shape. Entries hold weak references, so the cache
+    never keeps a device pool's memory alive, and it is bounded.
+    """
+
+    _LIMIT = 512
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
+        tensors = [t for plane in planes for t in plane]
+        key = (tuple(map(id, tensors)), tuple(item_bytes))
+        entry = self._entries.get(key)
+        if entry is not None:
+            refs, shapes, checked = entry
+            ptrs = checked[0]
+            if all(
+                ref() is t and t.data_ptr() == ptr and t.shape == shape
+                for ref, t, ptr, shape in zip(refs, tensors, ptrs, shapes)
+            ):
+                return checked
+        checked = _checked_layers(planes, item_bytes, what)
+        if len(self._entries) >= self._LIMIT:
+            self._entries.clear()
+        self._entries[key] = (
+            tuple(weakref.ref(t) for t in tensors),
+            tuple(t.shape for t in tensors),
+            checked,
+        )
+        return checked
+
+
+def device_layers(
+    planes: Sequence[Sequence],
+    item_bytes: Sequence[int],
+    what: str,
+    cache: DeviceLayerCache | None = None,
+) -> DeviceLayers:
+    """The device side of one transfer: checked layer pointers (see `_checked_layers`), plus the
+    stream and engine of this call."""
+    if cache is None:
+        ptrs, rows, device_type, cuda_device = _checked_layers(planes, item_bytes, what)
+    else:
+        ptrs, rows, device_type, cuda_device = cache.lookup(planes, item_bytes, what)
     if device_type == "cuda":
         # Only a CUDA device pool may touch torch.cuda: CPU-only runs never initialise it.
         stream = torch.cuda.current_stream(cuda_device).cuda_stream
@@ -207,14 +260,17 @@ def device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: s
     else:
         stream = 0
         engine = _memory.cpu_engine()
-    return DeviceLayers(ptrs, rows or 0, device_type, stream, engine)
+    return DeviceLayers(ptrs, rows, device_type, stream, engine)
+
+
+_CPU = torch.device("cpu")
 
 
 def transfer_indices(host_indices, device_indices, io_backend: str, device: str):
     """Index tensors in the form the core reads: contiguous int32/int64. CPU device pools and the
     direct backend read them on the host; a CUDA kernel transfer keeps device-resident indices
     where they are (the kernel bounds-checks them itself)."""
-    target = None if (device == "cuda" and io_backend == "kernel") else torch.device("cpu")
+    target = None if (device == "cuda" and io_backend == "kernel") else _CPU
     return as_index_array(host_indices, target), as_index_array(device_indices, target)
 
 
@@ -602,3 +658,10 @@ class HostKVCache(abc.ABC):
         if getattr(self, "_destroyed", False) or core is None:
             raise RuntimeError(f"{type(self).__name__} has been destroyed; it cannot transfer")
         return core
+
+    def _device_layers(self, planes: Sequence[Sequence], item_bytes: Sequence[int]) -> DeviceLayers:
+        """`device_layers` with this pool's cache of already checked device tensors."""
+        cache = self.__dict__.get("_device_layer_cache")
+        if cache is None:
+            cache = self._device_layer_cache = DeviceLayerCache()
+        return device_layers(planes, item_bytes, "device pool", cache)

@@ -16,7 +16,6 @@ from hostkv_rs.base import (
     as_int,
     check_layer_count,
     check_layer_id,
-    device_layers,
     transfer_indices,
 )
 
@@ -263,7 +262,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         self._check_io(io_backend)
         core = self._live_core()
         host_layer, k_layer, v_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
-        dev = device_layers([[k_layer], [v_layer]], self._plane_item_bytes(), "device pool")
+        dev = self._device_layers([[k_layer], [v_layer]], self._plane_item_bytes())
         host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
         core.load(
             io_backend,
@@ -296,7 +295,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         self._check_io(io_backend)
         core = self._live_core()
         k_layers, v_layers = self._backup_device_layers(device_pool)
-        dev = device_layers([k_layers, v_layers], self._plane_item_bytes(), "device pool")
+        dev = self._device_layers([k_layers, v_layers], self._plane_item_bytes())
         host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
         core.backup(
             io_backend,

@@ -17,7 +17,6 @@ from hostkv_rs.base import (
     as_int,
     check_layer_count,
     check_layer_id,
-    device_layers,
     get_allocator_from_storage,
     positive_int,
     refuse_layer_sharding,
@@ -332,7 +331,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self._check_io(io_backend)
         core = self._live_core()
         layer, device_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
-        dev = device_layers([[device_layer]], [self.token_stride_size], "device pool")
+        dev = self._device_layers([[device_layer]], [self.token_stride_size])
         host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.load(
             io_backend,
@@ -357,7 +356,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         else:
             what, layers = "device pool", device_pool.kv_buffer
         layers = check_layer_count(f"{what} kv_buffer", layers, self.layer_num)
-        dev = device_layers([layers], [self.token_stride_size], "device pool")
+        dev = self._device_layers([layers], [self.token_stride_size])
         host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
         core.backup(
             io_backend,
