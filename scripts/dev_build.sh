@@ -7,5 +7,7 @@ exec 9>/tmp/hostkv_rs_build.lock
 flock 9
 export PYO3_BUILD_EXTENSION_MODULE=1
 CARGO_PROFILE_RELEASE_LTO=false cargo build --release --features python --lib --quiet
-cp -f target/release/libhostkv_rs.so python/hostkv_rs/_core.abi3.so
+# Copy then rename: overwriting the .so in place crashes processes that have it mapped.
+cp -f target/release/libhostkv_rs.so python/hostkv_rs/.core.abi3.so.tmp
+mv -f python/hostkv_rs/.core.abi3.so.tmp python/hostkv_rs/_core.abi3.so
 echo "built python/hostkv_rs/_core.abi3.so"
