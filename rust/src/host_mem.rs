@@ -1,10 +1,19 @@
-//! Host memory for the pools: an exact-size anonymous shared mapping (as SGLang's `alloc_mmap`),
-//! optionally on hugepages and bound to a NUMA node, pre-faulted in parallel so that CUDA
-//! registration pins real pages, and unmapped on drop.
+//! Host memory for the pools: an exact-size anonymous mapping, optionally on hugepages and bound
+//! to a NUMA node, pre-faulted in parallel so that CUDA registration pins real pages, and unmapped
+//! on drop.
 //!
 //! Never torch's pinned allocator: it rounds blocks up to a power of two.
+//!
+//! Departure from SGLang: its `alloc_mmap` maps `MAP_SHARED|MAP_ANONYMOUS` (shmem). Without an
+//! explicit hugetlb size we map `MAP_PRIVATE|MAP_ANONYMOUS` instead, because private anonymous
+//! memory faults in ~1.5x faster than shmem and can get transparent hugepages (`MADV_HUGEPAGE`,
+//! THP `madvise`/`always`), where shmem THP is usually `never`: 3.5x faster to populate on the
+//! development VM. Nothing shares the pool with another process (the pools hand out no file
+//! descriptor, `pool.fd` is None), so the only observable difference is at `fork`, and there the
+//! private mapping is marked `MADV_DONTFORK` (see `map_private`). The explicit hugetlb ladder
+//! (`hugepage="2MB"/"1GB"`) keeps SGLang's shared mapping.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
@@ -14,8 +23,10 @@ const GB1: usize = 1 << 30;
 /// `MADV_POPULATE_WRITE` (Linux >= 5.14); not in every libc crate version.
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 const MPOL_BIND: libc::c_long = 2;
-/// Bytes each pre-touch thread should get at least, so small regions stay on one thread.
-const PRETOUCH_BYTES_PER_THREAD: usize = 64 << 20;
+/// Bytes each pre-touch thread should get at least. A thread costs tens of microseconds to start;
+/// 4 MiB takes ~0.4-1.5 ms to fault in, so splitting pays from about twice this size (measured:
+/// docs/benchmarks.md, pool creation).
+const PRETOUCH_BYTES_PER_THREAD: usize = 4 << 20;
 
 /// Hugepage size asked for (`SGLANG_HUGEPAGE_SIZE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,7 +122,15 @@ pub struct HostRegion {
     nbytes: usize,
     /// Bytes actually mapped (rounded up to the page size of the tier, plus nothing else).
     map_len: usize,
+    /// The tier mapped for; `Thp` means "advised for THP", resolved by `tier()`.
     tier: Tier,
+    /// What the kernel actually gave a THP-advised region, read from smaps on first request
+    /// (reading smaps walks every mapping of the process: too slow for every creation).
+    thp_obtained: OnceLock<Tier>,
+    /// Private mappings are `MADV_DONTFORK`: a forked child does not have them, so it must not
+    /// unmap the range (something else of the child's may live there by then).
+    private: bool,
+    owner_pid: libc::pid_t,
     numa_node: Option<u32>,
     registered: Mutex<Vec<(u64, usize)>>,
 }
@@ -129,7 +148,7 @@ fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
 }
 
-/// `mmap(MAP_SHARED|MAP_ANONYMOUS|extra)` of `len` bytes, or the errno text.
+/// `mmap(MAP_SHARED|MAP_ANONYMOUS|extra)` of `len` bytes, or the errno text (the hugetlb tiers).
 fn map(len: usize, extra: libc::c_int) -> std::result::Result<*mut u8, String> {
     // SAFETY: anonymous mapping at a kernel-chosen address; no existing memory is touched.
     let p = unsafe {
@@ -156,9 +175,9 @@ fn unmap(ptr: *mut u8, len: usize) {
     }
 }
 
-/// Whether `madvise(MADV_HUGEPAGE)` can give a shared anonymous (shmem) mapping huge pages.
-fn shmem_thp_possible() -> bool {
-    let Ok(s) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled") else {
+/// Whether `madvise(MADV_HUGEPAGE)` can give private anonymous memory transparent hugepages.
+fn anon_thp_possible() -> bool {
+    let Ok(s) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") else {
         return false;
     };
     let selected = s
@@ -166,26 +185,85 @@ fn shmem_thp_possible() -> bool {
         .nth(1)
         .and_then(|r| r.split(']').next())
         .unwrap_or("");
-    matches!(selected, "always" | "within_size" | "advise" | "force")
+    matches!(selected, "always" | "madvise")
 }
 
-/// A 2 MiB-aligned shared mapping advised for transparent hugepages (THP needs the alignment).
-fn map_thp(len: usize) -> Option<(*mut u8, usize)> {
-    let map_len = round_up(len, MB2)?;
-    let over = map_len.checked_add(MB2)?;
-    let raw = map(over, 0).ok()?;
-    let start = round_up(raw as usize, MB2)?;
-    let head = start - raw as usize;
-    let tail = over - head - map_len;
-    unmap(raw, head);
-    unmap((start + map_len) as *mut u8, tail);
-    let p = start as *mut u8;
-    // SAFETY: advising our own mapping.
-    if unsafe { libc::madvise(p as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE) } != 0 {
-        unmap(p, map_len);
-        return None;
+/// `MAP_PRIVATE|MAP_ANONYMOUS` of `len` bytes (a multiple of the base page), `MADV_DONTFORK`,
+/// and, with `thp`, 2 MiB-aligned (THP needs the alignment) and advised `MADV_HUGEPAGE`.
+/// Returns the start and whether the THP advice was taken.
+///
+/// `MADV_DONTFORK` is not optional: a child forked from a private mapping would share the
+/// parent's pages copy-on-write, and the parent's next write then moves the parent to a fresh copy
+/// while a CUDA registration (and every DMA the GPU does into this pool) still targets the old
+/// physical page, which now belongs to the child: transfers would silently land in, or come from,
+/// memory the parent no longer sees. With `MADV_DONTFORK` the child simply has no mapping here (a
+/// child touching the pool faults; SGLang's `MAP_SHARED` would let it share the pool instead).
+fn map_private(len: usize, thp: bool) -> std::result::Result<(*mut u8, bool), String> {
+    let over = if thp { len.checked_add(MB2) } else { Some(len) };
+    let over = over.ok_or_else(|| "size overflows".to_string())?;
+    // SAFETY: anonymous mapping at a kernel-chosen address; no existing memory is touched.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            over,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(errno_text());
     }
-    Some((p, map_len))
+    let raw = raw as *mut u8;
+    let p = if thp {
+        // `over` is mapped, so rounding inside it cannot overflow.
+        let start = (raw as usize).div_ceil(MB2) * MB2;
+        let head = start - raw as usize;
+        unmap(raw, head);
+        unmap((start + len) as *mut u8, over - head - len);
+        start as *mut u8
+    } else {
+        raw
+    };
+    // SAFETY (both madvise calls): advising our own mapping.
+    if unsafe { libc::madvise(p as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
+        let e = errno_text();
+        unmap(p, len);
+        return Err(format!("madvise(MADV_DONTFORK): {e}"));
+    }
+    // Only advice: a kernel that refuses it leaves base pages, reported as such.
+    let advised =
+        thp && unsafe { libc::madvise(p as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } == 0;
+    Ok((p, advised))
+}
+
+/// kB of transparent hugepages backing mappings that overlap `[addr, addr+len)` (smaps'
+/// `AnonHugePages`). A neighbouring region the kernel merged into the same mapping counts too;
+/// that only matters for telling "thp" from "base", where both are THP-advised alike.
+fn anon_huge_kb(addr: usize, len: usize) -> u64 {
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return 0;
+    };
+    let mut inside = false;
+    let mut kb = 0;
+    for l in smaps.lines() {
+        let first = l.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = a < addr + len && addr < b;
+                continue;
+            }
+        }
+        if inside && first == "AnonHugePages:" {
+            kb += l
+                .split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    kb
 }
 
 fn mbind(ptr: *mut u8, len: usize, node: u32) -> Result<()> {
@@ -221,6 +299,8 @@ fn mbind(ptr: *mut u8, len: usize, node: u32) -> Result<()> {
 }
 
 fn auto_threads(len: usize) -> usize {
+    // Faulting is CPU work in the kernel (zeroing pages, page-table updates), so it scales with
+    // cores until memory bandwidth runs out.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     cpus.min(16).min(len / PRETOUCH_BYTES_PER_THREAD).max(1)
 }
@@ -293,6 +373,10 @@ impl HostRegion {
             nbytes,
             map_len: 0,
             tier: Tier::Base,
+            thp_obtained: OnceLock::new(),
+            private: false,
+            // SAFETY: getpid has no preconditions.
+            owner_pid: unsafe { libc::getpid() },
             numa_node: opts.numa_node,
             registered: Mutex::new(Vec::new()),
         };
@@ -303,6 +387,7 @@ impl HostRegion {
         region.ptr = ptr;
         region.map_len = map_len;
         region.tier = tier;
+        region.private = matches!(tier, Tier::Thp | Tier::Base);
         // From here on `region`'s Drop unmaps on any error.
         if let Some(node) = opts.numa_node {
             mbind(ptr, map_len, node)?;
@@ -337,19 +422,16 @@ impl HostRegion {
                 }
                 Err(_) => {}
             }
-            if shmem_thp_possible() {
-                if let Some((p, len)) = map_thp(nbytes) {
-                    return Ok((p, len, Tier::Thp));
-                }
-            }
         }
         let len = round_up(nbytes, BASE_PAGE).ok_or_else(too_big)?;
-        let p = map(len, 0).map_err(|e| {
+        // Regions smaller than one hugepage cannot get one; they stay unaligned and unadvised.
+        let thp = len >= MB2 && anon_thp_possible();
+        let (p, advised) = map_private(len, thp).map_err(|e| {
             Error::HostMemory(format!(
                 "could not map {nbytes} bytes of host memory (mmap): {e}"
             ))
         })?;
-        Ok((p, len, Tier::Base))
+        Ok((p, len, if advised { Tier::Thp } else { Tier::Base }))
     }
 
     /// Start address (0 for an empty region).
@@ -375,8 +457,19 @@ impl HostRegion {
         self.map_len
     }
 
+    /// The pages the region got. A THP-advised region reports `Thp` only if the kernel actually
+    /// backs part of it with transparent hugepages (checked once, on first request), else `Base`.
     pub fn tier(&self) -> Tier {
-        self.tier
+        if self.tier != Tier::Thp {
+            return self.tier;
+        }
+        *self.thp_obtained.get_or_init(|| {
+            if anon_huge_kb(self.ptr as usize, self.map_len) > 0 {
+                Tier::Thp
+            } else {
+                Tier::Base
+            }
+        })
     }
 
     pub fn numa_node(&self) -> Option<u32> {
@@ -426,6 +519,11 @@ impl HostRegion {
 impl Drop for HostRegion {
     fn drop(&mut self) {
         self.unregister_cuda();
+        // SAFETY: getpid has no preconditions.
+        if self.private && unsafe { libc::getpid() } != self.owner_pid {
+            // A forked child never had this `MADV_DONTFORK` range (see `map_private`).
+            return;
+        }
         unmap(self.ptr, self.map_len);
     }
 }
@@ -448,23 +546,14 @@ mod tests {
         })
     }
 
-    /// Resident kB of the mapping starting at `addr` (from /proc/self/smaps).
-    fn rss_kb(addr: u64) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let mut inside = false;
-        for l in smaps.lines() {
-            let first = l.split_whitespace().next().unwrap_or("");
-            if let Some((a, b)) = first.split_once('-') {
-                if let (Ok(a), Ok(_)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
-                    inside = a == addr;
-                    continue;
-                }
-            }
-            if inside && first == "Rss:" {
-                return l.split_whitespace().nth(1).unwrap().parse().unwrap();
-            }
-        }
-        panic!("no smaps entry at {addr:#x}");
+    /// Resident kB of `[addr, addr+len)`, page by page (mincore). Private mappings of equal flags
+    /// can merge with a neighbour, so the smaps entry of a region may be larger than the region.
+    fn resident_kb(addr: u64, len: usize) -> u64 {
+        let pages = len.div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&v| v & 1 != 0).count() as u64 * 4
     }
 
     fn free_hugepages() -> u64 {
@@ -487,7 +576,7 @@ mod tests {
         let (a, b) = mapping_at(r.addr()).unwrap();
         assert!(a <= r.addr() && r.addr() + r.mapped_len() as u64 <= b);
         // Pre-touched: every page resident before anyone wrote to it.
-        assert_eq!(rss_kb(r.addr()), 16);
+        assert_eq!(resident_kb(r.addr(), r.mapped_len()), 16);
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
         assert!(bytes.iter().all(|&b| b == 0));
     }
@@ -503,7 +592,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(rss_kb(r.addr()), (n / 1024) as u64);
+        assert_eq!(resident_kb(r.addr(), n), (n / 1024) as u64);
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
         assert!(bytes.iter().all(|&b| b == 0));
     }
@@ -520,7 +609,7 @@ mod tests {
                 off += BASE_PAGE;
             }
         }
-        assert_eq!(rss_kb(p as u64), 36);
+        assert_eq!(resident_kb(p as u64, n), 36);
         unmap(p, n);
     }
 
@@ -567,10 +656,16 @@ mod tests {
         match r.tier() {
             Tier::Huge2M => assert_eq!(r.mapped_len(), 4 << 20),
             Tier::Thp => {
-                assert!(shmem_thp_possible());
+                assert!(anon_thp_possible());
                 assert_eq!(r.addr() % MB2 as u64, 0);
+                assert!(anon_huge_kb(r.addr() as usize, r.mapped_len()) >= 2048);
             }
-            Tier::Base => assert!(free_hugepages() < 2 || !shmem_thp_possible()),
+            // Without hugetlb pages the THP advice may still yield base pages (fragmented
+            // memory): the region must then say so rather than claim "thp".
+            Tier::Base => {
+                assert!(free_hugepages() < 2);
+                assert_eq!(anon_huge_kb(r.addr() as usize, r.mapped_len()), 0);
+            }
             Tier::Huge1G => panic!("asked for 2MB"),
         }
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
@@ -594,12 +689,77 @@ mod tests {
     }
 
     #[test]
-    fn thp_mapping_is_aligned() {
-        if let Some((p, len)) = map_thp(5 << 20) {
-            assert_eq!(p as usize % MB2, 0);
-            assert_eq!(len, 6 << 20);
-            unmap(p, len);
+    fn thp_mapping_is_aligned_and_exact() {
+        let len = 5 << 20;
+        let (p, advised) = map_private(len, true).unwrap();
+        assert_eq!(p as usize % MB2, 0);
+        // The alignment slack is given back: exactly `len` bytes stay mapped.
+        assert_eq!(
+            mapping_at(p as u64 + len as u64 - 1).map(|(_, b)| b >= p as u64 + len as u64),
+            Some(true)
+        );
+        if anon_thp_possible() {
+            assert!(advised);
         }
+        unmap(p, len);
+    }
+
+    /// True iff `VmFlags` of the mapping at `addr` has `flag` (two letters, see proc(5)).
+    fn vm_flag(addr: u64, flag: &str) -> bool {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for l in smaps.lines() {
+            let first = l.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-') {
+                if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                    inside = a <= addr && addr < b;
+                    continue;
+                }
+            }
+            if inside && first == "VmFlags:" {
+                return l.split_whitespace().skip(1).any(|f| f == flag);
+            }
+        }
+        panic!("no smaps entry at {addr:#x}");
+    }
+
+    #[test]
+    fn default_region_is_private_and_not_inherited_by_fork() {
+        for n in [64 << 10, 6 << 20] {
+            let r = HostRegion::new(n, RegionOptions::default()).unwrap();
+            // "dc": MADV_DONTFORK; no "sh": private, so pinned pages can never go copy-on-write.
+            assert!(vm_flag(r.addr(), "dc"), "{n}");
+            assert!(!vm_flag(r.addr(), "sh"), "{n}");
+            if n >= MB2 && anon_thp_possible() {
+                assert!(vm_flag(r.addr(), "hg"), "THP not advised");
+            }
+        }
+    }
+
+    #[test]
+    fn forked_child_neither_sees_nor_unmaps_the_region() {
+        let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
+        unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
+        // SAFETY: the child only calls async-signal-safe functions (mincore, munmap via drop is
+        // skipped, _exit) before exiting.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let mut vec = [0u8; 1];
+            // ENOMEM: the range is not mapped in the child.
+            let unmapped =
+                unsafe { libc::mincore(r.as_ptr() as *mut libc::c_void, 4096, vec.as_mut_ptr()) }
+                    != 0;
+            drop(r);
+            unsafe { libc::_exit(if unmapped { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "{status}"
+        );
+        assert_eq!(unsafe { std::ptr::read_volatile(r.as_ptr()) }, 7);
     }
 
     #[test]
