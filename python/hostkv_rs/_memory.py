@@ -83,6 +83,12 @@ class HostTensorAllocator:
         return region_view(alloc_host_region(nbytes, pin_memory=False), dtype, dims)
 
 
+def pin_dummy_pages(pin_memory: bool) -> bool:
+    """Whether L3 dummy pages may be pinned: torch.zeros(pin_memory=True) needs a CUDA runtime, so
+    a CPU-only process keeps pageable pages."""
+    return bool(pin_memory) and _core.cuda_available() and torch.cuda.is_available()
+
+
 _CPU_ENGINES = ("plan", "emulated")
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs._indices import as_index_array
+from hostkv_rs._indices import as_index_array, index_arg
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ def synchronized(func):
             return func(self, *args, **kwargs)
 
     return wrapper
+
+
+def ptr_table(tensors, device) -> torch.Tensor:
+    """SGLang's uint64 table of `data_ptr()`s on `device` (the pools' `*_data_ptrs`)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
 
 
 def as_int(name: str, value) -> int:
@@ -147,6 +152,62 @@ def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
     return _memory.HostTensorAllocator()
 
 
+_CPU = torch.device("cpu")
+
+
+def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
+    """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
+    the caller may keep writing to what it passed (a tensor, or a numpy array that
+    `as_index_array` only wraps) after the slots sit on a release list."""
+    slots = as_index_array(indices, _CPU).to(torch.int64)
+    if slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= size:
+            raise ValueError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
+    return slots.clone()
+
+
+class SlotFreeList:
+    """SGLang's lazy-release free list: `alloc` takes from the front of `free_slots`, `free`
+    parks chunks on `release_slots`, merged only when `free_slots` runs short (one torch.cat per
+    merge, not per free; #30658). Pool-specific checks stay with each pool's alloc/free."""
+
+    def _reset_free_list(self, n: int) -> None:
+        self.free_slots = torch.arange(n, dtype=torch.int64)
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    def available_size(self):
+        return len(self.free_slots) + self.num_release_slots
+
+    def _merge_release_slots(self):
+        if self.num_release_slots == 0:
+            return
+        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
+            self.free_slots = self.release_slots[0]
+        else:
+            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    def _take_slots(self, need_size: int, vet=None) -> torch.Tensor | None:
+        """The first `need_size` free slots (a view of the free list, as in SGLang), or None when
+        the pool is short. `vet(selected)` may refuse them before the free list moves on."""
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self._merge_release_slots()
+        selected = self.free_slots[:need_size]
+        if vet is not None:
+            vet(selected)
+        self.free_slots = self.free_slots[need_size:]
+        return selected
+
+    def _release_slots(self, slots: torch.Tensor) -> None:
+        self.release_slots.append(slots)
+        self.num_release_slots += slots.numel()
+
+
 class DeviceLayers(NamedTuple):
     """The device side of one transfer, as `PoolCore.backup/load` take it."""
 
@@ -184,6 +245,9 @@ def _checked_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what:
                 raise ValueError(
                     f"{where}: device tensors mix {device_type} and {tensor.device.type}"
                 )
+            elif cuda_device is not None and tensor.device != cuda_device:
+                # One call runs on one GPU's stream; another GPU's layer is not its memory.
+                raise ValueError(f"{where}: device tensors mix {cuda_device} and {tensor.device}")
             if tensor.dim() < 1:
                 raise ValueError(f"{where}: expected a tensor with a token dimension")
             if not tensor.is_contiguous():
@@ -250,20 +314,47 @@ def device_layers(
     """The device side of one transfer: checked layer pointers (see `_checked_layers`), plus the
     stream and engine of this call."""
     if cache is None:
-        ptrs, rows, device_type, cuda_device = _checked_layers(planes, item_bytes, what)
+        ptrs, rows, _, cuda_device = _checked_layers(planes, item_bytes, what)
     else:
-        ptrs, rows, device_type, cuda_device = cache.lookup(planes, item_bytes, what)
-    if device_type == "cuda":
-        # Only a CUDA device pool may touch torch.cuda: CPU-only runs never initialise it.
-        stream = torch.cuda.current_stream(cuda_device).cuda_stream
-        engine = "plan"
-    else:
-        stream = 0
-        engine = _memory.cpu_engine()
-    return DeviceLayers(ptrs, rows, device_type, stream, engine)
+        ptrs, rows, _, cuda_device = cache.lookup(planes, item_bytes, what)
+    where = cuda_device if cuda_device is not None else _CPU
+    return DeviceLayers(ptrs, rows, *stream_and_engine(where))
 
 
-_CPU = torch.device("cpu")
+def stream_and_engine(device: torch.device) -> tuple[str, int, str]:
+    """(device type, stream, engine) for the core: torch's current stream of a CUDA device, else
+    the CPU engine chosen by HOSTKV_CPU_ENGINE. Only a CUDA device pool may touch torch.cuda:
+    CPU-only runs never initialise it."""
+    if device.type == "cuda":
+        return "cuda", torch.cuda.current_stream(device).cuda_stream, "plan"
+    return "cpu", 0, _memory.cpu_engine()
+
+
+def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx) -> None:
+    core.backup(
+        backend,
+        dev.ptrs,
+        dev.rows,
+        index_arg(host_idx),
+        index_arg(dev_idx),
+        dev.device,
+        dev.stream,
+        dev.engine,
+    )
+
+
+def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, dev_idx) -> None:
+    core.load(
+        backend,
+        host_layer,
+        dev.ptrs,
+        dev.rows,
+        index_arg(host_idx),
+        index_arg(dev_idx),
+        dev.device,
+        dev.stream,
+        dev.engine,
+    )
 
 
 def transfer_indices(host_indices, device_indices, io_backend: str, device: str):
@@ -272,6 +363,21 @@ def transfer_indices(host_indices, device_indices, io_backend: str, device: str)
     where they are (the kernel bounds-checks them itself)."""
     target = None if (device == "cuda" and io_backend == "kernel") else _CPU
     return as_index_array(host_indices, target), as_index_array(device_indices, target)
+
+
+def check_io_pair(io_backend, layout: str, supported: dict, ascend_layouts: tuple = ()) -> None:
+    """SGLang's refusals for an (io_backend, layout) pair of the MHA and MLA pools: `supported`
+    maps each backend served here to its layouts. `kernel_ascend` needs an Ascend NPU: on one of
+    its own `ascend_layouts` it is an unsupported backend here, elsewhere an unsupported layout
+    (SGLang checks the layout first)."""
+    # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
+    if isinstance(io_backend, str) and io_backend in supported:
+        if layout not in supported[io_backend]:
+            raise ValueError(f"Unsupported layout: {layout}")
+        return
+    if io_backend == "kernel_ascend" and layout not in ascend_layouts:
+        raise ValueError(f"Unsupported layout: {layout}")
+    raise ValueError(f"Unsupported IO backend: {io_backend}")
 
 
 class LayerIndexError(_core.TransferError, IndexError):
@@ -300,7 +406,7 @@ def check_layer_count(what: str, tensors: Sequence, expected: int) -> list:
     return tensors
 
 
-class HostKVCache(abc.ABC):
+class HostKVCache(SlotFreeList, abc.ABC):
     """Abstract HiCache host pool with SGLang's constructor sequence and slot allocator."""
 
     # Class defaults so that subclasses which skip __init__ still work (as in SGLang).
@@ -308,6 +414,10 @@ class HostKVCache(abc.ABC):
     dcp_rank = 0
     pool_label = "kv"
     can_use_write_back_jit = False
+    mtp_draft_device_pools: tuple = ()
+    # Device pool attributes holding the per-layer tensors of each plane, in plane order (set by
+    # the pools that move bytes, e.g. ("k_buffer", "v_buffer")).
+    _device_plane_names: tuple = ()
 
     def __init__(
         self,
@@ -324,51 +434,19 @@ class HostKVCache(abc.ABC):
         *,
         pool_label: str = "kv",
     ):
-        self.device_pool = device_pool
-        self.pool_label = pool_label
-        self.dcp_size = dcp_size
-        self.dcp_rank = dcp_rank
-        page_size = positive_int("page_size", page_size)
-        dcp_size = positive_int("dcp_size", dcp_size)
-        if page_size % dcp_size != 0:
-            raise AssertionError(
-                f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
-                f"({dcp_size}); expected the widened page from the DCP paged allocator."
-            )
-        dcp_rank = as_int("dcp_rank", dcp_rank)
-        if not 0 <= dcp_rank < dcp_size:
-            raise ValueError(f"dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}")
-        if dcp_size != 1 and not self._dcp_ready():
-            raise NotImplementedError(
-                f"hostkv_rs host pools do not implement decode context parallelism yet "
-                f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
-            )
-        refuse_layer_sharding(device_pool)
-        self.page_size = page_size // dcp_size
-        self.layout = layout
-        self.pin_memory = pin_memory
-        if device != "cpu":
-            raise AssertionError(
-                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
-            )
-        self.device = device
-        self.allocator_type = allocator_type
-        self.allocator = get_allocator_from_storage(allocator_type, pool_label)
-        self.can_use_write_back_jit = False
-
-        self.dtype = device_pool.store_dtype
-        self.size_per_token = self.get_size_per_token()
-        if self.size_per_token <= 0:
-            raise ValueError(
-                f"{type(self).__name__}: bytes per token must be positive, got "
-                f"{self.size_per_token} (check the device pool's layer and head geometry)"
-            )
-        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
-        self.logical_size = self.size * dcp_size
-        self.logical_page_size = self.page_size * dcp_size
-        self.start_layer = device_pool.start_layer
-        self.end_layer = device_pool.end_layer
-
+        self._init_geometry(
+            device_pool,
+            host_to_device_ratio,
+            host_size,
+            page_size,
+            layout,
+            pin_memory,
+            device,
+            allocator_type,
+            dcp_size,
+            dcp_rank,
+            pool_label,
+        )
         if self.size <= device_pool.size:
             logger.warning(
                 "HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens);"
@@ -410,6 +488,71 @@ class HostKVCache(abc.ABC):
         self.fd = getattr(self.allocator, "fd", None)
         self.lock = threading.RLock()
         self.clear()
+
+    def _init_geometry(
+        self,
+        device_pool,
+        host_to_device_ratio,
+        host_size,
+        page_size,
+        layout,
+        pin_memory,
+        device,
+        allocator_type,
+        dcp_size,
+        dcp_rank,
+        pool_label,
+        *,
+        owns_bytes: bool = True,
+    ) -> None:
+        """SGLang's constructor steps 1-7 (arguments, geometry, size, page count): everything up
+        to the memory check. `owns_bytes=False` is MLA's allocator-only (dummy) pool, which never
+        reaches the CPU allocator and words the DCP check as SGLang's dummy init does."""
+        self.device_pool = device_pool
+        self.pool_label = pool_label
+        page_size = positive_int("page_size", page_size)
+        dcp_size = positive_int("dcp_size", dcp_size)
+        if page_size % dcp_size != 0:
+            hint = "; expected the widened page from the DCP paged allocator" if owns_bytes else ""
+            raise AssertionError(
+                f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
+                f"({dcp_size}){hint}."
+            )
+        dcp_rank = as_int("dcp_rank", dcp_rank)
+        if not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}")
+        if dcp_size != 1 and not self._dcp_ready():
+            raise NotImplementedError(
+                f"hostkv_rs host pools do not implement decode context parallelism yet "
+                f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
+            )
+        refuse_layer_sharding(device_pool)
+        self.dcp_size = dcp_size
+        self.dcp_rank = dcp_rank
+        self.page_size = page_size // dcp_size
+        self.layout = layout
+        self.pin_memory = pin_memory
+        if owns_bytes and device != "cpu":
+            raise AssertionError(
+                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
+            )
+        self.device = device
+        self.allocator_type = allocator_type
+        self.allocator = get_allocator_from_storage(allocator_type, pool_label)
+        self.can_use_write_back_jit = False
+
+        self.dtype = device_pool.store_dtype
+        self.size_per_token = self.get_size_per_token()
+        if self.size_per_token <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: bytes per token must be positive, got "
+                f"{self.size_per_token} (check the device pool's layer and head geometry)"
+            )
+        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
+        self.logical_size = self.size * dcp_size
+        self.logical_page_size = self.page_size * dcp_size
+        self.start_layer = device_pool.start_layer
+        self.end_layer = device_pool.end_layer
 
     # Set True on a subclass whose transfers pass both index tensors through
     # maybe_dcp_kernel_indices (as SGLang's MLA pool does).
@@ -502,25 +645,17 @@ class HostKVCache(abc.ABC):
         n = self._logical_size()
         # Legacy and unused by SGLang's callers, but part of the pool's surface.
         self.mem_state = torch.zeros((n,), dtype=torch.uint8, device=getattr(self, "device", "cpu"))
-        self.free_slots = torch.arange(n, dtype=torch.int64)
-        # Freed chunks wait here until alloc needs them (one torch.cat per merge, not per free).
-        self.release_slots = []
-        self.num_release_slots = 0
+        self._reset_free_list(n)
         self.slot_used = torch.zeros(n, dtype=torch.bool)
 
-    @synchronized
-    def available_size(self):
-        return len(self.free_slots) + self.num_release_slots
+    available_size = synchronized(SlotFreeList.available_size)
 
-    def _merge_release_slots(self):
-        if self.num_release_slots == 0:
-            return
-        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
-            self.free_slots = self.release_slots[0]
-        else:
-            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
-        self.release_slots = []
-        self.num_release_slots = 0
+    def _refuse_double_alloc(self, selected: torch.Tensor) -> None:
+        already = self.slot_used[selected]
+        if bool(already.any()):
+            raise AssertionError(
+                f"Double-alloc detected: slots already allocated: {selected[already].tolist()}."
+            )
 
     @synchronized
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -533,19 +668,10 @@ class HostKVCache(abc.ABC):
             raise ValueError(f"need_size must not be negative, got {need_size}")
         if need_size % self._logical_page_size() != 0:
             raise AssertionError("The requested size should be a multiple of the page size.")
-        if need_size > self.available_size():
-            return None
-        if need_size > len(self.free_slots):
-            self._merge_release_slots()
-        select_index = self.free_slots[:need_size]
-        already = self.slot_used[select_index]
-        if bool(already.any()):
-            raise AssertionError(
-                f"Double-alloc detected: slots already allocated: {select_index[already].tolist()}."
-            )
-        self.free_slots = self.free_slots[need_size:]
-        self.slot_used[select_index] = True
-        return select_index
+        selected = self._take_slots(need_size, self._refuse_double_alloc)
+        if selected is not None:
+            self.slot_used[selected] = True
+        return selected
 
     @synchronized
     def free(self, indices) -> int:
@@ -554,15 +680,9 @@ class HostKVCache(abc.ABC):
         A slot that is not currently allocated, or that appears twice in one call, is a double
         free: AssertionError, and nothing is released.
         """
-        slots = as_index_array(indices, torch.device("cpu")).to(torch.int64)
+        slots = slots_in_pool(indices, self.slot_used.numel(), "free")
         if slots.numel() == 0:
             return 0
-        n = self.slot_used.numel()
-        out_of_range = (slots < 0) | (slots >= n)
-        if bool(out_of_range.any()):
-            raise ValueError(
-                f"free: host slots must lie in [0, {n}), got {slots[out_of_range][:16].tolist()}"
-            )
         used = self.slot_used[slots]
         if not bool(used.all()):
             raise AssertionError(
@@ -574,12 +694,8 @@ class HostKVCache(abc.ABC):
                 f"Double-free detected: slots not currently allocated: "
                 f"{unique[counts > 1].tolist()}."
             )
-        # Own the storage: the caller may keep writing to what it passed in (a tensor or a
-        # numpy array that as_index_array only wrapped).
-        slots = slots.clone()
         self.slot_used[slots] = False
-        self.release_slots.append(slots)
-        self.num_release_slots += slots.numel()
+        self._release_slots(slots)
         return slots.numel()
 
     def maybe_dcp_kernel_indices(self, indices):
@@ -610,6 +726,20 @@ class HostKVCache(abc.ABC):
             )
         return index
 
+    @staticmethod
+    def _flat_page_as(data_page, shape) -> torch.Tensor:
+        """A flat L3 page read as `shape` (this layout's element order), refused unless it holds
+        exactly one page of values."""
+        expected = 1
+        for extent in shape:
+            expected *= extent
+        if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
+            got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
+            raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
+        if data_page.device.type == "meta":
+            raise ValueError("a flat data page on the meta device holds no values")
+        return data_page.reshape(shape)
+
     def _meta_page_starts(self, indices, page_major: bool) -> list[int]:
         """First slot of each page of `indices` (every page_size-th entry), each checked to name a
         whole page inside the pool; page-major layouts also need page-aligned starts, because
@@ -630,6 +760,85 @@ class HostKVCache(abc.ABC):
                     f"slot {t} is not the first slot of a page (page size {self.page_size})"
                 )
         return starts
+
+    # ----------------------------------------------------------------- transfer glue
+
+    def _packed_device_layers(self, name: str) -> list:
+        """SGLang's MTP packing: the target pool's layers of plane `name` followed by every draft
+        pool's, in the host's layer order."""
+        pools = (self.device_pool, *self.mtp_draft_device_pools)
+        return [t for pool in pools for t in getattr(pool, name)]
+
+    def _load_device_layers(self, device_pool, layer_id, is_draft) -> tuple[int, list]:
+        """(host layer, one device layer tensor per plane) of one per-layer load. A draft call
+        (`is_draft=True`, `layer_id = target_layer_num + k`) reads host layer `layer_id` into
+        layer 0 of the draft device pool it is given, as SGLang's MTP packing does."""
+        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
+        if not is_draft:
+            layer = check_layer_id(layer_id, min(map(len, planes)), self.layer_num)
+            return layer, [plane[layer] for plane in planes]
+        host_layer = as_int("layer_id", layer_id)
+        if not self.target_layer_num <= host_layer < self.layer_num:
+            raise LayerIndexError(
+                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
+                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
+            )
+        if not all(planes):
+            raise _core.TransferError("the draft device pool has no layers")
+        return host_layer, [plane[0] for plane in planes]
+
+    def _backup_device_planes(self, device_pool) -> list[list]:
+        """Per-plane device layer lists of an all-layer backup: the packed target + draft lists
+        when MTP drafts are packed (SGLang then ignores `device_pool`), else the pool's own."""
+        if self.mtp_draft_device_pools:
+            what = "packed target + MTP draft device pools"
+            planes = [getattr(self, f"packed_device_{n}s") for n in self._device_plane_names]
+        else:
+            what = "device pool"
+            planes = [getattr(device_pool, n) for n in self._device_plane_names]
+        return [
+            check_layer_count(f"{what} {name}", layers, self.layer_num)
+            for name, layers in zip(self._device_plane_names, planes, strict=True)
+        ]
+
+    def _core_indices(self, host_indices, device_indices, io_backend: str, dev: DeviceLayers):
+        """Both index arrays as the core reads them, after SGLang's DCP translation (logical
+        widened slots -> this rank's physical slots); only DCP-aware pools get dcp_size > 1."""
+        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        if int(self.dcp_size) != 1:
+            host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
+            dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
+        return host_idx, dev_idx
+
+    def _load_planes(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
+    ):
+        """One per-layer load through the core, every argument checked before a byte moves."""
+        self._check_io(io_backend)
+        core = self._live_core()
+        host_layer, layers = self._load_device_layers(device_pool, layer_id, bool(is_draft))
+        dev = self._device_layers([[t] for t in layers], self._plane_item_bytes())
+        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev)
+        run_load(core, io_backend, host_layer, dev, host_idx, dev_idx)
+
+    def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
+        """One all-layer backup through the core, every argument checked before a byte moves."""
+        self._check_io(io_backend)
+        core = self._live_core()
+        planes = self._backup_device_planes(device_pool)
+        dev = self._device_layers(planes, self._plane_item_bytes())
+        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev)
+        run_backup(core, io_backend, dev, host_idx, dev_idx)
+
+    def _no_write_back_staging(self, *buffer_names: str) -> None:
+        # SGLang allocates GPU staging buffers only for its staged write-back JIT, which hostkv_rs
+        # never enables (the core copies straight into host memory), so the controller must not
+        # keep host indices on the CPU for it.
+        self.can_use_write_back_jit = False
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        for name in buffer_names:
+            setattr(self, name, None)
 
     # ----------------------------------------------------------------- lifetime
 

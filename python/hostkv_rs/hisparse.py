@@ -64,6 +64,13 @@ class HiSparseHostPoolMixin:
                 f"(start_pos={start_pos}, num_tokens={num_tokens})"
             )
 
+        # The row grows by whole pages from its end; an end inside a page would take slots that
+        # do not fit the row's gap.
+        if page_end > allocated_len and allocated_len % self.page_size != 0:
+            raise ValueError(
+                f"request row {req_pool_idx} has an allocated length of {allocated_len}, not a "
+                f"multiple of the page size {self.page_size}"
+            )
         if page_end > allocated_len:
             num_new_pages = (page_end - allocated_len) // self.page_size
             host_locs = self.alloc_page(num_new_pages)

@@ -9,15 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs._indices import index_arg
-from hostkv_rs.base import (
-    HostKVCache,
-    LayerIndexError,
-    as_int,
-    check_layer_count,
-    check_layer_id,
-    transfer_indices,
-)
+from hostkv_rs.base import HostKVCache, as_int, check_io_pair, ptr_table
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +28,6 @@ _ASYM_FLAT_PAGE_TEXT = (
 )
 
 
-def _not_implemented_mtp():
-    """For pools that do not pack MTP draft layers yet (the MHA pools here do)."""
-    return NotImplementedError(
-        "this hostkv_rs host pool does not pack MTP draft layers yet: pass "
-        "mtp_draft_device_pools=() and build a separate host pool for the draft model"
-    )
-
-
-def _pin_dummy_pages(pin_memory: bool) -> bool:
-    # torch.zeros(pin_memory=True) needs a CUDA runtime; a CPU-only process keeps pageable pages.
-    return bool(pin_memory) and _core.cuda_available() and torch.cuda.is_available()
-
-
 class MHATokenToKVPoolHost(HostKVCache):
     """Host mirror of SGLang's `MHATokenToKVPool`: `kv_buffer` is one `(2, ...)` tensor over one
     Rust `HostRegion`; the V half starts `L*S*H*D*e` bytes after the K half.
@@ -63,7 +42,7 @@ class MHATokenToKVPoolHost(HostKVCache):
     with `is_draft=True`, `layer_id = target_layer_num + k` and the draft device pool.
     """
 
-    mtp_draft_device_pools: tuple = ()
+    _device_plane_names = ("k_buffer", "v_buffer")
 
     def __init__(
         self,
@@ -96,14 +75,13 @@ class MHATokenToKVPoolHost(HostKVCache):
         self.can_use_jit = False
         self._init_data_refs()
         self._init_packed_device_tables()
-        self._init_write_back_staging_buffers()
-        item_bytes = self._plane_item_bytes()
+        self._no_write_back_staging("staging_k_buffer", "staging_v_buffer")
         self._pool_core = _core.PoolCore(
             self.layout,
             self.layer_num,
             self.size,
             self.page_size,
-            item_bytes,
+            self._plane_item_bytes(),
             self._plane_addrs(),
             self.head_num if self.layout == "page_head" else 1,
         )
@@ -170,35 +148,20 @@ class MHATokenToKVPoolHost(HostKVCache):
         self.k_data_refs = [k_view[i] for i in range(count)]
         self.v_data_refs = [v_view[i] for i in range(count)]
         self.host_kv_data_refs = self.k_data_refs + self.v_data_refs
-        self.k_data_ptrs = self._ptr_table(self.k_data_refs)
-        self.v_data_ptrs = self._ptr_table(self.v_data_refs)
+        self.k_data_ptrs = ptr_table(self.k_data_refs, self.device_pool.device)
+        self.v_data_ptrs = ptr_table(self.v_data_refs, self.device_pool.device)
 
     def _init_packed_device_tables(self):
         """With MTP drafts, backups read the target pool's layers followed by every draft pool's
         (SGLang's packed_device_* tables); without drafts these attributes do not exist."""
         if not self.mtp_draft_device_pools:
             return
-        pools = (self.device_pool, *self.mtp_draft_device_pools)
-        self.packed_device_k_buffers = [t for pool in pools for t in pool.k_buffer]
-        self.packed_device_v_buffers = [t for pool in pools for t in pool.v_buffer]
+        self.packed_device_k_buffers = self._packed_device_layers("k_buffer")
+        self.packed_device_v_buffers = self._packed_device_layers("v_buffer")
         self.packed_device_kv_buffers = self.packed_device_k_buffers + self.packed_device_v_buffers
-        self.packed_device_k_data_ptrs = self._ptr_table(self.packed_device_k_buffers)
-        self.packed_device_v_data_ptrs = self._ptr_table(self.packed_device_v_buffers)
-
-    def _init_write_back_staging_buffers(self):
-        # The staged write-back JIT needs a CUDA/HIP build of SGLang's kernels; the Rust core
-        # writes host pages directly, so no GPU staging exists and the controller must not keep
-        # host indices on the CPU for it.
-        self.staging_page_capacity = 0
-        self.staging_token_capacity = 0
-        self.staging_k_buffer = None
-        self.staging_v_buffer = None
-        self.can_use_write_back_jit = False
-
-    def _ptr_table(self, tensors) -> torch.Tensor:
-        return torch.tensor(
-            [t.data_ptr() for t in tensors], dtype=torch.uint64, device=self.device_pool.device
-        )
+        device = self.device_pool.device
+        self.packed_device_k_data_ptrs = ptr_table(self.packed_device_k_buffers, device)
+        self.packed_device_v_data_ptrs = ptr_table(self.packed_device_v_buffers, device)
 
     @property
     def k_buffer(self):
@@ -225,88 +188,18 @@ class MHATokenToKVPoolHost(HostKVCache):
     # ----------------------------------------------------------------- transfers
 
     def _check_io(self, io_backend: str):
-        # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
-        if isinstance(io_backend, str) and io_backend in _SUPPORTED:
-            if self.layout not in _SUPPORTED[io_backend]:
-                raise ValueError(f"Unsupported layout: {self.layout}")
-        elif io_backend == "kernel_ascend":
-            if self.layout != "page_first_direct":
-                raise ValueError(f"Unsupported layout: {self.layout}")
-            raise ValueError(f"Unsupported IO backend: {io_backend}")
-        else:
-            raise ValueError(f"Unsupported IO backend: {io_backend}")
-
-    def _load_layers(self, device_pool, layer_id, is_draft) -> tuple[int, list, list]:
-        """(host layer, device K layer, device V layer) of one per-layer load. A draft call
-        (`is_draft=True`, `layer_id = target_layer_num + k`) reads host layer `layer_id` into
-        layer 0 of the draft device pool it is given, as SGLang's MTP packing does."""
-        k_layers, v_layers = list(device_pool.k_buffer), list(device_pool.v_buffer)
-        if not is_draft:
-            layer = check_layer_id(layer_id, min(len(k_layers), len(v_layers)), self.layer_num)
-            return layer, k_layers[layer], v_layers[layer]
-        host_layer = as_int("layer_id", layer_id)
-        if not self.target_layer_num <= host_layer < self.layer_num:
-            raise LayerIndexError(
-                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
-                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
-            )
-        if not k_layers or not v_layers:
-            raise _core.TransferError("the draft device pool has no layers")
-        return host_layer, k_layers[0], v_layers[0]
+        check_io_pair(io_backend, self.layout, _SUPPORTED, ascend_layouts=("page_first_direct",))
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         """Copy host layer `layer_id` of `host_indices` into device layer `layer_id` at
         `device_indices` (work is enqueued on torch's current stream for a CUDA device pool)."""
-        self._check_io(io_backend)
-        core = self._live_core()
-        host_layer, k_layer, v_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
-        dev = self._device_layers([[k_layer], [v_layer]], self._plane_item_bytes())
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
-        core.load(
-            io_backend,
-            host_layer,
-            dev.ptrs,
-            dev.rows,
-            index_arg(host_idx),
-            index_arg(dev_idx),
-            dev.device,
-            dev.stream,
-            dev.engine,
-        )
-
-    def _backup_device_layers(self, device_pool) -> tuple[list, list]:
-        """Device K and V layer lists for an all-layer backup: the packed target + draft lists
-        when MTP drafts are packed (SGLang then ignores `device_pool`), else the pool's own."""
-        if self.mtp_draft_device_pools:
-            k_layers, v_layers = self.packed_device_k_buffers, self.packed_device_v_buffers
-            what = "packed target + MTP draft device pools"
-        else:
-            k_layers, v_layers = device_pool.k_buffer, device_pool.v_buffer
-            what = "device pool"
-        return (
-            check_layer_count(f"{what} k_buffer", k_layers, self.layer_num),
-            check_layer_count(f"{what} v_buffer", v_layers, self.layer_num),
-        )
+        self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         """Copy every layer of `device_indices` (device) into `host_indices` (host)."""
-        self._check_io(io_backend)
-        core = self._live_core()
-        k_layers, v_layers = self._backup_device_layers(device_pool)
-        dev = self._device_layers([k_layers, v_layers], self._plane_item_bytes())
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
-        core.backup(
-            io_backend,
-            dev.ptrs,
-            dev.rows,
-            index_arg(host_idx),
-            index_arg(dev_idx),
-            dev.device,
-            dev.stream,
-            dev.engine,
-        )
+        self._backup_planes(device_pool, host_indices, device_indices, io_backend)
 
     # ----------------------------------------------------------------- L3 flat pages
 
@@ -330,7 +223,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             (2, self.layer_num, self.page_size, self.head_num, self.head_dim),
             dtype=self.dtype,
             device=self.device,
-            pin_memory=_pin_dummy_pages(self.pin_memory),
+            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
@@ -346,14 +239,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
         index = self._page_slot(index, self.layout in _PAGE_MAJOR)
-        shape = shapes[self.layout]
-        expected = 2 * L * P * H * D
-        if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
-            got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
-            raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
-        if data_page.device.type == "meta":
-            raise ValueError("a flat data page on the meta device holds no values")
-        page = data_page.reshape(shape)
+        page = self._flat_page_as(data_page, shapes[self.layout])
         if self.layout == "layer_first":
             self.kv_buffer[:, :, index : index + P] = page
         elif self.layout == "page_first":
@@ -393,7 +279,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             raise AssertionError(
                 f"get_split_heads_page_buffer_meta requires layout='page_head', got {self.layout}"
             )
-        split_factor = int(split_factor)
+        split_factor = as_int("split_factor", split_factor)
         if split_factor <= 0 or self.head_num % split_factor != 0:
             raise AssertionError(
                 f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"

@@ -10,20 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs._indices import index_arg
-from hostkv_rs.base import (
-    HostKVCache,
-    LayerIndexError,
-    as_int,
-    check_layer_count,
-    check_layer_id,
-    get_allocator_from_storage,
-    positive_int,
-    refuse_layer_sharding,
-    transfer_indices,
-)
+from hostkv_rs.base import HostKVCache, check_io_pair, ptr_table
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.mha import _pin_dummy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +37,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     logical (widened) and transfers translate them to this rank's physical slots.
     """
 
-    mtp_draft_device_pools: tuple = ()
+    _device_plane_names = ("kv_buffer",)
     # load/backup pass both index tensors through maybe_dcp_kernel_indices (SGLang §3.4).
     dcp_aware_transfers = True
 
@@ -75,7 +63,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
         self._is_dummy = bool(is_dummy)
         if self._is_dummy:
-            self._init_dummy(
+            self._init_geometry(
                 device_pool,
                 host_to_device_ratio,
                 host_size,
@@ -87,7 +75,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 dcp_size,
                 dcp_rank,
                 pool_label,
+                owns_bytes=False,
             )
+            self._init_dummy()
             return
         super().__init__(
             device_pool,
@@ -103,7 +93,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             pool_label=pool_label,
         )
         self.can_use_jit = False
-        self._no_write_back_staging()
+        self._no_write_back_staging("staging_buffer")
         if self.layout == "page_first":
             view = self.kv_buffer.transpose(0, 1)
         else:
@@ -111,11 +101,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             view = self.kv_buffer
         count = min(self.layer_num, view.shape[0])
         self.data_refs = [view[i] for i in range(count)]
-        self.data_ptrs = torch.tensor(
-            [t.data_ptr() for t in self.data_refs],
-            dtype=torch.uint64,
-            device=self.device_pool.device,
-        )
+        self.data_ptrs = ptr_table(self.data_refs, self.device_pool.device)
         self._init_packed_device_tables()
         self._pool_core = _core.PoolCore(
             self.layout,
@@ -133,76 +119,19 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         (SGLang's packed_device_* tables; absent without drafts)."""
         if not self.mtp_draft_device_pools:
             return
-        pools = (self.device_pool, *self.mtp_draft_device_pools)
-        self.packed_device_kv_buffers = [t for pool in pools for t in pool.kv_buffer]
-        self.packed_device_data_ptrs = torch.tensor(
-            [t.data_ptr() for t in self.packed_device_kv_buffers],
-            dtype=torch.uint64,
-            device=self.device_pool.device,
+        self.packed_device_kv_buffers = self._packed_device_layers("kv_buffer")
+        self.packed_device_data_ptrs = ptr_table(
+            self.packed_device_kv_buffers, self.device_pool.device
         )
 
-    def _no_write_back_staging(self) -> None:
-        # SGLang allocates a GPU staging buffer only for its staged write-back JIT, which
-        # hostkv_rs never enables (the Rust core copies straight into host memory).
-        self.can_use_write_back_jit = False
-        self.staging_page_capacity = 0
-        self.staging_token_capacity = 0
-        self.staging_buffer = None
-
-    def _init_dummy(
-        self,
-        device_pool,
-        host_to_device_ratio,
-        host_size,
-        page_size,
-        layout,
-        pin_memory,
-        device,
-        allocator_type,
-        dcp_size,
-        dcp_rank,
-        pool_label,
-    ) -> None:
-        """Allocator-only pool (one TP rank keeps the MLA bytes, the others only the slots)."""
-        self.device_pool = device_pool
-        self.pool_label = pool_label
-        page_size = positive_int("page_size", page_size)
-        dcp_size = positive_int("dcp_size", dcp_size)
-        dcp_rank = as_int("dcp_rank", dcp_rank)
-        if page_size % dcp_size != 0:
-            raise AssertionError(
-                f"HiCache host pool page_size ({page_size}) must be a multiple of dcp_size "
-                f"({dcp_size})."
-            )
-        if not 0 <= dcp_rank < dcp_size:
-            raise ValueError(f"dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}")
-        # A dummy pool owns no bytes, so DCP is only its slot arithmetic: slots are handed out
-        # in the widened (logical) space, `size`/`page_size` stay per-rank physical.
-        self.dcp_size = dcp_size
-        self.dcp_rank = dcp_rank
-        refuse_layer_sharding(device_pool)
-        self.page_size = page_size // dcp_size
-        self.layout = layout
-        self.pin_memory = pin_memory
-        self.device = device
-        self.allocator_type = allocator_type
-        self.allocator = get_allocator_from_storage(allocator_type, pool_label)
-        self.dtype = device_pool.store_dtype
-        self.size_per_token = self.get_size_per_token()
-        if self.size_per_token <= 0:
-            raise ValueError(
-                f"{type(self).__name__}: bytes per token must be positive, got "
-                f"{self.size_per_token} (check the device pool's layer geometry)"
-            )
-        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
-        self.logical_size = self.size * dcp_size
-        self.logical_page_size = self.page_size * dcp_size
-        self.start_layer = device_pool.start_layer
-        self.end_layer = device_pool.end_layer
+    def _init_dummy(self) -> None:
+        """The rest of an allocator-only pool (one TP rank keeps the MLA bytes, the others only
+        the slots). It owns no bytes, so DCP is only its slot arithmetic: slots are handed out in
+        the widened (logical) space, `size`/`page_size` stay per-rank physical."""
         self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
         self.can_use_jit = False
-        self._no_write_back_staging()
+        self._no_write_back_staging("staging_buffer")
         self.kv_buffer = None
         self.data_refs = None
         self.data_ptrs = None
@@ -287,87 +216,22 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     # ----------------------------------------------------------------- transfers
 
     def _check_io(self, io_backend: str):
-        # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
-        if isinstance(io_backend, str) and io_backend in _SUPPORTED:
-            if self.layout not in _SUPPORTED[io_backend]:
-                raise ValueError(f"Unsupported layout: {self.layout}")
-        elif io_backend == "kernel_ascend":
-            raise ValueError(f"Unsupported layout: {self.layout}")
-        else:
-            raise ValueError(f"Unsupported IO backend: {io_backend}")
+        check_io_pair(io_backend, self.layout, _SUPPORTED)
 
-    def _kernel_indices(self, host_indices, device_indices, io_backend, dev):
-        """Both index arrays as the core reads them, after SGLang's DCP translation (logical
-        widened slots -> this rank's physical slots; the identity when dcp_size == 1)."""
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
-        if int(self.dcp_size) != 1:
-            host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
-            dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
-        return host_idx, dev_idx
-
-    def _load_layers(self, device_pool, layer_id, is_draft):
-        """(host layer, device layer tensor) of one per-layer load. A draft call (`is_draft`,
-        `layer_id = target_layer_num + k`) reads host layer `layer_id` into layer 0 of the draft
-        device pool it is given, as SGLang's MTP packing does."""
-        layers = list(device_pool.kv_buffer)
-        if not is_draft:
-            layer = check_layer_id(layer_id, len(layers), self.layer_num)
-            return layer, layers[layer]
-        host_layer = as_int("layer_id", layer_id)
-        if not self.target_layer_num <= host_layer < self.layer_num:
-            raise LayerIndexError(
-                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
-                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
-            )
-        if not layers:
-            raise _core.TransferError("the draft device pool has no layers")
-        return host_layer, layers[0]
+    def _plane_item_bytes(self) -> list[int]:
+        return [self.token_stride_size]
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         if self._is_dummy:
             raise AssertionError("load on a dummy (non-src MLA) host pool")
-        self._check_io(io_backend)
-        core = self._live_core()
-        layer, device_layer = self._load_layers(device_pool, layer_id, bool(is_draft))
-        dev = self._device_layers([[device_layer]], [self.token_stride_size])
-        host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
-        core.load(
-            io_backend,
-            layer,
-            dev.ptrs,
-            dev.rows,
-            index_arg(host_idx),
-            index_arg(dev_idx),
-            dev.device,
-            dev.stream,
-            dev.engine,
-        )
+        self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         if self._is_dummy:
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
-        self._check_io(io_backend)
-        core = self._live_core()
-        if self.mtp_draft_device_pools:
-            # SGLang then reads the packed tables and ignores `device_pool`.
-            what, layers = "packed target + MTP draft device pools", self.packed_device_kv_buffers
-        else:
-            what, layers = "device pool", device_pool.kv_buffer
-        layers = check_layer_count(f"{what} kv_buffer", layers, self.layer_num)
-        dev = self._device_layers([layers], [self.token_stride_size])
-        host_idx, dev_idx = self._kernel_indices(host_indices, device_indices, io_backend, dev)
-        core.backup(
-            io_backend,
-            dev.ptrs,
-            dev.rows,
-            index_arg(host_idx),
-            index_arg(dev_idx),
-            dev.device,
-            dev.stream,
-            dev.engine,
-        )
+        self._backup_planes(device_pool, host_indices, device_indices, io_backend)
 
     # ----------------------------------------------------------------- L3 flat pages
 
@@ -407,7 +271,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             (self.layer_num, self.page_size, 1, self.kv_cache_dim),
             dtype=self.dtype,
             device=self.device,
-            pin_memory=_pin_dummy_pages(self.pin_memory),
+            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
@@ -418,11 +282,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
         index = self._page_slot(index, self.layout == "page_first_direct")
-        expected = self.layer_num * self.page_size * self.kv_cache_dim
-        if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
-            got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
-            raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
-        page = data_page.reshape(shape)
+        page = self._flat_page_as(data_page, shape)
         P = self.page_size
         if self.layout == "layer_first":
             self.kv_buffer[:, index : index + P] = page

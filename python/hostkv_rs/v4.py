@@ -18,12 +18,19 @@ import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
-from hostkv_rs._indices import as_index_array, index_arg
+from hostkv_rs._indices import as_index_array
 from hostkv_rs.base import (
+    DeviceLayers,
     HostKVCache,
     LayerIndexError,
+    SlotFreeList,
     as_int,
     get_allocator_from_storage,
+    ptr_table,
+    run_backup,
+    run_load,
+    slots_in_pool,
+    stream_and_engine,
     synchronized,
 )
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
@@ -70,15 +77,11 @@ class PageIndexError(ValueError, IndexError):
     raises for the same call."""
 
 
-def _index_tensor(indices) -> torch.Tensor:
-    if isinstance(indices, torch.Tensor):
-        return indices
-    return torch.as_tensor(indices, dtype=torch.int64)
-
-
-def _pin_ok(pin_memory: bool) -> bool:
-    # torch refuses pinned allocations on a machine without a CUDA driver.
-    return bool(pin_memory) and torch.cuda.is_available()
+def _region_view(region, shape, offset: int = 0) -> torch.Tensor:
+    """A uint8 view of `region` (an empty tensor for a pool without bytes)."""
+    if region is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    return _memory.region_view(region, torch.uint8, shape, offset)
 
 
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
@@ -169,12 +172,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if layout == "layer_first":
             # One region laid out layer-first, so PoolCore's layer_first plane arithmetic
             # (l*S*I + t*I) addresses exactly these per-layer views.
-            self.kv_buffer = [self._view((Nh, IB), offset=layer * Nh * IB) for layer in range(L)]
+            self.kv_buffer = [
+                _region_view(self._region, (Nh, IB), offset=layer * Nh * IB) for layer in range(L)
+            ]
             self.data_refs = list(self.kv_buffer)
         elif layout == "page_first":
-            self.kv_buffer = self._view((Nh, L, IB))
+            self.kv_buffer = _region_view(self._region, (Nh, L, IB))
         else:
-            self.kv_buffer = self._view((Nh, L, 1, IB))
+            self.kv_buffer = _region_view(self._region, (Nh, L, 1, IB))
         logger.info(
             "Allocating %.2f GB host memory for V4 paged pool '%s' "
             "(layers=%d, pages=%d, item_bytes=%d, layout=%s).",
@@ -186,16 +191,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             layout,
         )
 
-        self.device_ptrs = torch.tensor(
-            [b.data_ptr() for b in device_buffers], dtype=torch.uint64, device=self.gpu_device
-        )
-        self.data_ptrs = (
-            torch.tensor(
-                [r.data_ptr() for r in self.data_refs], dtype=torch.uint64, device=self.gpu_device
-            )
-            if self.data_refs
-            else None
-        )
+        self.device_ptrs = ptr_table(device_buffers, self.gpu_device)
+        self.data_ptrs = ptr_table(self.data_refs, self.gpu_device) if self.data_refs else None
         self.scale_kv_buffer = None
         self.scale_device_buffers = None
         self.scale_item_bytes = 0
@@ -247,11 +244,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             rows.append(nbytes // row_bytes)
         return rows
 
-    def _view(self, shape, offset: int = 0) -> torch.Tensor:
-        if self._region is None:
-            return torch.empty(shape, dtype=torch.uint8)
-        return _memory.region_view(self._region, torch.uint8, shape, offset)
-
     def _make_core(self, rows: int, item: int):
         if self._region is None:
             return None
@@ -296,9 +288,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     # ---- slot allocator (page-row units, lazy release, no used-tracking) --------------------
 
     def clear(self):
-        self.free_slots = torch.arange(self.size, dtype=torch.int64)
-        self.release_slots = []
-        self.num_release_slots = 0
+        self._reset_free_list(self.size)
 
     # available_size and the lazy merge are HostKVCache's; alloc and free differ from it (page
     # rounding instead of an assert, no double-free tracking), as in SGLang.
@@ -311,34 +301,18 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} alloc: need_size must not be negative, got {need_size}"
             )
         P = self.slot_page_size
-        need_size = (need_size + P - 1) // P * P
-        if need_size > self.available_size():
-            return None
-        if need_size > len(self.free_slots):
-            self._merge_release_slots()
-        # A view of the free list, as in SGLang; callers clone what they keep.
-        select_index = self.free_slots[:need_size]
-        self.free_slots = self.free_slots[need_size:]
-        return select_index
+        return self._take_slots((need_size + P - 1) // P * P)
 
     @synchronized
     def free(self, indices) -> int:
         """Release slots lazily (any device; no page or double-free check, as in SGLang). Only
         integer slots inside the pool are taken back: anything else would later be handed out
         as a slot that does not exist."""
-        indices_cpu = as_index_array(indices, torch.device("cpu")).to(torch.int64)
-        n = indices_cpu.numel()
-        if n == 0:
+        slots = slots_in_pool(indices, self.size, f"{self.pool_name} free")
+        if slots.numel() == 0:
             return 0
-        lo, hi = int(indices_cpu.min()), int(indices_cpu.max())
-        if lo < 0 or hi >= self.size:
-            raise ValueError(
-                f"{self.pool_name} free: indices must lie in [0, {self.size}), "
-                f"got min={lo}, max={hi}"
-            )
-        self.release_slots.append(indices_cpu)
-        self.num_release_slots += n
-        return n
+        self._release_slots(slots)
+        return slots.numel()
 
     # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
 
@@ -386,15 +360,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             core_layout = "layer_first" if self.layout == "layer_first" else "page_first_direct"
             core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region.address])
 
-        def view(shape, offset=0):
-            if region is None:
-                return torch.empty(shape, dtype=torch.uint8)
-            return _memory.region_view(region, torch.uint8, shape, offset)
-
         if self.layout == "layer_first":
-            host = [view((Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
+            host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
         else:
-            host = view((Nh, L, 1, SIB))
+            host = _region_view(region, (Nh, L, 1, SIB))
         self._scale_region = region
         self._scale_core = core
         self._scale_device_rows = device_rows
@@ -409,24 +378,18 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             raise RuntimeError(f"{self.pool_name} host pool has been destroyed")
 
     def _transfer_indices(self, host_indices, device_indices):
-        """Both index tensors, or None when there is nothing to move."""
+        """Both index tensors (integer, 1-D, where they were), or None when there is nothing to
+        move."""
         if host_indices is None or device_indices is None:
             return None
-        host_indices = _index_tensor(host_indices)
-        device_indices = _index_tensor(device_indices)
+        host_indices = as_index_array(host_indices)
+        device_indices = as_index_array(device_indices)
         n, m = host_indices.numel(), device_indices.numel()
         if n != m:
             raise ValueError(f"{self.pool_name} transfer index size mismatch: host={n}, device={m}")
         if n == 0:
             return None
         return host_indices, device_indices
-
-    def _engine(self) -> tuple[str, int, str]:
-        """(device, stream, engine) for the core: torch's current stream on CUDA, else the CPU
-        engine chosen by HOSTKV_CPU_ENGINE."""
-        if self.gpu_device.type == "cuda":
-            return "cuda", torch.cuda.current_stream(self.gpu_device).cuda_stream, "plan"
-        return "cpu", 0, _memory.cpu_engine()
 
     def _index_device(self, io_backend: str) -> torch.device:
         # The copy engine plans direct copies on the host; kernels read indices on the GPU.
@@ -567,17 +530,16 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             )
         return [layer]
 
-    def _run(self, calls, device_ptrs_of, op, layer=None):
-        where, stream, engine = self._engine()
+    def _run(self, calls, device_ptrs_of, layer=None):
+        """Issue the planned core calls: a backup when `layer` is None, else a load of it."""
+        where = stream_and_engine(self.gpu_device)
         for core, backend, h, d, rows in calls:
             h, d = h.contiguous(), d.contiguous()
-            ptrs = device_ptrs_of(core)
-            if op == "backup":
-                core.backup(backend, ptrs, rows, index_arg(h), index_arg(d), where, stream, engine)
+            dev = DeviceLayers(device_ptrs_of(core), rows, *where)
+            if layer is None:
+                run_backup(core, backend, dev, h, d)
             else:
-                core.load(
-                    backend, layer, ptrs, rows, index_arg(h), index_arg(d), where, stream, engine
-                )
+                run_load(core, backend, layer, dev, h, d)
 
     def _device_buffers_of(self, core) -> list[torch.Tensor]:
         return self.scale_device_buffers if core is self._scale_core else self.device_buffers
@@ -586,9 +548,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         calls = self._plan(io_backend, host_indices, device_indices)
         if calls is None:
             return
-        self._run(
-            calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)], "backup"
-        )
+        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
@@ -597,9 +557,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if calls is None:
             return
         layer = as_int("layer_id", layer_id)
-        self._run(
-            calls, lambda core: [self._device_buffers_of(core)[layer].data_ptr()], "load", layer
-        )
+        self._run(calls, lambda core: [self._device_buffers_of(core)[layer].data_ptr()], layer)
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
@@ -626,7 +584,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             (self.layer_num, self.item_bytes),
             dtype=self.dtype,
             device=self.device,
-            pin_memory=_pin_ok(self.pin_memory),
+            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
         ).flatten()
 
     def set_from_flat_data_page(self, index, data_page):
@@ -698,7 +656,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.data_ptrs = None
 
 
-class LogicalHostPool:
+class LogicalHostPool(SlotFreeList):
     """Page-aligned token slots without any KV bytes: the V4 HiCache anchor pool."""
 
     # G-Sep26 storage hooks; a logical anchor has no physical page envelope.
@@ -737,25 +695,10 @@ class LogicalHostPool:
 
     @synchronized
     def clear(self):
-        self.free_slots = torch.arange(self.size, dtype=torch.int64)
-        self.release_slots = []
-        self.num_release_slots = 0
+        self._reset_free_list(self.size)
 
     def destroy(self) -> None:
         return None
-
-    def available_size(self):
-        return len(self.free_slots) + self.num_release_slots
-
-    def _merge_release_slots(self):
-        if self.num_release_slots == 0:
-            return
-        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
-            self.free_slots = self.release_slots[0]
-        else:
-            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
-        self.release_slots = []
-        self.num_release_slots = 0
 
     @synchronized
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -767,35 +710,23 @@ class LogicalHostPool:
             )
         if need_size < 0:
             raise ValueError(f"LogicalHostPool allocation must not be negative, got {need_size}")
-        if need_size > self.available_size():
-            return None
-        if need_size > len(self.free_slots):
-            self._merge_release_slots()
-        select_index = self.free_slots[:need_size]
-        self.free_slots = self.free_slots[need_size:]
-        return select_index
+        return self._take_slots(need_size)
 
     @synchronized
     def free(self, indices) -> int:
-        indices = _index_tensor(indices)
+        # SGLang counts len() (the rows of a 2-D tensor) and releases every entry. No dtype in
+        # the conversion: int64 would truncate 1.5 to 1, and float or bool values are not slots.
+        if not isinstance(indices, torch.Tensor):
+            indices = torch.as_tensor(indices)
         n = len(indices)
         if n % self.page_size != 0:
             raise ValueError(
                 "LogicalHostPool free must be page-aligned, "
                 f"got len(indices)={n}, page_size={self.page_size}"
             )
-        # SGLang casts whatever it gets to int64; a float or bool tensor is not slots.
-        indices_cpu = as_index_array(indices, torch.device("cpu")).to(torch.int64)
-        if indices_cpu.numel() == 0:
+        if n == 0:
             return 0
-        lo, hi = int(indices_cpu.min()), int(indices_cpu.max())
-        if lo < 0 or hi >= self.size:
-            raise ValueError(
-                f"LogicalHostPool free: indices must lie in [0, {self.size}), "
-                f"got min={lo}, max={hi}"
-            )
-        self.release_slots.append(indices_cpu)
-        self.num_release_slots += indices_cpu.numel()
+        self._release_slots(slots_in_pool(indices, self.size, "LogicalHostPool free"))
         return n
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
