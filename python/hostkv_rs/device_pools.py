@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hostkv_rs.base import positive_int
+from hostkv_rs.base import positive_int, ptr_table
 
 # index_put does not support fp8, so SGLang stores fp8 caches as raw bytes.
 FP8_DTYPES = tuple(
@@ -18,10 +18,6 @@ FP8_DTYPES = tuple(
 
 def store_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype in FP8_DTYPES else dtype
-
-
-def _ptr_table(tensors, device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
 
 
 class _DevicePool:
@@ -105,9 +101,9 @@ class MHATokenToKVPool(_DevicePool):
         self.row_dim = self.head_num * self.head_dim
         self.k_buffer = self._alloc_layers((self.head_num, self.head_dim))
         self.v_buffer = self._alloc_layers((self.head_num, self.v_head_dim))
-        self.k_data_ptrs = _ptr_table(self.k_buffer, self.device)
-        self.v_data_ptrs = _ptr_table(self.v_buffer, self.device)
-        self.data_ptrs = _ptr_table(self.k_buffer + self.v_buffer, self.device)
+        self.k_data_ptrs = ptr_table(self.k_buffer, self.device)
+        self.v_data_ptrs = ptr_table(self.v_buffer, self.device)
+        self.data_ptrs = ptr_table(self.k_buffer + self.v_buffer, self.device)
         e = torch.empty((), dtype=self.store_dtype).element_size()
         self.data_strides = torch.tensor(
             [self.head_num * self.head_dim * e] * self.layer_num
@@ -175,7 +171,7 @@ class MLATokenToKVPool(_DevicePool):
             self.kv_lora_rank + self.qk_rope_head_dim if kv_cache_dim is None else kv_cache_dim,
         )
         self.kv_buffer = self._alloc_layers((1, self.kv_cache_dim))
-        self.data_ptrs = _ptr_table(self.kv_buffer, self.device)
+        self.data_ptrs = ptr_table(self.kv_buffer, self.device)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id - self.start_layer]
