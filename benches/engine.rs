@@ -144,5 +144,58 @@ fn engine_bandwidth(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, plan_building, engine_bandwidth);
+/// Where splitting starts to pay: plans of 2 KiB items (a page of 64 tokens is 128 KiB per plane
+/// and layer) of 64 KiB to 4 MiB through `execute` (pool workers above `PARALLEL_THRESHOLD`) and
+/// through `execute_serial`. Sources cycle through 8 buffers, as per-layer loads cycle layers.
+fn engine_split(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cpu_engine_split");
+    g.sample_size(30)
+        .measurement_time(Duration::from_secs(1))
+        .warm_up_time(Duration::from_millis(300));
+    for total in [
+        64usize << 10,
+        128 << 10,
+        256 << 10,
+        512 << 10,
+        1 << 20,
+        2 << 20,
+        4 << 20,
+    ] {
+        let item = 2048;
+        let n = total / item;
+        let srcs: Vec<Vec<u8>> = (0..8).map(|i| vec![i as u8; total]).collect();
+        let mut dst = vec![0u8; total];
+        let plans: Vec<Vec<plan::CopyOp>> = srcs
+            .iter()
+            .map(|src| {
+                (0..n)
+                    .map(|k| plan::CopyOp {
+                        src: src.as_ptr() as u64 + ((n - 1 - k) * item) as u64,
+                        dst: dst.as_mut_ptr() as u64 + (k * item) as u64,
+                        len: item as u64,
+                    })
+                    .collect()
+            })
+            .collect();
+        g.throughput(Throughput::Bytes(total as u64));
+        let mut i = 0;
+        g.bench_function(BenchmarkId::new("execute", total >> 10), |b| {
+            b.iter(|| {
+                i = (i + 1) % plans.len();
+                // SAFETY: every op lies inside a source buffer and `dst`, which outlive this.
+                unsafe { cpu::execute(black_box(&plans[i])) }
+            })
+        });
+        g.bench_function(BenchmarkId::new("serial", total >> 10), |b| {
+            b.iter(|| {
+                i = (i + 1) % plans.len();
+                // SAFETY: as above.
+                unsafe { cpu::execute_serial(black_box(&plans[i])) }
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, plan_building, engine_bandwidth, engine_split);
 criterion_main!(benches);

@@ -2,14 +2,25 @@
 //!
 //! The plan has already been checked against both pools (`plan::build`), so this module does no
 //! validation; it only decides how to split the bytes.
+//!
+//! Parallel plans run on a small persistent worker pool (`workers`): starting a thread per call
+//! costs tens of microseconds, as much as copying a 256 KiB page. The calling thread always works
+//! too and claims chunks dynamically, so a plan finishes even if no worker gets a CPU in time (a
+//! busy 2-core machine), and a late worker finds nothing left to do.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::plan::CopyOp;
 
-/// Below this many bytes one thread is faster than spawning helpers (a thread costs ~20 us).
-pub const PARALLEL_THRESHOLD: u64 = 4 << 20;
-/// Each helper thread gets at least this much work.
-const MIN_BYTES_PER_THREAD: u64 = 2 << 20;
-const MAX_THREADS: usize = 8;
+/// Below this many bytes one thread is faster than waking a helper (a futex wake-up plus the
+/// helper's first cache misses cost ~5-10 us; one thread copies 128 KiB in ~5-10 us). Measured
+/// with `cargo bench --bench engine -- cpu_engine/split` (docs/benchmarks.md).
+pub const PARALLEL_THRESHOLD: u64 = 192 << 10;
+/// Smallest piece a thread claims at a time: small enough to rebalance when a thread is
+/// descheduled, large enough that claiming (one atomic add) and finding the piece stay negligible.
+const MIN_CHUNK: u64 = 64 << 10;
+/// Chunks per participating thread (more chunks: better balance under interference).
+const CHUNKS_PER_THREAD: u64 = 4;
 
 #[inline(always)]
 fn overlaps(op: &CopyOp) -> bool {
@@ -42,18 +53,16 @@ pub unsafe fn execute_serial(ops: &[CopyOp]) {
     }
 }
 
+/// Threads that would work on a plan of `total` bytes (this one included).
 fn threads_for(total: u64) -> usize {
     if total < PARALLEL_THRESHOLD {
         return 1;
     }
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cpus.min(MAX_THREADS)
-        .min((total / MIN_BYTES_PER_THREAD) as usize)
-        .max(1)
+    workers::max_threads()
 }
 
-/// Runs a plan. Large plans are split by bytes across threads: thread `k` copies bytes
-/// `[k*T/n, (k+1)*T/n)` of the plan's concatenated byte stream.
+/// Runs a plan. Large plans are cut into byte windows of the plan's concatenated byte stream,
+/// which this thread and the pool's workers claim one at a time.
 ///
 /// # Safety
 /// Every op's source and destination ranges must be valid, as `plan::build` guarantees, and no
@@ -68,28 +77,36 @@ pub unsafe fn execute(ops: &[CopyOp]) {
         execute_serial(ops);
         return;
     }
-    let share = total.div_ceil(n as u64);
-    std::thread::scope(|s| {
-        for k in 1..n {
-            let (lo, hi) = (
-                (share * k as u64).min(total),
-                (share * (k as u64 + 1)).min(total),
-            );
-            // SAFETY: as for `execute`; the byte windows of different threads are disjoint.
-            let spawned = std::thread::Builder::new()
-                .spawn_scoped(s, move || unsafe { copy_window(ops, lo, hi) });
-            if spawned.is_err() {
-                // No thread available (resource limits): do that window here instead.
-                copy_window(ops, lo, hi);
-            }
-        }
-        copy_window(ops, 0, share.min(total));
-    });
+    let chunk = total.div_ceil(n as u64 * CHUNKS_PER_THREAD).max(MIN_CHUNK);
+    let starts = chunk_starts(ops, chunk, total);
+    let run = |k: usize| {
+        let lo = chunk * k as u64;
+        let hi = (lo + chunk).min(total);
+        let (first, pos) = starts[k];
+        // SAFETY: as for `execute`; the byte windows of different chunks are disjoint.
+        unsafe { copy_window(&ops[first..], pos, lo, hi) };
+    };
+    workers::parallel_for(starts.len(), &run);
 }
 
-/// Copies bytes `[lo, hi)` of the plan's concatenated stream.
-unsafe fn copy_window(ops: &[CopyOp], lo: u64, hi: u64) {
+/// For each chunk `k` (bytes `[k*chunk, (k+1)*chunk)` of the stream), the index of the op holding
+/// its first byte and that op's stream offset: one pass, so no chunk rescans the plan.
+fn chunk_starts(ops: &[CopyOp], chunk: u64, total: u64) -> Vec<(usize, u64)> {
+    let n = total.div_ceil(chunk) as usize;
+    let mut out = Vec::with_capacity(n);
     let mut pos = 0u64;
+    for (i, op) in ops.iter().enumerate() {
+        let end = pos + op.len;
+        while out.len() < n && (out.len() as u64) * chunk < end {
+            out.push((i, pos));
+        }
+        pos = end;
+    }
+    out
+}
+
+/// Copies bytes `[lo, hi)` of the stream of `ops`, whose first op starts at stream offset `pos`.
+unsafe fn copy_window(ops: &[CopyOp], mut pos: u64, lo: u64, hi: u64) {
     for op in ops {
         let end = pos + op.len;
         if end > lo && pos < hi {
@@ -101,6 +118,188 @@ unsafe fn copy_window(ops: &[CopyOp], lo: u64, hi: u64) {
             break;
         }
         pos = end;
+    }
+}
+
+/// A lazily started pool of parked worker threads, rebuilt in a forked child (which inherits the
+/// pool's memory but none of its threads, and possibly a lock some worker held at the fork).
+pub mod workers {
+    use super::{AtomicUsize, Ordering};
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, AtomicPtr};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::thread::Thread;
+
+    /// Threads working on one job at most, the caller included.
+    const MAX_THREADS: usize = 8;
+
+    type Task = dyn Fn(usize) + Sync;
+
+    /// One `parallel_for` call. `task` borrows the caller's stack: it is only called for a claimed
+    /// index `< n`, and the caller returns only after every claimed index is done, so a worker
+    /// that still holds the job afterwards can never call it.
+    struct Job {
+        task: *const Task,
+        n: usize,
+        next: AtomicUsize,
+        done: AtomicUsize,
+        panicked: AtomicBool,
+        /// Woken when a worker finishes the last chunk.
+        caller: Thread,
+    }
+
+    // SAFETY: `task` is `Sync` and is only called under the protocol above.
+    unsafe impl Send for Job {}
+    unsafe impl Sync for Job {}
+
+    impl Job {
+        fn work(&self) {
+            loop {
+                let k = self.next.fetch_add(1, Ordering::Relaxed);
+                if k >= self.n {
+                    return;
+                }
+                // SAFETY: `k < n` was claimed by this thread alone, so the caller is still
+                // waiting for it and `task` is alive.
+                let task = unsafe { &*self.task };
+                if catch_unwind(AssertUnwindSafe(|| task(k))).is_err() {
+                    self.panicked.store(true, Ordering::Relaxed);
+                }
+                if self.done.fetch_add(1, Ordering::Release) + 1 == self.n {
+                    self.caller.unpark();
+                }
+            }
+        }
+    }
+
+    struct Slot {
+        generation: u64,
+        job: Option<Arc<Job>>,
+    }
+
+    struct Pool {
+        pid: libc::pid_t,
+        helpers: usize,
+        slot: Mutex<Slot>,
+        wake: Condvar,
+    }
+
+    static POOL: AtomicPtr<Pool> = AtomicPtr::new(std::ptr::null_mut());
+
+    fn cpus() -> usize {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+
+    /// Threads a large job may use: the caller plus the pool's helpers.
+    pub fn max_threads() -> usize {
+        cpus().clamp(1, MAX_THREADS)
+    }
+
+    fn worker(pool: &'static Pool) {
+        let mut seen = 0u64;
+        loop {
+            let job = {
+                let mut slot = pool.slot.lock().unwrap_or_else(|e| e.into_inner());
+                while slot.generation == seen {
+                    slot = pool.wake.wait(slot).unwrap_or_else(|e| e.into_inner());
+                }
+                seen = slot.generation;
+                slot.job.clone()
+            };
+            if let Some(job) = job {
+                job.work();
+            }
+        }
+    }
+
+    /// The pool of this process, started on first use (and again after a fork).
+    fn pool() -> &'static Pool {
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        let cur = POOL.load(Ordering::Acquire);
+        // SAFETY: pools are leaked, never freed, so a published pointer stays valid.
+        if !cur.is_null() && unsafe { (*cur).pid } == pid {
+            return unsafe { &*cur };
+        }
+        let fresh: &'static Pool = Box::leak(Box::new(Pool {
+            pid,
+            helpers: max_threads() - 1,
+            slot: Mutex::new(Slot {
+                generation: 0,
+                job: None,
+            }),
+            wake: Condvar::new(),
+        }));
+        match POOL.compare_exchange(
+            cur,
+            fresh as *const Pool as *mut Pool,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => {
+                // Only the thread that published the pool starts its workers, so no thread is
+                // ever started for a pool that lost the race. An inherited pool (after fork) is
+                // leaked untouched: its lock may be held by a thread that does not exist here.
+                for i in 0..fresh.helpers {
+                    let _ = std::thread::Builder::new()
+                        .name(format!("hostkv-copy-{i}"))
+                        .spawn(move || worker(fresh));
+                }
+                fresh
+            }
+            Err(winner) => {
+                // SAFETY: `fresh` was never published and no thread refers to it.
+                drop(unsafe { Box::from_raw(fresh as *const Pool as *mut Pool) });
+                // SAFETY: as above, a published pool is never freed.
+                unsafe { &*winner }
+            }
+        }
+    }
+
+    /// Calls `task(k)` once for every `k` in `0..n`, on this thread and the pool's workers, and
+    /// returns when all calls are done. Panics if a call panicked.
+    pub fn parallel_for(n: usize, task: &(dyn Fn(usize) + Sync)) {
+        let pool = if n > 1 { Some(pool()) } else { None };
+        let Some(pool) = pool.filter(|p| p.helpers > 0) else {
+            (0..n).for_each(task);
+            return;
+        };
+        // SAFETY: only the lifetime is erased; see `Job` for why it is never outlived.
+        let task: *const Task =
+            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Task>(task) };
+        let job = Arc::new(Job {
+            task,
+            n,
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            caller: std::thread::current(),
+        });
+        {
+            let mut slot = pool.slot.lock().unwrap_or_else(|e| e.into_inner());
+            slot.generation += 1;
+            slot.job = Some(job.clone());
+        }
+        for _ in 0..pool.helpers.min(n - 1) {
+            pool.wake.notify_one();
+        }
+        job.work();
+        // What is left are chunks a worker claimed and is copying right now. Spin briefly, then
+        // sleep: the worker may share this CPU (another process holds the other one), and then
+        // spinning would only keep it from finishing.
+        let mut spins = 0u32;
+        while job.done.load(Ordering::Acquire) < n {
+            if spins < 200 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                // Spurious returns (an earlier job's late unpark) just loop.
+                std::thread::park_timeout(std::time::Duration::from_millis(1));
+            }
+        }
+        if job.panicked.load(Ordering::Relaxed) {
+            panic!("a parallel task panicked");
+        }
     }
 }
 
@@ -201,6 +400,121 @@ mod tests {
             }])
         };
         assert_eq!(buf, expect);
+    }
+
+    /// Many small ops just above the split threshold: chunk windows cut through ops.
+    #[test]
+    fn plan_just_above_threshold_matches_reference() {
+        let n = PARALLEL_THRESHOLD as usize + 12_345;
+        assert!(threads_for(n as u64) == workers::max_threads());
+        let src = pattern(n, 5);
+        let mut a = vec![0u8; n];
+        let mut b = vec![0u8; n];
+        let ops: Vec<_> = (0..n / 37)
+            .map(|k| (k * 37, n - (k + 1) * 37, 37))
+            .collect();
+        reference(&src, &mut a, &ops);
+        run(&src, &mut b, &ops);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn chunk_starts_point_at_the_op_holding_each_chunk_start() {
+        let ops: Vec<CopyOp> = [10u64, 5, 100, 1, 1, 300]
+            .iter()
+            .map(|&len| CopyOp {
+                src: 0,
+                dst: 0,
+                len,
+            })
+            .collect();
+        let total: u64 = ops.iter().map(|o| o.len).sum();
+        for chunk in [1u64, 7, 50, 64, 417, 1000] {
+            let starts = chunk_starts(&ops, chunk, total);
+            assert_eq!(starts.len() as u64, total.div_ceil(chunk));
+            for (k, &(i, pos)) in starts.iter().enumerate() {
+                let byte = k as u64 * chunk;
+                assert!(
+                    pos <= byte && byte < pos + ops[i].len,
+                    "chunk {chunk} k {k}"
+                );
+                assert_eq!(pos, ops[..i].iter().map(|o| o.len).sum::<u64>());
+            }
+        }
+    }
+
+    #[test]
+    fn parallel_for_runs_every_index_once() {
+        use std::sync::atomic::AtomicU32;
+        for n in [0usize, 1, 2, 3, 17, 200] {
+            let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+            workers::parallel_for(n, &|k| {
+                hits[k].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{n}");
+        }
+    }
+
+    #[test]
+    fn concurrent_callers_each_get_their_bytes() {
+        let n = 1 << 20;
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                s.spawn(move || {
+                    let src = pattern(n, t);
+                    for _ in 0..20 {
+                        let mut dst = vec![0u8; n];
+                        // Reversed 4 KiB blocks, so the plan has many ops.
+                        let ops: Vec<_> = (0..n / 4096)
+                            .map(|k| (k * 4096, n - (k + 1) * 4096, 4096))
+                            .collect();
+                        let mut expect = vec![0u8; n];
+                        reference(&src, &mut expect, &ops);
+                        run(&src, &mut dst, &ops);
+                        assert_eq!(dst, expect);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn forked_child_runs_parallel_plans_on_a_fresh_pool() {
+        // Start the parent's pool first, so the child inherits one whose threads it lacks.
+        let n = 2 << 20;
+        let src = pattern(n, 11);
+        let mut dst = vec![0u8; n];
+        run(&src, &mut dst, &[(0, 0, n)]);
+        // SAFETY: the child only copies, compares and exits; glibc keeps malloc usable after fork.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let mut d = vec![0u8; n];
+            let ops: Vec<_> = (0..n / 2048)
+                .map(|k| (k * 2048, n - (k + 1) * 2048, 2048))
+                .collect();
+            let mut expect = vec![0u8; n];
+            reference(&src, &mut expect, &ops);
+            run(&src, &mut d, &ops);
+            unsafe { libc::_exit(if d == expect { 0 } else { 1 }) };
+        }
+        // A child stuck on an inherited lock would hang: give it 20 s.
+        let mut status = 0;
+        let mut waited = 0;
+        loop {
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            assert!(waited < 2000, "forked child did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            waited += 1;
+        }
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "{status}"
+        );
+        assert_eq!(src, dst);
     }
 
     #[test]

@@ -305,16 +305,27 @@ fn auto_threads(len: usize) -> usize {
     cpus.min(16).min(len / PRETOUCH_BYTES_PER_THREAD).max(1)
 }
 
-/// Faults in `[ptr, ptr+len)` for writing, split across `threads` at `page`-aligned boundaries.
-/// Uses `MADV_POPULATE_WRITE` where the kernel has it (it reports ENOMEM instead of raising
-/// SIGBUS), else one zero write per page; never both on the same range.
+/// Faults in `[ptr, ptr+len)` for writing in `page`-aligned chunks: on this thread alone when
+/// `threads` is 1, else on this thread and the CPU engine's workers (`cpu::workers`, at most
+/// `threads` chunks each on average), which claim chunks one at a time, so a worker that gets no
+/// CPU in time (busy machine) delays nothing. Uses `MADV_POPULATE_WRITE` where the kernel has it
+/// (it reports ENOMEM instead of raising SIGBUS), else one zero write per page; never both on the
+/// same range.
 fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     let pages = len.div_ceil(page);
     let threads = threads.clamp(1, pages);
-    let per = pages.div_ceil(threads) * page;
+    // Several chunks per thread for balance, each at least one pre-touch share.
+    let per_pages = if threads == 1 {
+        pages
+    } else {
+        pages
+            .div_ceil(threads * 4)
+            .max(PRETOUCH_BYTES_PER_THREAD.div_ceil(page))
+    };
+    let per = per_pages * page;
     let base = ptr as usize;
     let chunk = |k: usize| -> (usize, usize) {
         let lo = (k * per).min(len);
@@ -345,24 +356,23 @@ fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()>
             "could not pre-fault {n} bytes of host memory (MADV_POPULATE_WRITE): {err}"
         )))
     };
-    if threads == 1 {
+    let chunks = len.div_ceil(per);
+    if threads == 1 || chunks == 1 {
         return work(chunk(0));
     }
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (1..threads)
-            .map(|k| s.spawn(move || work(chunk(k))))
-            .collect();
-        let mut result = work(chunk(0));
-        for h in handles {
-            let r = h
-                .join()
-                .unwrap_or_else(|_| Err(Error::HostMemory("pre-touch thread failed".into())));
-            if result.is_ok() {
-                result = r;
-            }
+    let first_err: Mutex<Option<Error>> = Mutex::new(None);
+    crate::cpu::workers::parallel_for(chunks, &|k| {
+        if let Err(e) = work(chunk(k)) {
+            first_err
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
         }
-        result
-    })
+    });
+    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 impl HostRegion {
