@@ -12,10 +12,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::plan::CopyOp;
 
-/// Below this many bytes one thread is faster than waking a helper (a futex wake-up plus the
-/// helper's first cache misses cost ~5-10 us; one thread copies 128 KiB in ~5-10 us). Measured
-/// with `cargo bench --bench engine -- cpu_engine/split` (docs/benchmarks.md).
-pub const PARALLEL_THRESHOLD: u64 = 192 << 10;
+/// Below this many bytes one thread is faster, measured with `cargo bench --bench engine --
+/// cpu_engine_split` (docs/benchmarks.md): on 2 cores, 256-512 KiB plans took 2x longer split
+/// (cache lines of the destination bounce between the cores' L2s and a sleeping worker needs
+/// tens of microseconds to start), 1 MiB broke even, 2 MiB ran 1.6x faster.
+pub const PARALLEL_THRESHOLD: u64 = 1 << 20;
 /// Smallest piece a thread claims at a time: small enough to rebalance when a thread is
 /// descheduled, large enough that claiming (one atomic add) and finding the piece stay negligible.
 const MIN_CHUNK: u64 = 64 << 10;
@@ -126,9 +127,10 @@ unsafe fn copy_window(ops: &[CopyOp], mut pos: u64, lo: u64, hi: u64) {
 pub mod workers {
     use super::{AtomicUsize, Ordering};
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    use std::sync::atomic::{AtomicBool, AtomicPtr};
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64};
+    use std::sync::{Arc, Mutex, OnceLock};
     use std::thread::Thread;
+    use std::time::{Duration, Instant};
 
     /// Threads working on one job at most, the caller included.
     const MAX_THREADS: usize = 8;
@@ -172,16 +174,22 @@ pub mod workers {
         }
     }
 
-    struct Slot {
-        generation: u64,
-        job: Option<Arc<Job>>,
-    }
+    /// A worker that finished a job busy-polls this long for the next one (a burst of per-layer
+    /// loads arrives microseconds apart), then naps in `NAP` steps until `IDLE`, then parks.
+    /// A worker woken from a nap or a park needs tens of microseconds here before it copies (a
+    /// halted vCPU has to be rescheduled): longer than a whole 1 MiB plan.
+    const SPIN: Duration = Duration::from_micros(100);
+    const NAP: Duration = Duration::from_micros(50);
+    const IDLE: Duration = Duration::from_millis(5);
 
     struct Pool {
         pid: libc::pid_t,
         helpers: usize,
-        slot: Mutex<Slot>,
-        wake: Condvar,
+        /// Bumped (under `slot`) for every job; polled without the lock by awake workers.
+        generation: AtomicU64,
+        slot: Mutex<Option<Arc<Job>>>,
+        /// The workers, for `unpark` (a no-op syscall-free flag for one that is not parked).
+        threads: OnceLock<Vec<Thread>>,
     }
 
     static POOL: AtomicPtr<Pool> = AtomicPtr::new(std::ptr::null_mut());
@@ -195,16 +203,42 @@ pub mod workers {
         cpus().clamp(1, MAX_THREADS)
     }
 
+    fn lock(pool: &Pool) -> std::sync::MutexGuard<'_, Option<Arc<Job>>> {
+        // A poisoned lock only means a thread panicked holding it; the slot is still valid.
+        pool.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until `generation` moves past `seen`: spinning, then napping, then parked. A caller
+    /// that wants this worker now unparks it (ends a nap or the park at once).
+    fn wait_for_job(pool: &Pool, seen: u64) {
+        let fresh = || pool.generation.load(Ordering::Acquire) != seen;
+        let start = Instant::now();
+        while start.elapsed() < SPIN {
+            for _ in 0..64 {
+                if fresh() {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        // An unpark between a check and the park leaves a token, so no job is missed.
+        while !fresh() {
+            if start.elapsed() < IDLE {
+                std::thread::park_timeout(NAP);
+            } else {
+                std::thread::park();
+            }
+        }
+    }
+
     fn worker(pool: &'static Pool) {
         let mut seen = 0u64;
         loop {
+            wait_for_job(pool, seen);
             let job = {
-                let mut slot = pool.slot.lock().unwrap_or_else(|e| e.into_inner());
-                while slot.generation == seen {
-                    slot = pool.wake.wait(slot).unwrap_or_else(|e| e.into_inner());
-                }
-                seen = slot.generation;
-                slot.job.clone()
+                let slot = lock(pool);
+                seen = pool.generation.load(Ordering::Acquire);
+                slot.clone()
             };
             if let Some(job) = job {
                 job.work();
@@ -224,32 +258,31 @@ pub mod workers {
         let fresh: &'static Pool = Box::leak(Box::new(Pool {
             pid,
             helpers: max_threads() - 1,
-            slot: Mutex::new(Slot {
-                generation: 0,
-                job: None,
-            }),
-            wake: Condvar::new(),
+            generation: AtomicU64::new(0),
+            slot: Mutex::new(None),
+            threads: OnceLock::new(),
         }));
-        match POOL.compare_exchange(
-            cur,
-            fresh as *const Pool as *mut Pool,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
+        let fresh_ptr = fresh as *const Pool as *mut Pool;
+        match POOL.compare_exchange(cur, fresh_ptr, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => {
                 // Only the thread that published the pool starts its workers, so no thread is
                 // ever started for a pool that lost the race. An inherited pool (after fork) is
                 // leaked untouched: its lock may be held by a thread that does not exist here.
-                for i in 0..fresh.helpers {
-                    let _ = std::thread::Builder::new()
-                        .name(format!("hostkv-copy-{i}"))
-                        .spawn(move || worker(fresh));
-                }
+                let threads = (0..fresh.helpers)
+                    .filter_map(|i| {
+                        std::thread::Builder::new()
+                            .name(format!("hostkv-copy-{i}"))
+                            .spawn(move || worker(fresh))
+                            .ok()
+                    })
+                    .map(|h| h.thread().clone())
+                    .collect();
+                let _ = fresh.threads.set(threads);
                 fresh
             }
             Err(winner) => {
                 // SAFETY: `fresh` was never published and no thread refers to it.
-                drop(unsafe { Box::from_raw(fresh as *const Pool as *mut Pool) });
+                drop(unsafe { Box::from_raw(fresh_ptr) });
                 // SAFETY: as above, a published pool is never freed.
                 unsafe { &*winner }
             }
@@ -276,12 +309,14 @@ pub mod workers {
             caller: std::thread::current(),
         });
         {
-            let mut slot = pool.slot.lock().unwrap_or_else(|e| e.into_inner());
-            slot.generation += 1;
-            slot.job = Some(job.clone());
+            let mut slot = lock(pool);
+            *slot = Some(job.clone());
+            pool.generation.fetch_add(1, Ordering::Release);
         }
-        for _ in 0..pool.helpers.min(n - 1) {
-            pool.wake.notify_one();
+        // Cheap for a worker that is spinning (no syscall); a napping or parked one needs tens
+        // of microseconds to get a CPU here, so small jobs are mostly done by this thread.
+        for t in pool.threads.get().into_iter().flatten().take(n - 1) {
+            t.unpark();
         }
         job.work();
         // What is left are chunks a worker claimed and is copying right now. Spin briefly, then
@@ -294,7 +329,7 @@ pub mod workers {
                 spins += 1;
             } else {
                 // Spurious returns (an earlier job's late unpark) just loop.
-                std::thread::park_timeout(std::time::Duration::from_millis(1));
+                std::thread::park_timeout(Duration::from_millis(1));
             }
         }
         if job.panicked.load(Ordering::Relaxed) {

@@ -13,6 +13,7 @@
 //! private mapping is marked `MADV_DONTFORK` (see `map_private`). The explicit hugetlb ladder
 //! (`hugepage="2MB"/"1GB"`) keeps SGLang's shared mapping.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
@@ -27,6 +28,8 @@ const MPOL_BIND: libc::c_long = 2;
 /// 4 MiB takes ~0.4-1.5 ms to fault in, so splitting pays from about twice this size (measured:
 /// docs/benchmarks.md, pool creation).
 const PRETOUCH_BYTES_PER_THREAD: usize = 4 << 20;
+/// What a pre-touch thread claims at a time.
+const PRETOUCH_CHUNK: usize = 2 << 20;
 
 /// Hugepage size asked for (`SGLANG_HUGEPAGE_SIZE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -305,10 +308,8 @@ fn auto_threads(len: usize) -> usize {
     cpus.min(16).min(len / PRETOUCH_BYTES_PER_THREAD).max(1)
 }
 
-/// Faults in `[ptr, ptr+len)` for writing in `page`-aligned chunks: on this thread alone when
-/// `threads` is 1, else on this thread and the CPU engine's workers (`cpu::workers`, at most
-/// `threads` chunks each on average), which claim chunks one at a time, so a worker that gets no
-/// CPU in time (busy machine) delays nothing. Uses `MADV_POPULATE_WRITE` where the kernel has it
+/// Faults in `[ptr, ptr+len)` for writing in `page`-aligned chunks, on this thread and
+/// `threads - 1` helpers. Uses `MADV_POPULATE_WRITE` where the kernel has it
 /// (it reports ENOMEM instead of raising SIGBUS), else one zero write per page; never both on the
 /// same range.
 fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()> {
@@ -317,13 +318,12 @@ fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()>
     }
     let pages = len.div_ceil(page);
     let threads = threads.clamp(1, pages);
-    // Several chunks per thread for balance, each at least one pre-touch share.
+    // Small chunks (one 2 MiB hugepage, or 2 MiB of base pages): a helper that loses its CPU
+    // (a busy or higher-priority process on the other core) holds up the end by one chunk only.
     let per_pages = if threads == 1 {
         pages
     } else {
-        pages
-            .div_ceil(threads * 4)
-            .max(PRETOUCH_BYTES_PER_THREAD.div_ceil(page))
+        PRETOUCH_CHUNK.div_ceil(page)
     };
     let per = per_pages * page;
     let base = ptr as usize;
@@ -360,19 +360,35 @@ fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()>
     if threads == 1 || chunks == 1 {
         return work(chunk(0));
     }
-    let first_err: Mutex<Option<Error>> = Mutex::new(None);
-    crate::cpu::workers::parallel_for(chunks, &|k| {
-        if let Err(e) = work(chunk(k)) {
-            first_err
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert(e);
+    // Chunks are claimed one at a time, so a helper that gets no CPU in time (busy machine)
+    // delays the whole only by the one chunk it took. Fresh scoped threads, not the copy engine's
+    // workers: populating from a long-lived pool worker ran ~20x slower inside a Python process
+    // here (not understood), and a thread start (~50 us) is small next to a 4 MiB chunk.
+    let next = AtomicUsize::new(0);
+    let claim = || -> Result<()> {
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            if k >= chunks {
+                return Ok(());
+            }
+            work(chunk(k))?;
         }
-    });
-    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (1..threads.min(chunks))
+            .filter_map(|_| std::thread::Builder::new().spawn_scoped(s, claim).ok())
+            .collect();
+        let mut result = claim();
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(Error::HostMemory("pre-touch thread failed".into())));
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    })
 }
 
 impl HostRegion {
