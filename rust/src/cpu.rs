@@ -54,9 +54,16 @@ pub unsafe fn execute_serial(ops: &[CopyOp]) {
     }
 }
 
-/// Threads that would work on a plan of `total` bytes (this one included).
-fn threads_for(total: u64) -> usize {
-    if total < PARALLEL_THRESHOLD {
+/// Plans of smaller pieces on average split only from `SMALL_PIECE_THRESHOLD`: page_head's
+/// 256-byte head pieces ran ~1.4x slower split at 2 MiB (one-page backups) but 1.6x faster at
+/// 16-128 MiB (`hostkv-rs bench --quick`); 2 KiB rows gain from 1 MiB.
+const MIN_AVG_OP_FOR_SPLIT: u64 = 1024;
+const SMALL_PIECE_THRESHOLD: u64 = 4 << 20;
+
+/// Threads that would work on a plan of `total` bytes in `ops` pieces (this thread included).
+fn threads_for(total: u64, ops: usize) -> usize {
+    let small_pieces = total < MIN_AVG_OP_FOR_SPLIT.saturating_mul(ops as u64);
+    if total < PARALLEL_THRESHOLD || (small_pieces && total < SMALL_PIECE_THRESHOLD) {
         return 1;
     }
     workers::max_threads()
@@ -71,7 +78,7 @@ fn threads_for(total: u64) -> usize {
 /// itself the result is as unspecified as on a GPU).
 pub unsafe fn execute(ops: &[CopyOp]) {
     let total: u64 = ops.iter().map(|o| o.len).sum();
-    let n = threads_for(total);
+    let n = threads_for(total, ops.len());
     // An op whose own source and destination overlap needs memmove semantics over its whole
     // range, which splitting would break.
     if n <= 1 || ops.iter().any(overlaps) {
@@ -403,7 +410,7 @@ mod tests {
             pos += len;
             k += 1;
         }
-        assert!(threads_for(n as u64) >= 1);
+        assert!(threads_for(n as u64, ops.len()) >= 1);
         reference(&src, &mut a, &ops);
         run(&src, &mut b, &ops);
         assert_eq!(a, b);
@@ -437,16 +444,25 @@ mod tests {
         assert_eq!(buf, expect);
     }
 
-    /// Many small ops just above the split threshold: chunk windows cut through ops.
+    /// Many ops just above the split threshold: chunk windows cut through ops. Tiny pieces stay
+    /// on one thread.
     #[test]
     fn plan_just_above_threshold_matches_reference() {
         let n = PARALLEL_THRESHOLD as usize + 12_345;
-        assert!(threads_for(n as u64) == workers::max_threads());
+        assert_eq!(threads_for(n as u64, n / 1500), workers::max_threads());
+        assert_eq!(threads_for(n as u64, n / 37), 1);
+        assert_eq!(
+            threads_for(
+                SMALL_PIECE_THRESHOLD,
+                (SMALL_PIECE_THRESHOLD / 256) as usize
+            ),
+            workers::max_threads()
+        );
         let src = pattern(n, 5);
         let mut a = vec![0u8; n];
         let mut b = vec![0u8; n];
-        let ops: Vec<_> = (0..n / 37)
-            .map(|k| (k * 37, n - (k + 1) * 37, 37))
+        let ops: Vec<_> = (0..n / 1500)
+            .map(|k| (k * 1500, n - (k + 1) * 1500, 1500))
             .collect();
         reference(&src, &mut a, &ops);
         run(&src, &mut b, &ops);
@@ -555,6 +571,6 @@ mod tests {
     #[test]
     fn empty_plan_is_a_no_op() {
         unsafe { execute(&[]) };
-        assert_eq!(threads_for(0), 1);
+        assert_eq!(threads_for(0, 0), 1);
     }
 }
