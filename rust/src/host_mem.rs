@@ -9,8 +9,10 @@
 //! memory faults in ~1.5x faster than shmem and can get transparent hugepages (`MADV_HUGEPAGE`,
 //! THP `madvise`/`always`), where shmem THP is usually `never`: 3.5x faster to populate on the
 //! development VM. Nothing shares the pool with another process (the pools hand out no file
-//! descriptor, `pool.fd` is None), so the only observable difference is at `fork`, and there the
-//! private mapping is marked `MADV_DONTFORK` (see `map_private`). The explicit hugetlb ladder
+//! descriptor, `pool.fd` is None), so the only observable difference is at `fork`: an unpinned
+//! region is inherited copy-on-write (the child reads the parent's bytes; writes are not shared),
+//! and a region registered with CUDA is `MADV_DONTFORK` while registered (see `set_dontfork`), so
+//! a child does not have it at all. The explicit hugetlb ladder
 //! (`hugepage="2MB"/"1GB"`) keeps SGLang's shared mapping.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -130,8 +132,7 @@ pub struct HostRegion {
     /// What the kernel actually gave a THP-advised region, read from smaps on first request
     /// (reading smaps walks every mapping of the process: too slow for every creation).
     thp_obtained: OnceLock<Tier>,
-    /// Private mappings are `MADV_DONTFORK`: a forked child does not have them, so it must not
-    /// unmap the range (something else of the child's may live there by then).
+    /// Private mapping (not the hugetlb tiers): `MADV_DONTFORK` while registered with CUDA.
     private: bool,
     owner_pid: libc::pid_t,
     numa_node: Option<u32>,
@@ -191,16 +192,29 @@ fn anon_thp_possible() -> bool {
     matches!(selected, "always" | "madvise")
 }
 
-/// `MAP_PRIVATE|MAP_ANONYMOUS` of `len` bytes (a multiple of the base page), `MADV_DONTFORK`,
-/// and, with `thp`, 2 MiB-aligned (THP needs the alignment) and advised `MADV_HUGEPAGE`.
-/// Returns the start and whether the THP advice was taken.
+/// `MADV_DONTFORK` on (or `MADV_DOFORK` off) for a registered private range.
 ///
-/// `MADV_DONTFORK` is not optional: a child forked from a private mapping would share the
-/// parent's pages copy-on-write, and the parent's next write then moves the parent to a fresh copy
-/// while a CUDA registration (and every DMA the GPU does into this pool) still targets the old
-/// physical page, which now belongs to the child: transfers would silently land in, or come from,
-/// memory the parent no longer sees. With `MADV_DONTFORK` the child simply has no mapping here (a
-/// child touching the pool faults; SGLang's `MAP_SHARED` would let it share the pool instead).
+/// A child forked from a private mapping shares the parent's pages copy-on-write; the parent's
+/// next write moves the parent to a fresh copy while the CUDA registration (and every DMA into the
+/// pool) still targets the old physical page, which now belongs to the child: transfers would
+/// silently land in, or come from, memory the parent no longer sees. So a pinned range is not
+/// inherited at all; an unpinned one is inherited copy-on-write, which is harmless.
+fn set_dontfork(ptr: *mut u8, len: usize, on: bool) -> std::result::Result<(), String> {
+    let advice = if on {
+        libc::MADV_DONTFORK
+    } else {
+        libc::MADV_DOFORK
+    };
+    // SAFETY: advising a range of our own mapping.
+    if unsafe { libc::madvise(ptr as *mut libc::c_void, len, advice) } != 0 {
+        return Err(errno_text());
+    }
+    Ok(())
+}
+
+/// `MAP_PRIVATE|MAP_ANONYMOUS` of `len` bytes (a multiple of the base page) and, with `thp`,
+/// 2 MiB-aligned (THP needs the alignment) and advised `MADV_HUGEPAGE`.
+/// Returns the start and whether the THP advice was taken.
 fn map_private(len: usize, thp: bool) -> std::result::Result<(*mut u8, bool), String> {
     let over = if thp { len.checked_add(MB2) } else { Some(len) };
     let over = over.ok_or_else(|| "size overflows".to_string())?;
@@ -229,13 +243,8 @@ fn map_private(len: usize, thp: bool) -> std::result::Result<(*mut u8, bool), St
     } else {
         raw
     };
-    // SAFETY (both madvise calls): advising our own mapping.
-    if unsafe { libc::madvise(p as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
-        let e = errno_text();
-        unmap(p, len);
-        return Err(format!("madvise(MADV_DONTFORK): {e}"));
-    }
     // Only advice: a kernel that refuses it leaves base pages, reported as such.
+    // SAFETY: advising our own mapping.
     let advised =
         thp && unsafe { libc::madvise(p as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } == 0;
     Ok((p, advised))
@@ -529,7 +538,21 @@ impl HostRegion {
         if !ranges.is_empty() || self.nbytes == 0 {
             return Ok(());
         }
-        *ranges = crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit)?;
+        // Before registering: a fork between the two would leave a pinned copy-on-write range.
+        if self.private {
+            set_dontfork(self.ptr, self.map_len, true)
+                .map_err(|e| Error::HostMemory(format!("madvise(MADV_DONTFORK): {e}")))?;
+        }
+        match crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit) {
+            Ok(registered) => *ranges = registered,
+            Err(e) => {
+                if self.private {
+                    // Best effort: the range stays usable either way, only fork inheritance differs.
+                    let _ = set_dontfork(self.ptr, self.map_len, false);
+                }
+                return Err(e);
+            }
+        }
         Ok(())
     }
 
@@ -538,6 +561,10 @@ impl HostRegion {
         let taken = std::mem::take(&mut *self.ranges());
         if !taken.is_empty() {
             crate::cuda::unregister_host(&taken);
+            // SAFETY: getpid has no preconditions. A forked child never had the pinned range.
+            if self.private && unsafe { libc::getpid() } == self.owner_pid {
+                let _ = set_dontfork(self.ptr, self.map_len, false);
+            }
         }
     }
 }
@@ -547,7 +574,9 @@ impl Drop for HostRegion {
         self.unregister_cuda();
         // SAFETY: getpid has no preconditions.
         if self.private && unsafe { libc::getpid() } != self.owner_pid {
-            // A forked child never had this `MADV_DONTFORK` range (see `map_private`).
+            // In a forked child the range is either absent (it was pinned, so `MADV_DONTFORK`) or
+            // a copy-on-write copy that dies with the child; the struct cannot tell which, and
+            // unmapping an absent range could hit something the child mapped there since.
             return;
         }
         unmap(self.ptr, self.map_len);
@@ -750,41 +779,66 @@ mod tests {
     }
 
     #[test]
-    fn default_region_is_private_and_not_inherited_by_fork() {
+    fn default_region_is_private_and_inherited_only_while_unpinned() {
         for n in [64 << 10, 6 << 20] {
             let r = HostRegion::new(n, RegionOptions::default()).unwrap();
-            // "dc": MADV_DONTFORK; no "sh": private, so pinned pages can never go copy-on-write.
-            assert!(vm_flag(r.addr(), "dc"), "{n}");
+            // No "sh": private. No "dc": an unpinned region is inherited copy-on-write.
             assert!(!vm_flag(r.addr(), "sh"), "{n}");
+            assert!(!vm_flag(r.addr(), "dc"), "{n}");
             if n >= MB2 && anon_thp_possible() {
                 assert!(vm_flag(r.addr(), "hg"), "THP not advised");
             }
+            // What register_cuda does around a registration ("dc": MADV_DONTFORK).
+            set_dontfork(r.as_ptr(), r.map_len, true).unwrap();
+            assert!(vm_flag(r.addr(), "dc"), "{n}");
+            set_dontfork(r.as_ptr(), r.map_len, false).unwrap();
+            assert!(!vm_flag(r.addr(), "dc"), "{n}");
         }
     }
 
-    #[test]
-    fn forked_child_neither_sees_nor_unmaps_the_region() {
-        let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
-        unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
-        // SAFETY: the child only calls async-signal-safe functions (mincore, munmap via drop is
-        // skipped, _exit) before exiting.
+    /// Forks, runs `child` in the child (its exit code is the result), returns whether it was 0.
+    fn in_forked_child(child: impl FnOnce() -> bool) -> bool {
+        // SAFETY: the child only reads/writes memory, calls mincore and exits with _exit.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
-            let mut vec = [0u8; 1];
-            // ENOMEM: the range is not mapped in the child.
-            let unmapped =
-                unsafe { libc::mincore(r.as_ptr() as *mut libc::c_void, 4096, vec.as_mut_ptr()) }
-                    != 0;
-            drop(r);
-            unsafe { libc::_exit(if unmapped { 0 } else { 1 }) };
+            let ok = child();
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
         }
         let mut status = 0;
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "{status}"
-        );
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+    }
+
+    #[test]
+    fn forked_child_gets_a_private_copy_of_an_unpinned_region() {
+        let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
+        unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
+        assert!(in_forked_child(|| {
+            let seen = unsafe { std::ptr::read_volatile(r.as_ptr()) };
+            unsafe { std::ptr::write_volatile(r.as_ptr(), 9) };
+            // The child's drop must not unmap or unregister anything of the parent's. A bitwise copy:
+            // the child exits with _exit, so the original is never dropped there.
+            drop(unsafe { std::ptr::read(&r) });
+            seen == 7
+        }));
+        assert_eq!(unsafe { std::ptr::read_volatile(r.as_ptr()) }, 7);
+    }
+
+    #[test]
+    fn forked_child_does_not_have_a_dontfork_range() {
+        let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
+        unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
+        set_dontfork(r.as_ptr(), r.map_len, true).unwrap();
+        assert!(in_forked_child(|| {
+            let mut vec = [0u8; 1];
+            // ENOMEM: the range is not mapped in the child.
+            let absent =
+                unsafe { libc::mincore(r.as_ptr() as *mut libc::c_void, 4096, vec.as_mut_ptr()) }
+                    != 0;
+            drop(unsafe { std::ptr::read(&r) }); // see the test above
+            absent
+        }));
         assert_eq!(unsafe { std::ptr::read_volatile(r.as_ptr()) }, 7);
     }
 
