@@ -29,25 +29,19 @@ from hostkv_rs import (
     _core,
     get_mha_host_pool_cls,
 )
-from reference import device_planes, host_planes, host_segments, plane_items
+from reference import (
+    ASYM_PAIRS,
+    DTYPES,
+    LAYERS,
+    MHA_PAIRS,
+    MLA_PAIRS,
+    device_planes,
+    host_planes,
+    host_segments,
+    plane_items,
+)
 
-LAYERS = 5
 DEVICE_PAGES = 6
-DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-MHA_PAIRS = [
-    ("kernel", "layer_first"),
-    ("kernel", "page_first"),
-    ("kernel", "page_head"),
-    ("direct", "layer_first"),
-    ("direct", "page_first_direct"),
-]
-ASYM_PAIRS = [("kernel", "page_first"), ("direct", "page_first_direct")]
-MLA_PAIRS = [
-    ("kernel", "layer_first"),
-    ("kernel", "page_first"),
-    ("direct", "layer_first"),
-    ("direct", "page_first_direct"),
-]
 V4_PAIRS = [
     ("kernel", "layer_first"),
     ("kernel", "page_first"),
