@@ -53,12 +53,14 @@ def test_round_trip_pages(backend, layout, page_size, dtype, idx_dtype):
     [p for p in MHA_PAIRS if p[0] == "kernel" or p[1] == "layer_first"],
 )
 def test_round_trip_scattered_tokens(backend, layout):
-    """Token-granular transfers (kernel, direct layer_first): arbitrary slot permutations."""
+    """Token-granular transfers (kernel, direct layer_first): arbitrary slot permutations. SGLang's
+    direct ops refuse partial pages, so direct runs them on a page-size-1 pool."""
     rng = np.random.default_rng(7)
-    host, dp = make_mha(layout, 16, torch.bfloat16)
+    page_size, device_pages = (1, 64) if backend == "direct" else (16, DEVICE_PAGES)
+    host, dp = make_mha(layout, page_size, torch.bfloat16, device_pages=device_pages)
     n = 23
     host_tokens = rng.permutation(host.size)[:n]
-    dev_rows = DEVICE_PAGES * 16 + 16
+    dev_rows = device_pages * page_size + page_size
     round_trip(
         host,
         dp,
@@ -67,6 +69,19 @@ def test_round_trip_scattered_tokens(backend, layout):
         rng.permutation(np.arange(1, dev_rows))[:n],
         rng.permutation(np.arange(1, dev_rows))[:n],
     )
+
+
+def test_direct_layer_first_refuses_a_partial_page():
+    """transfer_kv_direct's check (contract §3.1 / transfer-semantics §3.1), before any byte moves."""
+    host, dp = make_mha("layer_first", 16, torch.bfloat16)
+    h = host.alloc(16)[:9]
+    before = host.kv_buffer.clone(), [t.clone() for t in dp.k_buffer]
+    with pytest.raises(RuntimeError, match="Source indices size must be divisible by page size"):
+        host.backup_from_device_all_layer(dp, h, torch.arange(16, 25), "direct")
+    with pytest.raises(RuntimeError, match="Source indices size must be divisible by page size"):
+        host.load_to_device_per_layer(dp, h, torch.arange(16, 25), 0, "direct")
+    assert torch.equal(host.kv_buffer, before[0])
+    assert all(torch.equal(a, b) for a, b in zip(dp.k_buffer, before[1]))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -403,7 +403,7 @@ def test_registration_rollback_parallel_threads_and_unregister_after_queued_work
         assert m.mock_pending_ops() == 0 and m.mock_registrations() == 0
         pool.check("after unregister")
         pool2 = Pool("layer_first", [64], backup=True)
-        pool2.run("direct", np.arange(5), np.arange(5), s)
+        pool2.run("direct", np.arange(8), np.arange(8), s)  # whole pages of 4 (direct)
         del pool2
         gc.collect()
         assert m.mock_pending_ops() == 0 and m.mock_registrations() == 0

@@ -127,7 +127,9 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         ));
     }
     let len = h.len;
-    if strategy == Strategy::PageBlocks && len as u64 % g.page_size as u64 != 0 {
+    // SGLang's direct ops (transfer_kv_direct and the page-first-direct pair) all refuse a
+    // partial page; its kernels do not check.
+    if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
         return Err(invalid(
             "Source indices size must be divisible by page size".into(),
         ));
@@ -718,12 +720,16 @@ mod tests {
 
     #[test]
     fn per_item_backends_take_arbitrary_token_indices() {
-        // Kernel and direct layer_first do not need pages: shuffled single tokens.
+        // Kernel and direct layer_first do not need pages: shuffled single tokens (direct
+        // layer_first with page size 1, since SGLang's direct ops refuse a partial page).
         let mut rng = Rng(77);
         for &(layout, backend) in &PAIRS[..5] {
             for load in [false, true] {
                 let mut c = base_case(layout, backend, vec![16, 8]);
                 c.heads = 2;
+                if backend == Backend::Direct {
+                    c.page = 1;
+                }
                 let mut h: Vec<i64> = (0..16).collect();
                 let mut d: Vec<i64> = (0..12).collect();
                 rng.shuffle(&mut h);
@@ -741,7 +747,8 @@ mod tests {
     #[test]
     fn direct_layer_first_coalesces_runs() {
         let mut c = base_case(Layout::LayerFirst, Backend::Direct, vec![8, 8]);
-        // Runs: [3,4,5]->[0,1,2], [9]->[7], [10,11]->[3,4], [12]->[6] (device breaks).
+        c.page = 1; // 7 tokens: not whole pages of 4
+                    // Runs: [3,4,5]->[0,1,2], [9]->[7], [10,11]->[3,4], [12]->[6] (device breaks).
         c.host_idx = vec![3, 4, 5, 9, 10, 11, 12];
         c.dev_idx = vec![0, 1, 2, 7, 3, 4, 6];
         let ops = c.check(5);
@@ -750,6 +757,17 @@ mod tests {
         assert_eq!(total_bytes(&ops), 7 * 3 * 2 * 8);
         c.op = Op::Load { host_layer: 1 };
         assert_eq!(c.check(6).len(), 4 * 2);
+    }
+
+    #[test]
+    fn direct_layer_first_refuses_a_partial_page_like_sglang() {
+        let mut c = base_case(Layout::LayerFirst, Backend::Direct, vec![8, 8]);
+        c.host_idx = vec![3, 4, 5, 9, 10];
+        c.dev_idx = vec![0, 1, 2, 7, 3];
+        expect_err(&c, "Source indices size must be divisible by page size");
+        // The kernel backend takes the same tokens.
+        c.backend = Backend::Kernel;
+        c.check(3);
     }
 
     #[test]
