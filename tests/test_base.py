@@ -223,13 +223,52 @@ def test_import_does_not_touch_cuda():
     assert out.stdout.strip() == "ok"
 
 
-def test_layer_sharded_device_pools_are_refused():
-    mha_dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
-    mha_dp.layer_shard_enabled = True
-    with pytest.raises(NotImplementedError, match="layer-sharded"):
-        MHATokenToKVPoolHost(mha_dp, 2.0, 0, 16, "layer_first")
-    mla_dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
-    mla_dp.layer_shard_enabled = True
-    for dummy in (False, True):
-        with pytest.raises(NotImplementedError, match="layer-sharded"):
-            MLATokenToKVPoolHost(mla_dp, 2.0, 0, 16, "layer_first", is_dummy=dummy)
+def _shard(dp, shard_size: int, owned: tuple[int, int]):
+    """A device pool under CP layer sharding, as SGLang's layer-split pools expose it."""
+    dp.layer_shard_enabled = True
+    dp.layer_shard_size = shard_size
+    dp._owned_local_layer_range = lambda: owned
+    return dp
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_layer_sharded_mla_holds_its_owned_layers(layout, backend):
+    if (backend, layout) in (("kernel", "page_first_direct"), ("direct", "page_first")):
+        pytest.skip("pair not served by SGLang's MLA pool")
+    # 5 device layers over 2 shards: this rank owns layers [3, 5); the host holds ceil(5/2) = 3
+    # target layers (the last one unused), as SGLang sizes it.
+    dp = _shard(MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, 5), 2, (3, 5))
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, layout)
+    assert (host.target_layer_num, host.layer_num) == (3, 3)
+    for layer in dp.kv_buffer:
+        layer.view(torch.uint8).random_(generator=torch.Generator().manual_seed(7))
+    h, d = host.alloc(32), torch.arange(16, 48)
+    host.backup_from_device_all_layer(dp, h, d, backend)
+    expected = [dp.kv_buffer[i][16:48].view(torch.uint8).clone() for i in range(5)]
+    for layer in dp.kv_buffer:
+        layer.zero_()
+    for layer_id in range(5):  # the controller walks every device layer
+        host.load_to_device_per_layer(dp, h, d, layer_id, backend)
+    for i in range(5):
+        got = dp.kv_buffer[i][16:48].view(torch.uint8)
+        if i in (3, 4):
+            assert torch.equal(got, expected[i]), f"owned layer {i}"
+        else:
+            assert not bool(got.any()), f"layer {i} is not this rank's"
+
+
+def test_layer_sharded_mha_skips_layers_it_does_not_own():
+    dp = _shard(MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, 4), 2, (2, 4))
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "page_first")
+    h, d = host.alloc(16), torch.arange(16, 32)
+    for layer in dp.k_buffer + dp.v_buffer:
+        layer.view(torch.uint8).fill_(9)
+    host.backup_from_device_all_layer(dp, h, d, "kernel")
+    for layer in dp.k_buffer + dp.v_buffer:
+        layer.zero_()
+    for layer_id in range(4):
+        host.load_to_device_per_layer(dp, h, d, layer_id, "kernel")
+    for i in range(4):
+        filled = bool((dp.k_buffer[i][16:32].view(torch.uint8) == 9).all())
+        assert filled == (i >= 2), i

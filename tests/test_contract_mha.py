@@ -245,7 +245,7 @@ def test_is_draft_without_drafts_is_refused():
     dp = duck_mha_pool()
     host = MHATokenToKVPoolHost(dp, 2.0, 0, P, "layer_first")
     idx = torch.arange(P)
-    with pytest.raises(TransferError, match=re.escape("holds draft layers [3, 3)")):
+    with pytest.raises(TransferError, match=re.escape("holds drafts at layer ids [3, 3)")):
         host.load_to_device_per_layer(dp, idx, idx + P, 0, "kernel", is_draft=True)
 
 
@@ -475,13 +475,12 @@ def test_dcp_slot_space_on_a_pool_without_transfers():
 
 
 @pytest.mark.parametrize("layer_id", [-1, L, 10**19])
-def test_out_of_range_layer_is_an_index_error_and_changes_nothing(layer_id):
+def test_out_of_range_layer_returns_and_changes_nothing(layer_id):
+    # SGLang returns for a target layer the pool does not hold (all releases).
     dp = duck_mha_pool()
     host = MHATokenToKVPoolHost(dp, 2.0, 0, P, "page_first")
     fill_random(host_planes(host), np.random.default_rng(4))
     dev_before = snapshot_device(dp)
     idx = torch.arange(P)
-    with pytest.raises(IndexError) as info:
-        host.load_to_device_per_layer(dp, idx, idx + P, layer_id, "kernel")
-    assert isinstance(info.value, TransferError)
+    assert host.load_to_device_per_layer(dp, idx, idx + P, layer_id, "kernel") is None
     assert_device_equal(dp, dev_before)

@@ -228,20 +228,34 @@ def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
     assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused DCP backup")
 
 
-def test_l3_pages_refuse_dcp_with_sglangs_text_and_write_nothing():
-    host = MLATokenToKVPoolHost(duck_mla(page_size=4), 2.0, 0, 8, "layer_first", dcp_size=2)
-    page = host.get_dummy_flat_data_page()
-    text = (
-        "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped "
-        "keys); --hicache-storage-backend with --dcp-size > 1 should have been rejected at "
-        "server start."
-    )
-    before = snapshot_host(host)
-    with pytest.raises(AssertionError, match=re.escape(text)):
-        host.get_data_page(0)
-    with pytest.raises(AssertionError, match=re.escape(text)):
-        host.set_from_flat_data_page(0, page + 1)
-    assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused page write")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_l3_pages_with_dcp_address_the_rank_local_page(layout):
+    # SGLang 0.5.23: a logical (widened) page start names this rank's physical page
+    # index // dcp_size; anything else is refused before a byte moves.
+    for rank in (0, 1):
+        host = MLATokenToKVPoolHost(
+            duck_mla(page_size=4), 2.0, 0, 8, layout, dcp_size=2, dcp_rank=rank
+        )
+        P, LP = host.page_size, host.logical_page_size
+        assert (P, LP) == (4, 8)
+        page = torch.arange(host.get_dummy_flat_data_page().numel(), dtype=torch.float32)
+        host.set_from_flat_data_page(2 * LP, page.to(host.dtype))
+        # Logical page 2 -> physical page 2 of this rank (slots 8..11).
+        assert torch.equal(host.get_data_page(2 * LP), host.get_data_page(2 * LP).clone())
+        assert torch.equal(host.get_data_page(2 * LP).float(), page)
+        ptrs, sizes = host.get_page_buffer_meta(torch.arange(2 * LP, 3 * LP))
+        base, T, L = host.kv_buffer.data_ptr(), host.token_stride_size, host.layer_num
+        if layout == "layer_first":
+            assert ptrs == [base + 2 * P * T + layer * host.size * T for layer in range(L)]
+            assert sizes == [P * T] * L
+        else:
+            assert ptrs == [base + 2 * P * L * T] and sizes == [L * P * T]
+        before = snapshot_host(host)
+        with pytest.raises(ValueError, match="DCP L3 page start must be a nonnegative"):
+            host.set_from_flat_data_page(P, page.to(host.dtype))
+        with pytest.raises(IndexError, match="DCP L3 page is outside the host pool"):
+            host.get_data_page(host.logical_size)
+        assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused page write")
 
 
 # ---- HiSparse request rows -------------------------------------------------------------------

@@ -241,12 +241,15 @@ def test_direct_page_copies_need_whole_pages():
 
 
 @pytest.mark.parametrize("layer_id", [-1, LAYERS, 10**6])
-def test_bad_layer_id(layer_id):
+def test_a_layer_the_pool_does_not_hold_is_skipped(layer_id):
+    # SGLang returns without copying for a layer outside the pool (0.5.23: `not 0 <= layer_id <
+    # target_layer_num`; earlier releases: not in the owned range), whatever else is passed.
     host, dp = poisoned("mha", "page_first")
     idx = torch.arange(4)
-    with Unchanged(host, dp), pytest.raises(TransferError, match="layer_id"):
-        host.load_to_device_per_layer(dp, idx, idx + 4, layer_id, "kernel")
-    with pytest.raises(TypeError):
+    with Unchanged(host, dp):
+        assert host.load_to_device_per_layer(dp, idx, idx + 4, layer_id, "kernel") is None
+        host.load_to_device_per_layer(dp, idx, idx + 4, layer_id, "no-such-backend")
+    with pytest.raises(TypeError, match="layer_id must be an integer"):
         host.load_to_device_per_layer(dp, idx, idx + 4, 1.0, "kernel")
 
 
@@ -272,9 +275,22 @@ def test_device_pool_geometry_mismatch():
 
 
 def test_non_contiguous_device_layer_is_refused():
-    host, dp = poisoned("mla", "layer_first")
+    _, dp = poisoned("mla", "layer_first")
     wide = torch.zeros(dp.kv_buffer[0].shape[0], 1, 2 * dp.kv_cache_dim, dtype=torch.bfloat16)
     dp.kv_buffer[0] = wide[..., : dp.kv_cache_dim]
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 4, "layer_first")
     idx = torch.arange(4)
-    with pytest.raises(ValueError, match="contiguous"):
+    with Unchanged(host, dp), pytest.raises(ValueError, match="contiguous"):
         host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
+
+
+def test_device_layers_are_the_ones_captured_at_construction():
+    # SGLang 0.5.22+ keeps the device buffers it was built with; a list entry replaced later
+    # is not read (the captured tensor stays alive and is the one moved).
+    host, dp = poisoned("mla", "layer_first")
+    captured = dp.kv_buffer[0]
+    dp.kv_buffer[0] = torch.full_like(captured, 3.0)
+    h, d = host.alloc(4), torch.arange(4, 8)
+    host.load_to_device_per_layer(dp, h, d, 0, "kernel")
+    assert torch.equal(captured[4:8], host.kv_buffer[0][h])
+    assert bool((dp.kv_buffer[0] == 3.0).all())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool, MLATokenToKVPoolHost
-from hostkv_rs.base import _checked_layers
+from hostkv_rs._device_side import check_device_layers
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 
 
@@ -95,4 +95,4 @@ def _reporting(tensor: torch.Tensor, device: str) -> torch.Tensor:
 def test_device_layers_on_two_gpus_are_refused():
     layers = [_reporting(torch.zeros(4, 8), "cuda:0"), _reporting(torch.zeros(4, 8), "cuda:1")]
     with pytest.raises(ValueError, match="mix cuda:0 and cuda:1"):
-        _checked_layers([layers], [32], "device pool")
+        check_device_layers([layers], [32], "device pool")

@@ -1,6 +1,7 @@
-"""hostkv_rs.sglang.install() against a stand-in `sglang` package tree (SGLang itself is not
-installed here): every lookup site gets our classes, unrelated objects are left alone, and
-uninstall() restores SGLang's originals."""
+"""hostkv_rs.sglang.install() against a stand-in `sglang` package tree (fast, no SGLang needed;
+tests/sglang/ runs the same against SGLang's real releases): every lookup site gets our classes,
+SGLang's HostKVCache and its other pools are left alone and still pass its isinstance checks,
+unrelated objects are left alone, and uninstall() restores everything."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from hostkv_rs import sglang as shim
 
 POOL_HOST = {
     "base.py": """
-        class HostKVCache:
+        import abc
+
+        class HostKVCache(abc.ABC):
             pass
     """,
     "mha.py": """
@@ -26,6 +29,12 @@ POOL_HOST = {
 
         class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
             pass
+
+        class HiSparseMHATokenToKVPoolHost(MHATokenToKVPoolHost):
+            pass  # SGLang's own pool subclassing a class install() replaces
+
+        class MHATokenToKOnlyPoolHost(HostKVCache):
+            pass  # SGLang's own pool hostkv_rs never replaces
 
         def get_mha_host_pool_cls(device_pool):
             if device_pool.head_dim != device_pool.v_head_dim:
@@ -129,7 +138,8 @@ def test_install_patches_every_lookup_site(fake_sglang):
     mph = sys.modules["sglang.srt.mem_cache.memory_pool_host"]
     hiradix = sys.modules["sglang.srt.mem_cache.hiradix_cache"]
 
-    assert base.HostKVCache is hostkv_rs.HostKVCache
+    sglang_base = base.HostKVCache
+    assert sglang_base is not hostkv_rs.HostKVCache  # never replaced: SGLang's pools derive it
     assert mha.MHATokenToKVPoolHost is hostkv_rs.MHATokenToKVPoolHost
     assert mha.AsymmetricMHATokenToKVPoolHost is hostkv_rs.AsymmetricMHATokenToKVPoolHost
     assert mha.get_mha_host_pool_cls is hostkv_rs.get_mha_host_pool_cls
@@ -151,10 +161,16 @@ def test_install_patches_every_lookup_site(fake_sglang):
     assert shim.installed()
     assert shim.install() == {}  # idempotent
 
-    # SGLang's construction path now builds our pools.
+    # SGLang's construction path now builds our pools, and they pass SGLang's isinstance checks.
     dp = hostkv_rs.MHATokenToKVPool(32, 4, torch.bfloat16, 2, 8, 3, v_head_dim=4)
     pool = hiradix.build_host_pool(dp, "page_first")
     assert type(pool) is hostkv_rs.AsymmetricMHATokenToKVPoolHost
+    assert isinstance(pool, sglang_base) and isinstance(pool, original_mha)
+    # SGLang's own pools: still SGLang's classes, still instances of every name they were.
+    k_only = mha.MHATokenToKOnlyPoolHost()
+    hisparse = mha.HiSparseMHATokenToKVPoolHost()
+    assert isinstance(k_only, sglang_base) and isinstance(hisparse, sglang_base)
+    assert isinstance(hisparse, assembler.MHATokenToKVPoolHost)  # the name now means ours
     mla_dp = hostkv_rs.MLATokenToKVPool(32, 4, torch.bfloat16, 12, 4, 3)
     assert type(hiradix.build_host_pool(mla_dp, "layer_first")) is hostkv_rs.MLATokenToKVPoolHost
 
@@ -165,7 +181,9 @@ def test_install_patches_every_lookup_site(fake_sglang):
     restored = shim.uninstall()
     assert assembler.MHATokenToKVPoolHost is original_mha
     assert mha.MHATokenToKVPoolHost is original_mha
-    assert base.HostKVCache is not hostkv_rs.HostKVCache
+    assert base.HostKVCache is sglang_base
+    assert not isinstance(pool, sglang_base)  # the ABC registrations are gone too
+    assert not issubclass(mha.HiSparseMHATokenToKVPoolHost, hostkv_rs.MHATokenToKVPoolHost)
     assert hiradix.get_mha_host_pool_cls is mha.get_mha_host_pool_cls
     assert mha.get_mha_host_pool_cls is not hostkv_rs.get_mha_host_pool_cls
     assert set(restored) >= {

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import psutil
 import torch
@@ -30,10 +33,44 @@ def ranks_per_host() -> int:
     return 1
 
 
-def host_memory_budget_bytes() -> int:
-    """G-Aug26 budget: (available - 10 GiB) split across the ranks on this host."""
-    available = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
-    return available // ranks_per_host()
+_budget_scope: ContextVar[int | None] = ContextVar("hostkv_host_memory_budget", default=None)
+
+
+@contextmanager
+def host_memory_budget_scope(budget_bytes: int):
+    """Book every pool built inside against one budget instead of re-reading psutil (SGLang
+    0.5.21+ `host_memory_budget_scope`)."""
+    token = _budget_scope.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _budget_scope.reset(token)
+
+
+def _sglang_scope_budget(requested_bytes: int) -> int | None:
+    """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
+    against one snapshot), book there too, as SGLang's pools do."""
+    base = sys.modules.get("sglang.srt.mem_cache.pool_host.base")
+    scope = getattr(base, "_host_memory_budget", None)
+    if scope is None or scope.get() is None:
+        return None
+    return base.host_memory_budget_bytes(requested_bytes)
+
+
+def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """Host RAM this rank may claim: (available - 10 GiB) split across the ranks on this host.
+    Inside a budget scope (ours or SGLang's) the request is booked against the scope when it
+    fits, and the allowance before booking is returned, as SGLang 0.5.21+ does."""
+    available = _budget_scope.get()
+    if available is not None:
+        if requested_bytes <= available:
+            _budget_scope.set(available - requested_bytes)
+        return available
+    booked = _sglang_scope_budget(requested_bytes)
+    if booked is not None:
+        return booked
+    free = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
+    return free // ranks_per_host()
 
 
 def register_chunk_limit_bytes() -> int:

@@ -9,17 +9,25 @@ The allocator and helpers only read `size`, `page_size`, `lock`, `device` and th
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import operator
 import threading
 import weakref
 from collections.abc import Sequence
 from functools import wraps
-from typing import NamedTuple
 
 import torch
 
-from hostkv_rs import _core, _memory
+from hostkv_rs import _core, _handover, _memory
+from hostkv_rs._device_side import (
+    DeviceLayers,
+    LayerIndexError,
+    check_device_layers,
+    layer_key,
+    owned_range,
+    sharded_host_layer_num,
+)
 from hostkv_rs._indices import as_index_array, index_arg
 
 logger = logging.getLogger(__name__)
@@ -102,33 +110,38 @@ def sync_fixed_hicache_size(size: int, host_size) -> int:
     return synced
 
 
-def refuse_layer_sharding(device_pool) -> None:
-    """CP layer sharding (a device pool holding only some layers) is not mirrored yet; copying as
-    if every layer were local would move the wrong layers, so refuse it up front."""
-    if getattr(device_pool, "layer_shard_enabled", False):
-        raise NotImplementedError(
-            "hostkv_rs host pools do not support layer-sharded device pools "
-            "(device_pool.layer_shard_enabled is set)"
-        )
-
-
 def ranks_per_host() -> int:
     """Ranks of this job on this machine (SGLang's `base.ranks_per_host`)."""
     return _memory.ranks_per_host()
 
 
-def host_memory_budget_bytes() -> int:
-    """Host RAM this rank may claim for a HiCache pool: (available - 10 GiB) // ranks_per_host()
-    (G-Aug26). Kept under SGLang's name in this module, so code that patches
-    `base.host_memory_budget_bytes` (as SGLang's tests do) steers the check; it defers to
-    `_memory` so patching that module works as well."""
-    return _memory.host_memory_budget_bytes()
+def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """Host RAM this rank may claim for a HiCache pool: (available - 10 GiB) // ranks_per_host(),
+    booked against a budget scope when one is active (SGLang 0.5.21+). Kept under SGLang's name
+    in this module, so code that patches `base.host_memory_budget_bytes` (as SGLang's tests do)
+    steers the check; it defers to `_memory` so patching that module works as well."""
+    budget = _memory.host_memory_budget_bytes
+    if _takes_arguments(budget):
+        return budget(requested_bytes, auto_size=auto_size)
+    return budget()  # a hook patched with SGLang <= 0.5.20's signature
+
+
+host_memory_budget_scope = _memory.host_memory_budget_scope
+
+
+def _takes_arguments(func) -> bool:
+    try:
+        return bool(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return True
 
 
 def check_host_memory(requested_bytes: int) -> int:
-    """Raise SGLang's ValueError when `requested_bytes` exceeds the G-Aug26 host budget; returns
-    the budget. The budget function is looked up at call time so tests can patch it."""
-    available_bytes = host_memory_budget_bytes()
+    """Raise SGLang's ValueError when `requested_bytes` exceeds the host budget; returns the
+    budget. The budget function is looked up at call time so tests can patch it; a patched
+    function that takes no argument (SGLang <= 0.5.20's signature) still works."""
+    budget = host_memory_budget_bytes
+    available_bytes = budget(requested_bytes) if _takes_arguments(budget) else budget()
     if requested_bytes > available_bytes:
         raise ValueError(
             f"Not enough host memory available. Requesting {requested_bytes / 1e9:.2f} GB but "
@@ -208,119 +221,6 @@ class SlotFreeList:
         self.num_release_slots += slots.numel()
 
 
-class DeviceLayers(NamedTuple):
-    """The device side of one transfer, as `PoolCore.backup/load` take it."""
-
-    ptrs: list[int]
-    rows: int
-    device: str  # "cpu" | "cuda"
-    stream: int
-    engine: str
-
-
-def _checked_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
-    """Check per-plane lists of device layer tensors: `(ptrs, rows, device_type, cuda_device)`.
-
-    Every tensor must be a dense layer-first array whose rows are exactly the host item size of
-    its plane; all must sit on one device type (CPU or CUDA). `rows` is the smallest dim 0, so
-    the core's bounds check covers every layer. Pointers are plane-major.
-    """
-    ptrs: list[int] = []
-    rows: int | None = None
-    device_type: str | None = None
-    cuda_device = None
-    for plane, (tensors, want) in enumerate(zip(planes, item_bytes, strict=True)):
-        for layer, tensor in enumerate(tensors):
-            where = f"{what} plane {plane} layer {layer}"
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.device.type not in ("cpu", "cuda"):
-                raise ValueError(
-                    f"{where}: device pools must be on CPU or CUDA, got {tensor.device}"
-                )
-            if device_type is None:
-                device_type = tensor.device.type
-                cuda_device = tensor.device if device_type == "cuda" else None
-            elif tensor.device.type != device_type:
-                raise ValueError(
-                    f"{where}: device tensors mix {device_type} and {tensor.device.type}"
-                )
-            elif cuda_device is not None and tensor.device != cuda_device:
-                # One call runs on one GPU's stream; another GPU's layer is not its memory.
-                raise ValueError(f"{where}: device tensors mix {cuda_device} and {tensor.device}")
-            if tensor.dim() < 1:
-                raise ValueError(f"{where}: expected a tensor with a token dimension")
-            if not tensor.is_contiguous():
-                raise ValueError(f"{where}: device layer tensors must be contiguous")
-            row_bytes = tensor.element_size()
-            for extent in tensor.shape[1:]:
-                row_bytes *= extent
-            if row_bytes != want:
-                raise ValueError(
-                    f"{where}: device rows are {row_bytes} bytes but the host pool's item size is "
-                    f"{want} bytes (dtype or head geometry differs from the host pool)"
-                )
-            n = tensor.shape[0]
-            rows = n if rows is None else min(rows, n)
-            ptrs.append(tensor.data_ptr())
-    if device_type is None:
-        raise ValueError(f"{what}: no device layer tensors")
-    return ptrs, rows or 0, device_type, cuda_device
-
-
-class DeviceLayerCache:
-    """Device layers already checked by `_checked_layers`, keyed by tensor identity.
-
-    SGLang's device pools keep the same per-layer tensors for their whole life, and checking a
-    tensor costs more than a one-page copy, so a transfer re-checks only what can change under
-    the same Python object: its address and shape. Entries hold weak references, so the cache
-    never keeps a device pool's memory alive, and it is bounded.
-    """
-
-    _LIMIT = 512
-
-    def __init__(self):
-        self._entries: dict = {}
-
-    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
-        tensors = [t for plane in planes for t in plane]
-        key = (tuple(map(id, tensors)), tuple(item_bytes))
-        entry = self._entries.get(key)
-        if entry is not None:
-            refs, shapes, checked = entry
-            ptrs = checked[0]
-            if all(
-                ref() is t and t.data_ptr() == ptr and t.shape == shape
-                for ref, t, ptr, shape in zip(refs, tensors, ptrs, shapes)
-            ):
-                return checked
-        checked = _checked_layers(planes, item_bytes, what)
-        if len(self._entries) >= self._LIMIT:
-            self._entries.clear()
-        self._entries[key] = (
-            tuple(weakref.ref(t) for t in tensors),
-            tuple(t.shape for t in tensors),
-            checked,
-        )
-        return checked
-
-
-def device_layers(
-    planes: Sequence[Sequence],
-    item_bytes: Sequence[int],
-    what: str,
-    cache: DeviceLayerCache | None = None,
-) -> DeviceLayers:
-    """The device side of one transfer: checked layer pointers (see `_checked_layers`), plus the
-    stream and engine of this call."""
-    if cache is None:
-        ptrs, rows, _, cuda_device = _checked_layers(planes, item_bytes, what)
-    else:
-        ptrs, rows, _, cuda_device = cache.lookup(planes, item_bytes, what)
-    where = cuda_device if cuda_device is not None else _CPU
-    return DeviceLayers(ptrs, rows, *stream_and_engine(where))
-
-
 def stream_and_engine(device: torch.device) -> tuple[str, int, str]:
     """(device type, stream, engine) for the core: torch's current stream of a CUDA device, else
     the CPU engine chosen by HOSTKV_CPU_ENGINE. Only a CUDA device pool may touch torch.cuda:
@@ -330,20 +230,24 @@ def stream_and_engine(device: torch.device) -> tuple[str, int, str]:
     return "cpu", 0, _memory.cpu_engine()
 
 
-def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx) -> None:
+def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx, host_layer=None) -> None:
+    """Device -> host: every layer, or only `host_layer` (then `dev.ptrs` holds one per plane)."""
+    where, stream, engine = stream_and_engine(dev.device)
     core.backup(
         backend,
         dev.ptrs,
         dev.rows,
         index_arg(host_idx),
         index_arg(dev_idx),
-        dev.device,
-        dev.stream,
-        dev.engine,
+        where,
+        stream,
+        engine,
+        host_layer,
     )
 
 
 def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, dev_idx) -> None:
+    where, stream, engine = stream_and_engine(dev.device)
     core.load(
         backend,
         host_layer,
@@ -351,17 +255,17 @@ def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, d
         dev.rows,
         index_arg(host_idx),
         index_arg(dev_idx),
-        dev.device,
-        dev.stream,
-        dev.engine,
+        where,
+        stream,
+        engine,
     )
 
 
-def transfer_indices(host_indices, device_indices, io_backend: str, device: str):
+def transfer_indices(host_indices, device_indices, io_backend: str, device: torch.device):
     """Index tensors in the form the core reads: contiguous int32/int64. CPU device pools and the
     direct backend read them on the host; a CUDA kernel transfer keeps device-resident indices
     where they are (the kernel bounds-checks them itself)."""
-    target = None if (device == "cuda" and io_backend == "kernel") else _CPU
+    target = None if (device.type == "cuda" and io_backend == "kernel") else _CPU
     return as_index_array(host_indices, target), as_index_array(device_indices, target)
 
 
@@ -380,34 +284,60 @@ def check_io_pair(io_backend, layout: str, supported: dict, ascend_layouts: tupl
     raise ValueError(f"Unsupported IO backend: {io_backend}")
 
 
-class LayerIndexError(_core.TransferError, IndexError):
-    """A layer id outside the pools: a TransferError (nothing was copied) that is also the
-    IndexError SGLang's `k_buffer[layer_id]` would raise."""
+class DeviceLayerCache:
+    """Device layers of a device pool handed to a transfer that is not the one the host pool was
+    built from (SGLang up to 0.5.21 reads the pool it is given), checked once and keyed by tensor
+    identity. A hit re-checks only what can change under the same Python object: its address and
+    shape. Entries hold weak references, so the cache never keeps device memory alive."""
 
+    _LIMIT = 512
 
-def check_layer_id(layer_id, device_layers_count: int, host_layers: int) -> int:
-    """A local device layer id valid on both sides (Python would otherwise wrap negatives)."""
-    layer = as_int("layer_id", layer_id)
-    limit = min(device_layers_count, host_layers)
-    if not 0 <= layer < limit:
-        raise LayerIndexError(
-            f"layer_id {layer} is out of range: the device pool has {device_layers_count} layers "
-            f"and the host pool {host_layers}"
+    def __init__(self):
+        self._entries: dict = {}
+
+    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
+        tensors = [t for plane in planes for t in plane]
+        key = (tuple(map(id, tensors)), tuple(item_bytes))
+        entry = self._entries.get(key)
+        if entry is not None:
+            refs, shapes, checked = entry
+            ptrs = checked[0]
+            if all(
+                ref() is t and t.data_ptr() == ptr and t.shape == shape
+                for ref, t, ptr, shape in zip(refs, tensors, ptrs, shapes)
+            ):
+                return checked
+        checked = check_device_layers(planes, item_bytes, what)
+        if len(self._entries) >= self._LIMIT:
+            self._entries.clear()
+        self._entries[key] = (
+            tuple(weakref.ref(t) for t in tensors),
+            tuple(t.shape for t in tensors),
+            checked,
         )
-    return layer
+        return checked
 
 
-def check_layer_count(what: str, tensors: Sequence, expected: int) -> list:
-    tensors = list(tensors)
-    if len(tensors) != expected:
-        raise _core.TransferError(
-            f"{what} has {len(tensors)} layers but the host pool holds {expected}"
-        )
-    return tensors
+def _required(form: str, **values) -> None:
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+        raise TypeError(f"{form} needs the keyword argument(s): {', '.join(missing)}")
 
 
 class HostKVCache(SlotFreeList, abc.ABC):
-    """Abstract HiCache host pool with SGLang's constructor sequence and slot allocator."""
+    """Abstract HiCache host pool with SGLang's constructor sequence and slot allocator.
+
+    Two constructor forms, as SGLang's releases have them:
+
+    * device-pool form (up to 0.5.21): `HostKVCache(device_pool, host_to_device_ratio, host_size,
+      page_size, layout, pin_memory, device, allocator_type="default", dcp_size=1, dcp_rank=0,
+      *, pool_label="kv")`; the geometry comes from `get_size_per_token()` (which sets
+      `layer_num`, ... as a side effect) and the device pool's `store_dtype`, `size`,
+      `start_layer` and `end_layer`.
+    * geometry form (0.5.22+): keyword-only `dtype`, `device_capacity_tokens`, `size_per_token`,
+      `start_layer`, `end_layer` plus the same sizing arguments, `is_dummy` (allocator only) and
+      (0.5.23) `host_token_capacity` (an exact, page-aligned capacity without the padding page).
+    """
 
     # Class defaults so that subclasses which skip __init__ still work (as in SGLang).
     dcp_size = 1
@@ -415,85 +345,116 @@ class HostKVCache(SlotFreeList, abc.ABC):
     pool_label = "kv"
     can_use_write_back_jit = False
     mtp_draft_device_pools: tuple = ()
-    # Device pool attributes holding the per-layer tensors of each plane, in plane order (set by
-    # the pools that move bytes, e.g. ("k_buffer", "v_buffer")).
-    _device_plane_names: tuple = ()
+    device_pool = None
+    # SGLang 0.5.21+/0.5.22+ storage hooks: a plain pool shares no allocation domain, stores no
+    # page envelope and keeps SGLang's default page byte format (no tag in storage keys).
+    shared_allocation_domain = None
+    stores_page_envelope = False
+    storage_format_tag: str | None = None
+    # Bytes between strided device rows (SGLang 0.5.22+); None: packed rows, the only kind the
+    # core moves.
+    _strided_device_row_bytes: int | None = None
+
+    def __new__(cls, *args, **kwargs):
+        # Construction SGLang supports but hostkv_rs does not (a layout, scales, a device type)
+        # goes to SGLang's own class once install() has recorded it; otherwise our __init__
+        # refuses it with SGLang's error.
+        original = _handover.handover(cls, args, kwargs)
+        if original is not None:
+            return original
+        return super().__new__(cls)
+
+    @classmethod
+    def _unsupported_reason(cls, args, kwargs) -> str | None:
+        """Why hostkv_rs cannot serve this construction (then SGLang's class does), or None."""
+        return None
 
     def __init__(
         self,
-        device_pool,
-        host_to_device_ratio: float,
-        host_size,
-        page_size: int,
-        layout: str,
-        pin_memory: bool,
-        device: str,
+        device_pool=None,
+        host_to_device_ratio=None,
+        host_size=None,
+        page_size=None,
+        layout=None,
+        pin_memory=None,
+        device=None,
         allocator_type: str = "default",
         dcp_size: int = 1,
         dcp_rank: int = 0,
         *,
         pool_label: str = "kv",
+        dtype=None,
+        device_capacity_tokens=None,
+        size_per_token=None,
+        start_layer=None,
+        end_layer=None,
+        is_dummy: bool = False,
+        host_token_capacity=None,
     ):
-        self._init_geometry(
-            device_pool,
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
-            dcp_size,
-            dcp_rank,
-            pool_label,
-        )
-        if self.size <= device_pool.size:
-            logger.warning(
-                "HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens);"
-                "L2 cache effectiveness is reduced."
-                "Consider increasing --hicache-ratio (or --hicache-size) for higher L2 cache hit "
-                "rate.",
+        if device_pool is not None:
+            self.device_pool = device_pool
+            self._init_args(
+                page_size,
+                layout,
+                pin_memory,
+                device,
+                allocator_type,
+                dcp_size,
+                dcp_rank,
                 pool_label,
-                self.size,
-                device_pool.size,
+                owns_bytes=not is_dummy,
             )
-
-        requested_bytes = self.size * self.size_per_token
-        check_host_memory(requested_bytes)
-        # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
-        # neither (e.g. allocator-only test pools) working.
-        layer_num = getattr(self, "layer_num", 0)
-        target_layer_num = getattr(self, "target_layer_num", layer_num)
-        draft_layer_num = layer_num - target_layer_num
-        if draft_layer_num > 0:
-            logger.info(
-                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory, "
-                "packed MTP KV layers: target_layers=%d, draft_layers=%d, total_layers=%d.",
-                pool_label,
-                self.size,
-                requested_bytes / 1e9,
-                target_layer_num,
-                draft_layer_num,
-                layer_num,
-            )
+            self.dtype = device_pool.store_dtype
+            self.size_per_token = self.get_size_per_token()
+            capacity = getattr(device_pool, "host_capacity_tokens", None)
+            self.device_capacity_tokens = device_pool.size if capacity is None else capacity
+            start_layer, end_layer = device_pool.start_layer, device_pool.end_layer
         else:
-            logger.info(
-                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory.",
-                pool_label,
-                self.size,
-                requested_bytes / 1e9,
+            _required(
+                "HostKVCache without a device pool",
+                dtype=dtype,
+                device_capacity_tokens=device_capacity_tokens,
+                size_per_token=size_per_token,
+                start_layer=start_layer,
+                end_layer=end_layer,
+                host_to_device_ratio=host_to_device_ratio,
+                host_size=host_size,
+                page_size=page_size,
+                layout=layout,
+                pin_memory=pin_memory,
+                device=device,
             )
-
-        self.kv_buffer = self.init_kv_buffer()
-        self.fd = getattr(self.allocator, "fd", None)
+            self._init_args(
+                page_size,
+                layout,
+                pin_memory,
+                device,
+                allocator_type,
+                dcp_size,
+                dcp_rank,
+                pool_label,
+                owns_bytes=not is_dummy,
+            )
+            self.dtype = dtype
+            self.size_per_token = as_int("size_per_token", size_per_token)
+            self.device_capacity_tokens = as_int("device_capacity_tokens", device_capacity_tokens)
+        if self.size_per_token <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: bytes per token must be positive, got "
+                f"{self.size_per_token} (check the device pool's layer and head geometry)"
+            )
+        self.size, self.page_num = self._host_capacity(
+            host_to_device_ratio, host_size, host_token_capacity
+        )
+        self.start_layer = start_layer
+        self.end_layer = end_layer
+        if not is_dummy:
+            self._allocate_host_buffer()
         self.lock = threading.RLock()
         self.clear()
 
-    def _init_geometry(
+    def _init_args(
         self,
-        device_pool,
-        host_to_device_ratio,
-        host_size,
         page_size,
         layout,
         pin_memory,
@@ -503,12 +464,11 @@ class HostKVCache(SlotFreeList, abc.ABC):
         dcp_rank,
         pool_label,
         *,
-        owns_bytes: bool = True,
+        owns_bytes: bool,
     ) -> None:
-        """SGLang's constructor steps 1-7 (arguments, geometry, size, page count): everything up
-        to the memory check. `owns_bytes=False` is MLA's allocator-only (dummy) pool, which never
-        reaches the CPU allocator and words the DCP check as SGLang's dummy init does."""
-        self.device_pool = device_pool
+        """SGLang's constructor steps 1-2: DCP page widening, layout, pinning, the allocator.
+        An allocator-only (dummy) pool never reaches the CPU allocator and words the DCP check as
+        SGLang's dummy init does."""
         self.pool_label = pool_label
         page_size = positive_int("page_size", page_size)
         dcp_size = positive_int("dcp_size", dcp_size)
@@ -526,7 +486,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 f"hostkv_rs host pools do not implement decode context parallelism yet "
                 f"(dcp_size={dcp_size}, dcp_rank={dcp_rank}); use dcp_size=1"
             )
-        refuse_layer_sharding(device_pool)
         self.dcp_size = dcp_size
         self.dcp_rank = dcp_rank
         self.page_size = page_size // dcp_size
@@ -541,21 +500,49 @@ class HostKVCache(SlotFreeList, abc.ABC):
         self.allocator = get_allocator_from_storage(allocator_type, pool_label)
         self.can_use_write_back_jit = False
 
-        self.dtype = device_pool.store_dtype
-        self.size_per_token = self.get_size_per_token()
-        if self.size_per_token <= 0:
-            raise ValueError(
-                f"{type(self).__name__}: bytes per token must be positive, got "
-                f"{self.size_per_token} (check the device pool's layer and head geometry)"
+    def _allocate_host_buffer(self) -> None:
+        """SGLang's `_allocate_host_buffer`: the small-pool warning, the memory check and the
+        allocation log, then `init_kv_buffer()`."""
+        if self.size <= self.device_capacity_tokens:
+            logger.warning(
+                "HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens);"
+                "L2 cache effectiveness is reduced."
+                "Consider increasing --hicache-ratio (or --hicache-size) for higher L2 cache hit "
+                "rate.",
+                self.pool_label,
+                self.size,
+                self.device_capacity_tokens,
             )
-        self.size, self.page_num = self._host_capacity(device_pool, host_to_device_ratio, host_size)
-        self.logical_size = self.size * dcp_size
-        self.logical_page_size = self.page_size * dcp_size
-        self.start_layer = device_pool.start_layer
-        self.end_layer = device_pool.end_layer
+        requested_bytes = self.size * self.size_per_token
+        check_host_memory(requested_bytes)
+        # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
+        # neither (e.g. allocator-only test pools) working.
+        layer_num = getattr(self, "layer_num", 0)
+        target_layer_num = getattr(self, "target_layer_num", layer_num)
+        draft_layer_num = layer_num - target_layer_num
+        if draft_layer_num > 0:
+            logger.info(
+                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory, "
+                "packed MTP KV layers: target_layers=%d, draft_layers=%d, total_layers=%d.",
+                self.pool_label,
+                self.size,
+                requested_bytes / 1e9,
+                target_layer_num,
+                draft_layer_num,
+                layer_num,
+            )
+        else:
+            logger.info(
+                "Allocating %s hierarchical KV host pool: %d tokens, %.2f GB host memory.",
+                self.pool_label,
+                self.size,
+                requested_bytes / 1e9,
+            )
+        self.kv_buffer = self.init_kv_buffer()
+        self.fd = getattr(self.allocator, "fd", None)
 
-    # Set True on a subclass whose transfers pass both index tensors through
-    # maybe_dcp_kernel_indices (as SGLang's MLA pool does).
+    # Set True on a subclass whose transfers pass both index tensors through the DCP
+    # translation (as SGLang's MLA pool does).
     dcp_aware_transfers = False
 
     @classmethod
@@ -569,9 +556,18 @@ class HostKVCache(SlotFreeList, abc.ABC):
             and cls.backup_from_device_all_layer is HostKVCache.backup_from_device_all_layer
         )
 
-    def _host_capacity(self, device_pool, host_to_device_ratio, host_size) -> tuple[int, int]:
-        """(size, page_num): decimal GB / bytes per token (floor) or ratio x device size, then one
+    def _host_capacity(self, host_to_device_ratio, host_size, host_token_capacity):
+        """(size, page_num): an exact `host_token_capacity` (0.5.23; page-aligned, no padding
+        page), else decimal GB / bytes per token (floor) or ratio x device capacity, then one
         extra page, always (SGLang's `size // page_size + 1`)."""
+        if host_token_capacity is not None:
+            capacity = as_int("host_token_capacity", host_token_capacity)
+            if capacity <= 0 or capacity % self.page_size:
+                raise ValueError(
+                    "Host token capacity must be positive and page-aligned, got "
+                    f"{capacity} for page_size={self.page_size}"
+                )
+            return capacity, capacity // self.page_size
         if host_size > 0:
             size = int(host_size * 1e9 // self.size_per_token)
             size = sync_fixed_hicache_size(size, host_size)
@@ -580,7 +576,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 raise ValueError(
                     f"host_to_device_ratio must not be negative, got {host_to_device_ratio}"
                 )
-            size = int(device_pool.size * host_to_device_ratio)
+            size = int(self.device_capacity_tokens * host_to_device_ratio)
         page_num = size // self.page_size + 1
         return page_num * self.page_size, page_num
 
@@ -588,7 +584,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     @abc.abstractmethod
     def get_size_per_token(self):
-        """Bytes per token over all layers; sets the geometry attributes as a side effect."""
+        """Bytes per token over all layers (the device-pool form also sets the geometry
+        attributes here, as a side effect)."""
         raise NotImplementedError()
 
     @abc.abstractmethod
@@ -629,20 +626,84 @@ class HostKVCache(SlotFreeList, abc.ABC):
         )
         return False
 
+    # ----------------------------------------------------------------- transfer-engine hooks
+
+    def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
+        """Byte size of one storage element (SGLang 0.5.21+), or None for a logical anchor."""
+        indices = torch.zeros(self.page_size, dtype=torch.int64)
+        meta = (
+            self.get_split_heads_page_buffer_meta(indices, split_factor)
+            if split_factor != 1
+            else self.get_page_buffer_meta(indices)
+        )
+        sizes = meta[1] if meta else None
+        return int(sizes[0]) if sizes else None
+
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        """SGLang 0.5.21+ L2TransferEngine hook: a plain pool's indices are already physical."""
+        return host_indices, device_indices
+
+    def backup_from_device_all_layer_physical(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    def load_to_device_per_layer_physical(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ) -> None:
+        self.load_to_device_per_layer(
+            device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft
+        )
+
+    @property
+    def device_rows_packed(self) -> bool:
+        return self._strided_device_row_bytes is None
+
+    @property
+    def device_row_stride_bytes(self) -> int:
+        """Bytes between consecutive device rows (the row width: the core moves packed rows)."""
+        return self._strided_device_row_bytes or self.token_stride_size
+
+    # SGLang's layer-sharding helpers (device pool defaults to the one the pool was built from).
+
+    def _is_device_layer_sharded(self, device_pool=None) -> bool:
+        device_pool = device_pool or self.device_pool
+        return bool(getattr(device_pool, "layer_shard_enabled", False))
+
+    def _device_owned_layer_range(self, device_pool=None) -> tuple[int, int]:
+        return owned_range(device_pool or self.device_pool)
+
+    def _effective_host_layer_num(self, device_pool=None) -> int:
+        return sharded_host_layer_num(device_pool or self.device_pool)
+
+    def _is_device_layer_owned(self, device_pool, layer_id: int) -> bool:
+        start, end = self._device_owned_layer_range(device_pool)
+        return start <= layer_id < end
+
+    def _host_layer_index(self, layer_id: int, device_pool=None) -> int:
+        start, _ = self._device_owned_layer_range(device_pool)
+        return layer_id - start
+
+    def _owned_device_layer_ids(self, device_pool) -> list[int]:
+        start, end = self._device_owned_layer_range(device_pool)
+        return list(range(start, end))
+
     # ----------------------------------------------------------------- slot allocator
 
-    def _logical_size(self) -> int:
-        value = getattr(self, "logical_size", None)
-        return int(value) if value is not None else int(self.size) * int(self.dcp_size)
+    @property
+    def logical_size(self) -> int:
+        """Slots the radix/controller layer sees: dcp_size of them share a row."""
+        return self.size * self.dcp_size
 
-    def _logical_page_size(self) -> int:
-        value = getattr(self, "logical_page_size", None)
-        return int(value) if value is not None else int(self.page_size) * int(self.dcp_size)
+    @property
+    def logical_page_size(self) -> int:
+        """Page size in that same logical space (the widened DCP page)."""
+        return self.page_size * self.dcp_size
 
     @synchronized
     def clear(self):
         """Forget every allocation: a fresh pool hands out slots 0, 1, 2, ... again."""
-        n = self._logical_size()
+        n = self.logical_size
         # Legacy and unused by SGLang's callers, but part of the pool's surface.
         self.mem_state = torch.zeros((n,), dtype=torch.uint8, device=getattr(self, "device", "cpu"))
         self._reset_free_list(n)
@@ -666,7 +727,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         need_size = as_int("need_size", need_size)
         if need_size < 0:
             raise ValueError(f"need_size must not be negative, got {need_size}")
-        if need_size % self._logical_page_size() != 0:
+        if need_size % self.logical_page_size != 0:
             raise AssertionError("The requested size should be a multiple of the page size.")
         selected = self._take_slots(need_size, self._refuse_double_alloc)
         if selected is not None:
@@ -763,48 +824,87 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     # ----------------------------------------------------------------- transfer glue
 
-    def _packed_device_layers(self, name: str) -> list:
-        """SGLang's MTP packing: the target pool's layers of plane `name` followed by every draft
-        pool's, in the host's layer order."""
-        pools = (self.device_pool, *self.mtp_draft_device_pools)
-        return [t for pool in pools for t in getattr(pool, name)]
+    # Device pool attributes holding the per-layer tensors of each plane, in plane order (set by
+    # the pools that move bytes, e.g. ("k_buffer", "v_buffer")).
+    _device_plane_names: tuple = ()
+    # The captured device side (set by pools that move bytes; see _device_side.DeviceSide).
+    _device_side = None
+    # Device pools the side was captured from (device-pool form): a transfer handed one of them,
+    # or None, uses the captured side; another device pool is read as SGLang <= 0.5.21 does.
+    _captured_pools: tuple = ()
 
-    def _load_device_layers(self, device_pool, layer_id, is_draft) -> tuple[int, list]:
-        """(host layer, one device layer tensor per plane) of one per-layer load. A draft call
-        (`is_draft=True`, `layer_id = target_layer_num + k`) reads host layer `layer_id` into
-        layer 0 of the draft device pool it is given, as SGLang's MTP packing does."""
+    def _plane_item_bytes(self) -> list[int]:
+        raise NotImplementedError()
+
+    def _foreign(self, device_pool) -> bool:
+        """A device pool other than the ones this pool was built from (device-pool form only;
+        SGLang 0.5.22+ and the buffer-info form ignore the argument)."""
+        if device_pool is None or not self._captured_pools:
+            return False
+        if any(device_pool is pool for pool in self._captured_pools):
+            return False
+        return all(hasattr(device_pool, name) for name in self._device_plane_names)
+
+    def _foreign_layers(self, planes) -> DeviceLayers:
+        cache = self.__dict__.get("_device_layer_cache")
+        if cache is None:
+            cache = self._device_layer_cache = DeviceLayerCache()
+        ptrs, rows, device = cache.lookup(planes, self._plane_item_bytes(), "device pool")
+        return DeviceLayers(ptrs, rows, device)
+
+    def _load_target(self, device_pool, layer_id, is_draft):
+        """(host layer, device layers) of a per-layer load, or None when this pool does not
+        hold that target layer (SGLang returns without copying)."""
+        side = self._device_side
+        found = side.load(layer_id, is_draft)
+        if found is None or not self._foreign(device_pool):
+            return found
+        host_layer, _ = found
+        # SGLang <= 0.5.21: the given pool's layer (layer 0 of a draft pool).
+        device_layer = 0 if is_draft else layer_key(layer_id)
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        if not is_draft:
-            layer = check_layer_id(layer_id, min(map(len, planes)), self.layer_num)
-            return layer, [plane[layer] for plane in planes]
-        host_layer = as_int("layer_id", layer_id)
-        if not self.target_layer_num <= host_layer < self.layer_num:
+        if not all(0 <= device_layer < len(plane) for plane in planes):
             raise LayerIndexError(
-                f"is_draft layer_id {host_layer} is not a packed MTP draft layer: this host pool "
-                f"holds draft layers [{self.target_layer_num}, {self.layer_num})"
+                f"layer_id {device_layer} is out of range: the device pool has "
+                f"{min(map(len, planes))} layers"
             )
-        if not all(planes):
-            raise _core.TransferError("the draft device pool has no layers")
-        return host_layer, [plane[0] for plane in planes]
+        return host_layer, self._foreign_layers([[plane[device_layer]] for plane in planes])
 
-    def _backup_device_planes(self, device_pool) -> list[list]:
-        """Per-plane device layer lists of an all-layer backup: the packed target + draft lists
-        when MTP drafts are packed (SGLang then ignores `device_pool`), else the pool's own."""
+    def _backup_targets(self, device_pool):
+        """The core calls of an all-layer backup: [(host layer or None for all, layers)]."""
+        side = self._device_side
         if self.mtp_draft_device_pools:
-            what = "packed target + MTP draft device pools"
-            planes = [getattr(self, f"packed_device_{n}s") for n in self._device_plane_names]
-        else:
-            what = "device pool"
-            planes = [getattr(device_pool, n) for n in self._device_plane_names]
-        return [
-            check_layer_count(f"{what} {name}", layers, self.layer_num)
-            for name, layers in zip(self._device_plane_names, planes, strict=True)
-        ]
+            # SGLang (device-pool form) packs every layer of every draft pool after the target's
+            # and expects one host layer per packed layer: a draft pool with more layers than one
+            # cannot be backed up.
+            packed = getattr(self, "_packed_layer_count", side.host_layer_num)
+            if packed != self.layer_num:
+                name = self._device_plane_names[0]
+                raise _core.TransferError(
+                    f"packed target + MTP draft device pools {name} has {packed} layers but the "
+                    f"host pool holds {self.layer_num}"
+                )
+        if not self._foreign(device_pool) or self.mtp_draft_device_pools:
+            # With packed drafts SGLang reads its packed tables and ignores the given pool.
+            return side.backup()
+        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
+        calls = []
+        for slot, (host_layer, _) in sorted(side.targets.items(), key=lambda kv: kv[1]):
+            if not all(slot < len(plane) for plane in planes):
+                raise _core.TransferError(
+                    f"device pool has {min(map(len, planes))} layers but the host pool holds "
+                    f"layer {slot}"
+                )
+            calls.append((host_layer, [[plane[slot]] for plane in planes]))
+        if side.complete and [h for h, _ in calls] == list(range(side.host_layer_num)):
+            merged = [[t for _, layer in calls for t in layer[p]] for p in range(len(planes))]
+            return [(None, self._foreign_layers(merged))]
+        return [(host, self._foreign_layers(layer)) for host, layer in calls]
 
-    def _core_indices(self, host_indices, device_indices, io_backend: str, dev: DeviceLayers):
+    def _core_indices(self, host_indices, device_indices, io_backend: str, device):
         """Both index arrays as the core reads them, after SGLang's DCP translation (logical
         widened slots -> this rank's physical slots); only DCP-aware pools get dcp_size > 1."""
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, dev.device)
+        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, device)
         if int(self.dcp_size) != 1:
             host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
             dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
@@ -813,22 +913,30 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _load_planes(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
     ):
-        """One per-layer load through the core, every argument checked before a byte moves."""
+        """One per-layer load through the core, every argument checked before a byte moves. A
+        target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
+        target = self._load_target(device_pool, layer_id, bool(is_draft))
+        if target is None:
+            return
         self._check_io(io_backend)
         core = self._live_core()
-        host_layer, layers = self._load_device_layers(device_pool, layer_id, bool(is_draft))
-        dev = self._device_layers([[t] for t in layers], self._plane_item_bytes())
-        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev)
+        host_layer, dev = target
+        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev.device)
         run_load(core, io_backend, host_layer, dev, host_idx, dev_idx)
 
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
         """One all-layer backup through the core, every argument checked before a byte moves."""
         self._check_io(io_backend)
         core = self._live_core()
-        planes = self._backup_device_planes(device_pool)
-        dev = self._device_layers(planes, self._plane_item_bytes())
-        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev)
-        run_backup(core, io_backend, dev, host_idx, dev_idx)
+        calls = self._backup_targets(device_pool)
+        if not calls:
+            return
+        device = calls[0][1].device
+        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, device)
+        # Per-layer calls (a layer-sharded pool) share the indices and the device row bound, so
+        # the first call's validation, which precedes its first byte, covers them all.
+        for host_layer, dev in calls:
+            run_backup(core, io_backend, dev, host_idx, dev_idx, host_layer)
 
     def _no_write_back_staging(self, *buffer_names: str) -> None:
         # SGLang allocates GPU staging buffers only for its staged write-back JIT, which hostkv_rs
@@ -867,10 +975,3 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if getattr(self, "_destroyed", False) or core is None:
             raise RuntimeError(f"{type(self).__name__} has been destroyed; it cannot transfer")
         return core
-
-    def _device_layers(self, planes: Sequence[Sequence], item_bytes: Sequence[int]) -> DeviceLayers:
-        """`device_layers` with this pool's cache of already checked device tensors."""
-        cache = self.__dict__.get("_device_layer_cache")
-        if cache is None:
-            cache = self._device_layer_cache = DeviceLayerCache()
-        return device_layers(planes, item_bytes, "device pool", cache)

@@ -4,12 +4,27 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 
 import torch
 
-from hostkv_rs import _core, _memory
-from hostkv_rs.base import HostKVCache, as_int, check_io_pair, ptr_table
+from hostkv_rs import _core, _handover, _memory
+from hostkv_rs._device_side import DeviceSide, owned_range
+from hostkv_rs._sources import (
+    SGLANG_ONLY_LAYOUTS,
+    arg,
+    cat_tables,
+    device_source,
+    device_type_reason,
+    is_buffer_info,
+    is_mxfp8_device_pool,
+    is_mxfp8_scales,
+    refuse_unserved,
+    scale_layout_value,
+    scales_reason,
+)
+from hostkv_rs.base import HostKVCache, _required, as_int, check_io_pair, ptr_table
 
 logger = logging.getLogger(__name__)
 
@@ -32,48 +47,97 @@ class MHATokenToKVPoolHost(HostKVCache):
     """Host mirror of SGLang's `MHATokenToKVPool`: `kv_buffer` is one `(2, ...)` tensor over one
     Rust `HostRegion`; the V half starts `L*S*H*D*e` bytes after the K half.
 
+    Built from a device pool (SGLang 0.5.18-0.5.22: `MHATokenToKVPoolHost(device_pool, ratio,
+    host_size, page_size, layout, ..., mtp_draft_device_pools=...)`) or from a buffer info
+    (0.5.23: `MHATokenToKVPoolHost(buffer_info, ratio, host_size, page_size, layout, ...,
+    device_capacity_tokens=, start_layer=, end_layer=, draft_buffer_infos=...)`). Either way
+    the device layers are captured and checked once, here; transfers move them.
+
     Supported (io_backend, layout): kernel + layer_first/page_first/page_head, direct +
     layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
     page_first_direct as `Unsupported IO backend: kernel_ascend`, otherwise with SGLang's
     `Unsupported layout: {layout}`.
 
-    MTP packing: with `mtp_draft_device_pools`, the host holds the target's layers followed by one
-    layer per draft pool; backups read the packed device layer lists, and a draft load is called
-    with `is_draft=True`, `layer_id = target_layer_num + k` and the draft device pool.
+    MTP packing: with drafts, the host holds the target's layers followed by one layer per draft;
+    a draft load is called with `is_draft=True` and `layer_id = target_layer_num + k`.
     """
 
     _device_plane_names = ("k_buffer", "v_buffer")
 
     def __init__(
         self,
-        device_pool,
-        host_to_device_ratio: float,
-        host_size,
-        page_size: int,
-        layout: str,
+        device_pool=None,
+        host_to_device_ratio=None,
+        host_size=None,
+        page_size=None,
+        layout=None,
         pin_memory: bool = True,
         device: str = "cpu",
         allocator_type: str = "default",
         *,
         mtp_draft_device_pools: Sequence = (),
         pool_label: str = "kv",
+        buffer_info=None,
+        device_capacity_tokens=None,
+        start_layer=None,
+        end_layer=None,
+        draft_buffer_infos: Sequence = (),
+        write_back_staging=None,
+        head_group_num: int = 1,
+        host_token_capacity=None,
     ):
-        # MTP packing (G-Aug26): each draft pool's layer is appended after the target's layers.
-        self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
-        super().__init__(
-            device_pool,
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
-            pool_label=pool_label,
+        source = device_source(device_pool, buffer_info)
+        _required(
+            type(self).__name__,
+            host_to_device_ratio=host_to_device_ratio,
+            host_size=host_size,
+            page_size=page_size,
+            layout=layout,
         )
+        refuse_unserved(_layout_reason(layout) or device_type_reason(source))
+        if is_buffer_info(source):
+            side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
+            _required(
+                f"{type(self).__name__} from a buffer info",
+                device_capacity_tokens=device_capacity_tokens,
+                start_layer=start_layer,
+                end_layer=end_layer,
+            )
+        else:
+            side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
+            capacity = getattr(source, "host_capacity_tokens", None)
+            device_capacity_tokens = source.size if capacity is None else capacity
+            start_layer, end_layer = source.start_layer, source.end_layer
+        self.head_group_num = head_group_num
+        super().__init__(
+            dtype=self.dtype,
+            device_capacity_tokens=device_capacity_tokens,
+            size_per_token=self.get_size_per_token(),
+            start_layer=start_layer,
+            end_layer=end_layer,
+            host_to_device_ratio=host_to_device_ratio,
+            host_size=host_size,
+            page_size=page_size,
+            layout=layout,
+            pin_memory=pin_memory,
+            device=device,
+            allocator_type=allocator_type,
+            pool_label=pool_label,
+            host_token_capacity=host_token_capacity,
+        )
+        self._device_side = DeviceSide(
+            side["planes"],
+            self._plane_item_bytes(),
+            side["owned"],
+            side["device_layer_num"],
+            self.target_layer_num,
+        )
+        self._transfer_device = self._device_side.device
+        self.device_k_buffers, self.device_v_buffers = side["all_layers"]
+        self.device_k_data_ptrs, self.device_v_data_ptrs = side["ptr_tables"]
         self.element_dim = self.head_num * self.head_dim
         self.can_use_jit = False
-        self._init_data_refs()
+        self._init_data_refs(transpose_direct=is_buffer_info(source))
         self._init_packed_device_tables()
         self._no_write_back_staging("staging_k_buffer", "staging_v_buffer")
         self._pool_core = _core.PoolCore(
@@ -86,15 +150,128 @@ class MHATokenToKVPoolHost(HostKVCache):
             self.head_num if self.layout == "page_head" else 1,
         )
 
+    # ----------------------------------------------------------------- device side
+
+    @classmethod
+    def _unsupported_reason(cls, args, kwargs) -> str | None:
+        source = arg(args, kwargs, 0, "device_pool")
+        if source is None:
+            source = kwargs.get("buffer_info")
+        reason = _layout_reason(arg(args, kwargs, 4, "layout"))
+        if reason is None and source is not None:
+            reason = scales_reason(source) or device_type_reason(source)
+        return reason
+
+    def _from_device_pool(self, dp, drafts, pool_label: str) -> dict:
+        """SGLang 0.5.18-0.5.22: geometry from the device pool, layers from it and its drafts."""
+        for pool in (dp, *drafts):
+            refuse_unserved(scales_reason(pool))
+        self.device_pool = dp
+        self.mtp_draft_device_pools = tuple(drafts)
+        self._captured_pools = (dp, *self.mtp_draft_device_pools)
+        self.dtype = dp.store_dtype
+        self.head_dim = dp.head_dim
+        self.v_head_dim = getattr(dp, "v_head_dim", None) or dp.head_dim
+        row_dim = getattr(dp, "row_dim", None)
+        # SGLang 0.5.21+: one allocator token may hold several attention rows.
+        if row_dim is not None and self.head_dim == self.v_head_dim:
+            self.head_num = row_dim // self.head_dim
+        else:
+            self.head_num = dp.head_num
+        self.target_layer_num = dp.layer_num
+        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
+        start, end = owned_range(dp)
+        k_all, v_all = list(dp.k_buffer), list(dp.v_buffer)
+        if len(k_all) < end or len(v_all) < end:
+            raise ValueError(
+                f"device pool has {min(len(k_all), len(v_all))} K/V layers but claims "
+                f"layer_num={dp.layer_num}"
+            )
+        k_drafts, v_drafts = [], []
+        for depth, draft in enumerate(self.mtp_draft_device_pools):
+            if not list(draft.k_buffer) or not list(draft.v_buffer):
+                raise ValueError(f"{pool_label}: packed draft[{depth}] has no layers")
+            k_drafts.append(draft.k_buffer[0])
+            v_drafts.append(draft.v_buffer[0])
+        self._packed_layer_count = self.target_layer_num + sum(
+            len(d.k_buffer) for d in self.mtp_draft_device_pools
+        )
+        return {
+            "planes": [k_all[start:end] + k_drafts, v_all[start:end] + v_drafts],
+            "owned": range(start, end),
+            "device_layer_num": dp.layer_num,
+            "all_layers": (tuple(k_all + k_drafts), tuple(v_all + v_drafts)),
+            "ptr_tables": (
+                cat_tables([getattr(p, "k_data_ptrs", None) for p in self._captured_pools]),
+                cat_tables([getattr(p, "v_data_ptrs", None) for p in self._captured_pools]),
+            ),
+        }
+
+    def _from_buffer_info(self, info, draft_infos, pool_label: str) -> dict:
+        """SGLang 0.5.23: an `MHABufferInfo` (and one per packed draft), checked as SGLang does."""
+        infos = (info, *draft_infos)
+        for item in infos:
+            scales = getattr(item, "scales", None)
+            if scales is not None and is_mxfp8_scales(scales):
+                # SGLang's plain pool would take these and drop the scales.
+                refuse_unserved(
+                    "MXFP8 KV scales are not mirrored (get_mha_host_pool_cls picks "
+                    "SGLang's MHATokenToKVPoolMXFP8Host for them)"
+                )
+            if scales is not None:
+                raise ValueError(
+                    f"{pool_label}: MHA host transfers do not support "
+                    f"KV scale layout {scale_layout_value(scales)!r}."
+                )
+            validate = getattr(item, "validate", None)
+            if validate is not None:
+                validate()
+            if getattr(item, "transfer_buffers", None) is None and (
+                item.buffers.k_data_ptrs is None or item.buffers.v_data_ptrs is None
+            ):
+                raise ValueError(f"{pool_label}: MHA host requires existing K/V pointer tables")
+        target = (info.head_num, info.head_dim, info.v_head_dim, info.dtype, info.device)
+        for depth, draft in enumerate(draft_infos):
+            if len(draft.buffers.k) != 1:
+                raise ValueError(
+                    f"{pool_label}: packed draft[{depth}] has {len(draft.buffers.k)} layers; "
+                    f"expected 1"
+                )
+            geometry = (draft.head_num, draft.head_dim, draft.v_head_dim, draft.dtype, draft.device)
+            if geometry != target:
+                raise ValueError(
+                    f"{pool_label}: packed draft[{depth}] (heads, K width, V width, dtype, "
+                    f"device)={geometry}, expected {target}"
+                )
+        self._buffer_infos = infos
+        self.dtype = info.dtype
+        self.head_dim = info.head_dim
+        self.v_head_dim = info.v_head_dim
+        self.head_num = info.head_num
+        self.target_layer_num = len(info.buffers.k)
+        self.layer_num = self.target_layer_num + len(draft_infos)
+        k_all = [t for item in infos for t in item.buffers.k]
+        v_all = [t for item in infos for t in item.buffers.v]
+        return {
+            "planes": [k_all, v_all],
+            "owned": range(self.target_layer_num),
+            "device_layer_num": self.target_layer_num,
+            "all_layers": (tuple(k_all), tuple(v_all)),
+            "ptr_tables": (
+                cat_tables([item.buffers.k_data_ptrs for item in infos]),
+                cat_tables([item.buffers.v_data_ptrs for item in infos]),
+            ),
+        }
+
     # ----------------------------------------------------------------- geometry
 
     def get_size_per_token(self):
-        dp = self.device_pool
-        self.head_num = dp.head_num
-        self.head_dim = dp.head_dim
-        self.target_layer_num = dp.layer_num
-        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
-        return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize * 2
+        return (
+            (self.head_dim + self.v_head_dim)
+            * self.head_num
+            * self.layer_num
+            * (self.dtype.itemsize)
+        )
 
     def get_ksize_per_token(self):
         return self.get_size_per_token() // 2
@@ -135,33 +312,33 @@ class MHATokenToKVPoolHost(HostKVCache):
         base = self.kv_buffer.data_ptr()
         return [base, base + self.layer_num * self.size * self.token_stride_size]
 
-    def _init_data_refs(self):
-        if self.layout == "page_first":
-            # Strided per-layer views (row pitch = layout_dim) without copying.
+    def _init_data_refs(self, transpose_direct: bool):
+        # Per-layer views without copying: page_first (and, from SGLang 0.5.23, page_first_direct)
+        # transposes [page, layer, ...] to [layer, page, ...]. For the other page-major layouts
+        # dim 0 is the page, so these views are not per-layer; SGLang builds them anyway and
+        # never reads them. Bounded so a pool with more layers than pages does not fail here.
+        transposed = ("page_first", "page_first_direct") if transpose_direct else ("page_first",)
+        if self.layout in transposed:
             k_view, v_view = self.k_buffer.transpose(0, 1), self.v_buffer.transpose(0, 1)
         else:
-            # For page-major layouts dim 0 is the page, so these views are not per-layer; SGLang
-            # builds them anyway and never reads them. Bounded so a pool with more layers than
-            # pages does not fail here.
             k_view, v_view = self.k_buffer, self.v_buffer
         count = min(self.layer_num, k_view.shape[0])
         self.k_data_refs = [k_view[i] for i in range(count)]
         self.v_data_refs = [v_view[i] for i in range(count)]
         self.host_kv_data_refs = self.k_data_refs + self.v_data_refs
-        self.k_data_ptrs = ptr_table(self.k_data_refs, self.device_pool.device)
-        self.v_data_ptrs = ptr_table(self.v_data_refs, self.device_pool.device)
+        self.k_data_ptrs = ptr_table(self.k_data_refs, self._transfer_device)
+        self.v_data_ptrs = ptr_table(self.v_data_refs, self._transfer_device)
 
     def _init_packed_device_tables(self):
-        """With MTP drafts, backups read the target pool's layers followed by every draft pool's
-        (SGLang's packed_device_* tables); without drafts these attributes do not exist."""
+        """SGLang <= 0.5.21 names for the packed target + draft device layers (with MTP drafts in
+        the device-pool form; absent otherwise)."""
         if not self.mtp_draft_device_pools:
             return
-        self.packed_device_k_buffers = self._packed_device_layers("k_buffer")
-        self.packed_device_v_buffers = self._packed_device_layers("v_buffer")
+        self.packed_device_k_buffers = list(self.device_k_buffers)
+        self.packed_device_v_buffers = list(self.device_v_buffers)
         self.packed_device_kv_buffers = self.packed_device_k_buffers + self.packed_device_v_buffers
-        device = self.device_pool.device
-        self.packed_device_k_data_ptrs = ptr_table(self.packed_device_k_buffers, device)
-        self.packed_device_v_data_ptrs = ptr_table(self.packed_device_v_buffers, device)
+        self.packed_device_k_data_ptrs = self.device_k_data_ptrs
+        self.packed_device_v_data_ptrs = self.device_v_data_ptrs
 
     @property
     def k_buffer(self):
@@ -311,20 +488,6 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
     in SGLang, so code assuming one shared K/V stride fails loudly. Layouts: page_first (kernel)
     and page_first_direct (direct)."""
 
-    def get_size_per_token(self):
-        dp = self.device_pool
-        self.head_num = dp.head_num
-        self.head_dim = dp.head_dim
-        self.v_head_dim = dp.v_head_dim
-        self.target_layer_num = dp.layer_num
-        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
-        return (
-            (self.head_dim + self.v_head_dim)
-            * self.head_num
-            * self.layer_num
-            * (self.dtype.itemsize)
-        )
-
     def get_ksize_per_token(self):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize
 
@@ -434,27 +597,49 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
         return ptrs, sizes
 
 
-def _is_mxfp8_device_pool(device_pool) -> bool:
-    """SGLang picks the MXFP8 host pool for `MHATokenToKVPoolMXFP8` device pools; recognise that
-    class by name anywhere in the MRO, or a pool whose `is_mxfp8` attribute is True (`is True`, so
-    a mock's auto-created attribute does not count)."""
-    if getattr(device_pool, "is_mxfp8", False) is True:
-        return True
-    return any(cls.__name__ == "MHATokenToKVPoolMXFP8" for cls in type(device_pool).__mro__)
+def _layout_reason(layout) -> str | None:
+    if isinstance(layout, str) and layout in SGLANG_ONLY_LAYOUTS:
+        return f"layout {layout!r} is not implemented by hostkv_rs"
+    return None
+
+
+def _sglang_mxfp8_host_cls():
+    """SGLang's own MXFP8 host pool class (0.5.21+), or None without SGLang. An MXFP8 device pool
+    or buffer info comes from a loaded SGLang, so nothing is imported when none is."""
+    if "sglang.srt" not in sys.modules:
+        return None
+    try:
+        from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+    except ImportError:
+        return None
+    return MHATokenToKVPoolMXFP8Host
 
 
 def get_mha_host_pool_cls(device_pool) -> type:
-    """The host pool class SGLang builds for an MHA device pool."""
+    """The host pool class SGLang builds for an MHA device pool (<= 0.5.22) or an
+    `MHABufferInfo` (0.5.23): asymmetric when `head_dim != v_head_dim`, SGLang's own MXFP8 host
+    pool for MXFP8 scales (hostkv_rs does not mirror scales; one log line says so)."""
     asymmetric = device_pool.head_dim != getattr(device_pool, "v_head_dim", device_pool.head_dim)
-    if _is_mxfp8_device_pool(device_pool):
+    if is_buffer_info(device_pool):
+        scales = getattr(device_pool, "scales", None)
+        mxfp8 = scales is not None and is_mxfp8_scales(scales)
+    else:
+        mxfp8 = is_mxfp8_device_pool(device_pool)
+    if mxfp8:
         if asymmetric:
             raise NotImplementedError(
                 "MXFP8 HiCache does not support asymmetric K/V head dimensions yet."
             )
-        raise NotImplementedError(
-            "hostkv_rs does not implement the MXFP8 host pool (MHATokenToKVPoolMXFP8Host): its "
-            "scale buffers are not mirrored"
+        original = _sglang_mxfp8_host_cls()
+        if original is None:
+            raise NotImplementedError(
+                "hostkv_rs does not implement the MXFP8 host pool (MHATokenToKVPoolMXFP8Host): its "
+                "scale buffers are not mirrored, and SGLang's own class is not installed"
+            )
+        _handover.log_handover(
+            "an MXFP8 MHA host pool", original, "MXFP8 KV scales are not mirrored"
         )
+        return original
     if asymmetric:
         return AsymmetricMHATokenToKVPoolHost
     return MHATokenToKVPoolHost

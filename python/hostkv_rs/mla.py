@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs.base import HostKVCache, check_io_pair, ptr_table
+from hostkv_rs._device_side import DeviceSide, owned_range, sharded_host_layer_num
+from hostkv_rs._indices import as_index_array
+from hostkv_rs._sources import (
+    SGLANG_ONLY_LAYOUTS,
+    arg,
+    cat_tables,
+    device_source,
+    device_type_reason,
+    is_allocation_only,
+    is_buffer_info,
+    refuse_unserved,
+)
+from hostkv_rs.base import HostKVCache, _required, as_int, check_io_pair, ptr_table
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
@@ -43,11 +54,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     def __init__(
         self,
-        device_pool,
-        host_to_device_ratio: float,
-        host_size,
-        page_size: int,
-        layout: str,
+        device_pool=None,
+        host_to_device_ratio=None,
+        host_size=None,
+        page_size=None,
+        layout=None,
         pin_memory: bool = True,
         device: str = "cpu",
         allocator_type: str = "default",
@@ -58,42 +69,78 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         *,
         pool_label: str = "kv",
         is_dummy: bool = False,
+        buffer_info=None,
+        draft_buffer_infos: Sequence = (),
+        device_capacity_tokens=None,
+        start_layer=None,
+        end_layer=None,
+        target_layer_num=None,
+        layer_shard_enabled: bool = False,
+        host_token_capacity=None,
     ):
+        source = device_source(device_pool, buffer_info)
+        _required(
+            type(self).__name__,
+            host_to_device_ratio=host_to_device_ratio,
+            host_size=host_size,
+            page_size=page_size,
+            layout=layout,
+        )
+        refuse_unserved(_layout_reason(layout) or device_type_reason(source))
         self.override_kv_cache_dim = override_kv_cache_dim
-        self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
-        self._is_dummy = bool(is_dummy)
-        if self._is_dummy:
-            self._init_geometry(
-                device_pool,
-                host_to_device_ratio,
-                host_size,
-                page_size,
-                layout,
-                pin_memory,
-                device,
-                allocator_type,
-                dcp_size,
-                dcp_rank,
-                pool_label,
-                owns_bytes=False,
+        self.layout = layout
+        if is_buffer_info(source) or is_allocation_only(source):
+            # 0.5.23: the draft infos may also come by position (where <= 0.5.22 had the pools).
+            drafts = tuple(draft_buffer_infos) or tuple(mtp_draft_device_pools)
+            _required(
+                f"{type(self).__name__} from a buffer info",
+                device_capacity_tokens=device_capacity_tokens,
+                start_layer=start_layer,
+                end_layer=end_layer,
+                target_layer_num=target_layer_num,
             )
-            self._init_dummy()
-            return
+            side = self._from_buffer_info(source, drafts, target_layer_num, layer_shard_enabled)
+            is_dummy = is_allocation_only(source)
+        else:
+            side = self._from_device_pool(source, mtp_draft_device_pools)
+            capacity = getattr(source, "host_capacity_tokens", None)
+            device_capacity_tokens = source.size if capacity is None else capacity
+            start_layer, end_layer = source.start_layer, source.end_layer
+        self._is_dummy = bool(is_dummy)
         super().__init__(
-            device_pool,
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
+            dtype=self.dtype,
+            device_capacity_tokens=device_capacity_tokens,
+            size_per_token=self.get_size_per_token(),
+            start_layer=start_layer,
+            end_layer=end_layer,
+            host_to_device_ratio=host_to_device_ratio,
+            host_size=host_size,
+            page_size=page_size,
+            layout=layout,
+            pin_memory=pin_memory,
+            device=device,
+            allocator_type=allocator_type,
             dcp_size=dcp_size,
             dcp_rank=dcp_rank,
             pool_label=pool_label,
+            is_dummy=self._is_dummy,
+            host_token_capacity=host_token_capacity,
         )
         self.can_use_jit = False
         self._no_write_back_staging("staging_buffer")
+        if self._is_dummy:
+            self._init_dummy()
+            return
+        self._device_side = DeviceSide(
+            side["planes"],
+            [self.token_stride_size],
+            side["owned"],
+            side["device_layer_num"],
+            self.target_layer_num,
+        )
+        self._transfer_device = self._device_side.device
+        self.device_kv_buffers = side["all_layers"]
+        self.device_data_ptrs = side["ptr_table"]
         if self.layout == "page_first":
             view = self.kv_buffer.transpose(0, 1)
         else:
@@ -101,8 +148,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             view = self.kv_buffer
         count = min(self.layer_num, view.shape[0])
         self.data_refs = [view[i] for i in range(count)]
-        self.data_ptrs = ptr_table(self.data_refs, self.device_pool.device)
-        self._init_packed_device_tables()
+        self.data_ptrs = ptr_table(self.data_refs, self._transfer_device)
+        if self.mtp_draft_device_pools:
+            # SGLang <= 0.5.21 names for the packed target + draft device layers.
+            self.packed_device_kv_buffers = list(self.device_kv_buffers)
+            self.packed_device_data_ptrs = self.device_data_ptrs
         self._pool_core = _core.PoolCore(
             self.layout,
             self.layer_num,
@@ -113,16 +163,103 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             1,
         )
 
-    def _init_packed_device_tables(self) -> None:
-        """MTP packing (G-Aug26): the host holds the target's layers followed by one layer per
-        draft pool, and backups read the target pool's layers followed by every draft pool's
-        (SGLang's packed_device_* tables; absent without drafts)."""
-        if not self.mtp_draft_device_pools:
-            return
-        self.packed_device_kv_buffers = self._packed_device_layers("kv_buffer")
-        self.packed_device_data_ptrs = ptr_table(
-            self.packed_device_kv_buffers, self.device_pool.device
+    @classmethod
+    def _unsupported_reason(cls, args, kwargs) -> str | None:
+        source = arg(args, kwargs, 0, "device_pool")
+        if source is None:
+            source = kwargs.get("buffer_info")
+        reason = _layout_reason(arg(args, kwargs, 4, "layout"))
+        if reason is None and source is not None:
+            reason = device_type_reason(source)
+        return reason
+
+    def _from_device_pool(self, dp, drafts) -> dict:
+        """SGLang 0.5.18-0.5.22: geometry from the device pool; under CP layer sharding the host
+        holds ceil(L / shard) target layers, the owned ones first."""
+        self.device_pool = dp
+        self.mtp_draft_device_pools = tuple(drafts)
+        self._captured_pools = (dp, *self.mtp_draft_device_pools)
+        self.dtype = dp.store_dtype
+        self.kv_lora_rank = dp.kv_lora_rank
+        self.qk_rope_head_dim = dp.qk_rope_head_dim
+        # Read by L3 stores (FP8 DSA packs K/V into one device buffer); kept for parity.
+        self.dsa_kv_cache_store_fp8 = getattr(dp, "dsa_kv_cache_store_fp8", False)
+        self.kv_cache_dim = self.override_kv_cache_dim or (
+            self.kv_lora_rank + self.qk_rope_head_dim
         )
+        self.target_layer_num = sharded_host_layer_num(dp)
+        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
+        start, end = owned_range(dp)
+        layers = list(dp.kv_buffer)
+        if len(layers) < end:
+            raise ValueError(
+                f"device pool has {len(layers)} layers but owns layers [{start}, {end})"
+            )
+        draft_layers = []
+        for depth, draft in enumerate(self.mtp_draft_device_pools):
+            if not list(draft.kv_buffer):
+                raise ValueError(f"MLA packed draft[{depth}] has no layers")
+            draft_layers.append(draft.kv_buffer[0])
+        self._packed_layer_count = self.target_layer_num + sum(
+            len(d.kv_buffer) for d in self.mtp_draft_device_pools
+        )
+        return {
+            "planes": [layers[start:end] + draft_layers],
+            "owned": range(start, end),
+            "device_layer_num": dp.layer_num,
+            "all_layers": tuple(layers + draft_layers),
+            "ptr_table": cat_tables(getattr(p, "data_ptrs", None) for p in self._captured_pools),
+        }
+
+    def _from_buffer_info(self, info, drafts, target_layer_num, layer_shard_enabled) -> dict:
+        """SGLang 0.5.23: an `MLABufferInfo` holding the owned layers (or an `MLAHostAllocation`
+        for an allocator-only pool), checked as SGLang does."""
+        dummy = is_allocation_only(info)
+        self.dtype = info.dtype
+        self.kv_lora_rank = info.kv_lora_rank
+        self.qk_rope_head_dim = info.qk_rope_head_dim
+        self.kv_cache_dim = self.override_kv_cache_dim or (
+            info.kv_cache_dim if dummy else self.kv_lora_rank + self.qk_rope_head_dim
+        )
+        self.dsa_kv_cache_store_fp8 = info.packed_fp8
+        self.target_layer_num = as_int("target_layer_num", target_layer_num)
+        self._layer_shard_enabled = bool(layer_shard_enabled)
+        if dummy:
+            if drafts:
+                raise ValueError("Allocator-only MLA does not accept physical draft buffers")
+            self.layer_num = self.target_layer_num + int(getattr(info, "draft_layer_num", 0))
+            return {}
+        self.layer_num = self.target_layer_num + len(drafts)
+        infos = (info, *drafts)
+        for index, item in enumerate(infos):
+            validate = getattr(item, "validate", None)
+            if validate is not None:
+                validate()
+            if getattr(item, "scales", None) is not None:
+                role = "target" if index == 0 else f"draft[{index - 1}]"
+                raise ValueError(
+                    f"MLA host cache does not support {role} FP4 KV: "
+                    "packed payload and separate block scales cannot be restored"
+                )
+            if index and (item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype):
+                raise ValueError(
+                    f"packed draft KV row {(item.kv_cache_dim, item.dtype)} differs "
+                    f"from target KV row {(info.kv_cache_dim, info.dtype)}"
+                )
+            if index and len(item.layer_indices) != 1:
+                raise ValueError(
+                    f"MLA packed draft[{index - 1}] must contain one layer, got "
+                    f"{item.layer_indices}"
+                )
+        self._buffer_infos = infos
+        layers = [t for item in infos for t in item.buffers]
+        return {
+            "planes": [layers],
+            "owned": tuple(info.layer_indices),
+            "device_layer_num": int(info.device_layer_num),
+            "all_layers": tuple(layers),
+            "ptr_table": cat_tables(item.data_ptrs for item in infos),
+        }
 
     def _init_dummy(self) -> None:
         """The rest of an allocator-only pool (one TP rank keeps the MLA bytes, the others only
@@ -130,8 +267,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         the widened (logical) space, `size`/`page_size` stay per-rank physical."""
         self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        self.can_use_jit = False
-        self._no_write_back_staging("staging_buffer")
         self.kv_buffer = None
         self.data_refs = None
         self.data_ptrs = None
@@ -142,22 +277,10 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             self.size,
             self.size * self.size_per_token / 1e9,
         )
-        self.lock = threading.RLock()
-        self.clear()
 
     # ----------------------------------------------------------------- geometry
 
     def get_size_per_token(self):
-        dp = self.device_pool
-        self.kv_lora_rank = dp.kv_lora_rank
-        self.qk_rope_head_dim = dp.qk_rope_head_dim
-        # Read by L3 stores (FP8 DSA packs K/V into one device buffer); kept for parity.
-        self.dsa_kv_cache_store_fp8 = getattr(dp, "dsa_kv_cache_store_fp8", False)
-        self.target_layer_num = dp.layer_num
-        self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
-        self.kv_cache_dim = self.override_kv_cache_dim or (
-            self.kv_lora_rank + self.qk_rope_head_dim
-        )
         return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
 
     def get_ksize_per_token(self):
@@ -224,6 +347,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
+        """Host layer of controller layer `layer_id` -> that device layer; a target layer this
+        rank does not hold (layer sharding, or out of range) returns without copying."""
         if self._is_dummy:
             raise AssertionError("load on a dummy (non-src MLA) host pool")
         self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
@@ -243,20 +368,24 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             "page_first_direct": (1, L, P, 1, C),
         }.get(self.layout)
 
-    def _require_no_dcp(self):
-        if int(self.dcp_size) != 1:
-            raise AssertionError(
-                "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need "
-                "dcp_rank-scoped keys); --hicache-storage-backend with --dcp-size > 1 should "
-                "have been rejected at server start."
-            )
+    def _storage_page_index(self, index) -> int:
+        """The first physical slot of an L3 page. With DCP the caller names the page by its
+        logical (widened) first slot, and this rank's page is `index // dcp_size` (SGLang 0.5.23);
+        otherwise the slot itself."""
+        if self.dcp_size == 1:
+            return index
+        index = as_int("index", index)
+        if index < 0 or index % self.logical_page_size != 0:
+            raise ValueError("DCP L3 page start must be a nonnegative logical page boundary.")
+        if index + self.logical_page_size > self.logical_size:
+            raise IndexError("DCP L3 page is outside the host pool.")
+        return index // self.dcp_size
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        self._require_no_dcp()
         if self._page_shape() is None:
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(index, self.layout == "page_first_direct")
+        index = self._page_slot(self._storage_page_index(index), self.layout == "page_first_direct")
         P = self.page_size
         if self.layout == "layer_first":
             data_page = self.kv_buffer[:, index : index + P]
@@ -275,13 +404,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        # SGLang checks DCP only when reading a page; writing one is no less rank-blind.
-        self._require_no_dcp()
         shape = self._page_shape()
         if shape is None:
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(index, self.layout == "page_first_direct")
+        index = self._page_slot(self._storage_page_index(index), self.layout == "page_first_direct")
         page = self._flat_page_as(data_page, shape)
         P = self.page_size
         if self.layout == "layer_first":
@@ -295,11 +422,21 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     def get_page_buffer_meta(self, indices):
         """(pointers, sizes): layer_first gives one pointer per layer per page; the page layouts
-        one pointer per page covering all layers."""
+        one pointer per page covering all layers. With DCP, `indices` are logical (widened)
+        slots and each logical page maps to this rank's one physical page (SGLang 0.5.23)."""
         if self.layout not in MLA_LAYOUTS:
             raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        starts = self._meta_page_starts(indices, self.layout == "page_first_direct")
+        if self.dcp_size == 1:
+            starts = self._meta_page_starts(indices, self.layout == "page_first_direct")
+        else:
+            logical = as_index_array(indices, torch.device("cpu")).tolist()
+            if len(logical) % self.logical_page_size != 0:
+                raise AssertionError(
+                    f"{len(logical)} indices is not a multiple of the logical page size "
+                    f"{self.logical_page_size}"
+                )
+            starts = [self._storage_page_index(t) for t in logical[:: self.logical_page_size]]
         T, L, S, P = self.token_stride_size, self.layer_num, self.size, self.page_size
         base = self.kv_buffer.data_ptr()
         ptrs: list[int] = []
@@ -311,3 +448,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             ptrs = [base + t * L * T for t in starts]
             size = L * P * T
         return ptrs, [size] * len(ptrs)
+
+
+def _layout_reason(layout) -> str | None:
+    if isinstance(layout, str) and layout in SGLANG_ONLY_LAYOUTS:
+        return f"layout {layout!r} is not implemented by hostkv_rs"
+    return None

@@ -30,7 +30,6 @@ from hostkv_rs.base import (
     run_backup,
     run_load,
     slots_in_pool,
-    stream_and_engine,
     synchronized,
 )
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
@@ -91,6 +90,18 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     dcp_size = 1
     dcp_rank = 0
 
+    @classmethod
+    def _unsupported_reason(cls, args, kwargs) -> str | None:
+        buffers = args[1] if len(args) > 1 else kwargs.get("device_buffers")
+        try:
+            first = next(iter(buffers or ()), None)
+        except TypeError:
+            return None
+        kind = getattr(getattr(first, "device", None), "type", None)
+        if kind is not None and kind not in ("cpu", "cuda", "meta"):
+            return f"device buffers on {kind!r}"
+        return None
+
     def __init__(
         self,
         pool_name: str,
@@ -102,8 +113,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         device: str = "cpu",
         pin_memory: bool = True,
         allocator_type: str = "default",
+        page_aligned_only: bool = False,
     ):
         self.pool_name = pool_name
+        # SGLang 0.5.20+: pools whose rows are not the C4 page refuse token-granular transfers.
+        self.page_aligned_only = bool(page_aligned_only)
         device_buffers = list(device_buffers)
         item_bytes = as_int("item_bytes", item_bytes)
         num_host_pages = as_int("num_host_pages", num_host_pages)
@@ -130,7 +144,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.fd = getattr(self.allocator, "fd", None)
         self.page_size = slot_page_size
         self.size = num_host_pages * slot_page_size
-        self.logical_size = self.size
         self.page_num = num_host_pages
         self.layout = layout
         self.size_per_token = item_bytes
@@ -413,6 +426,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"in [0, {limit * P}), got min={lo}, max={hi}"
                 )
 
+    def _unaligned(self, host, dev) -> ValueError:
+        return ValueError(
+            f"{self.pool_name} expects page-aligned indices: got {host.numel()} host and "
+            f"{dev.numel()} device indices for page size {self.slot_page_size}."
+        )
+
     def _unsupported(self, io_backend) -> ValueError:
         return ValueError(f"Unsupported V4 paged host layout/backend: {self.layout}/{io_backend}")
 
@@ -427,6 +446,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if pair is None:
             return None
         host, dev = pair
+        if self.page_aligned_only and host.numel() % self.slot_page_size != 0:
+            raise self._unaligned(host, dev)
         if self.gpu_device.type not in ("cpu", "cuda"):
             # The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
             raise ValueError(
@@ -532,10 +553,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def _run(self, calls, device_ptrs_of, layer=None):
         """Issue the planned core calls: a backup when `layer` is None, else a load of it."""
-        where = stream_and_engine(self.gpu_device)
         for core, backend, h, d, rows in calls:
             h, d = h.contiguous(), d.contiguous()
-            dev = DeviceLayers(device_ptrs_of(core), rows, *where)
+            dev = DeviceLayers(device_ptrs_of(core), rows, self.gpu_device)
             if layer is None:
                 run_backup(core, backend, dev, h, d)
             else:
@@ -546,6 +566,33 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         calls = self._plan(io_backend, host_indices, device_indices)
+        if calls is None:
+            return
+        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
+
+    def backup_tokens_from_device_all_layer(self, host_indices, device_indices) -> None:
+        """Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode
+        backup): each token's C4 value and scale, whatever the index count, so a multiple of the
+        page size is never taken for whole pages. Needs the layer_first C4 rows; a
+        page-aligned-only pool refuses it."""
+        self._require_live()
+        pair = self._transfer_indices(host_indices, device_indices)
+        if pair is None:
+            return
+        host, dev = pair
+        if self.page_aligned_only:
+            raise self._unaligned(host, dev)
+        if self.gpu_device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
+                f"got {self.gpu_device}"
+            )
+        if self.layout != "layer_first":
+            raise ValueError(
+                f"{self.pool_name} token-granular backups need the layer_first layout (per-layer "
+                f"host rows), got {self.layout}"
+            )
+        calls = self._token_plan("kernel", host, dev, self._layers(_ALL_LAYERS))
         if calls is None:
             return
         self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
@@ -733,6 +780,21 @@ class LogicalHostPool(SlotFreeList):
         pass
 
     def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ):
+        pass
+
+    # SGLang 0.5.21+ L2TransferEngine hooks: an anchor has nothing to resolve or move.
+
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        return host_indices, device_indices
+
+    def backup_from_device_all_layer_physical(
+        self, device_pool, host_indices, device_indices, io_backend
+    ):
+        pass
+
+    def load_to_device_per_layer_physical(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         pass

@@ -102,7 +102,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     let strategy = strategy(g.layout, req.backend)?;
     let (first_layer, layer_count) = match req.op {
         Op::Backup => (0, g.layers as u64),
-        Op::Load { host_layer } => {
+        Op::BackupLayer { host_layer } | Op::Load { host_layer } => {
             if host_layer >= g.layers {
                 return Err(invalid(format!(
                     "host layer {host_layer} is out of range [0, {})",
@@ -291,7 +291,7 @@ pub fn build(req: &TransferRequest) -> Result<Vec<CopyOp>> {
         return Ok(Vec::new());
     }
     let idx = read_all(req, &c)?;
-    let backup = matches!(req.op, Op::Backup);
+    let backup = req.op.to_host();
     let ptrs = &req.device.layer_ptrs;
     let lc = c.layer_count as usize;
 
@@ -454,7 +454,7 @@ mod tests {
         fn device_layers(&self) -> usize {
             match self.op {
                 Op::Backup => self.layers,
-                Op::Load { .. } => 1,
+                Op::BackupLayer { .. } | Op::Load { .. } => 1,
             }
         }
 
@@ -547,7 +547,7 @@ mod tests {
         fn reference(&self, w: &mut World) {
             let (first, count) = match self.op {
                 Op::Backup => (0, self.layers),
-                Op::Load { host_layer } => (host_layer, 1),
+                Op::BackupLayer { host_layer } | Op::Load { host_layer } => (host_layer, 1),
             };
             let heads = if self.layout == Layout::PageHead {
                 self.heads
@@ -582,9 +582,10 @@ mod tests {
                             let dof = d * item + h * seg;
                             let host = &mut w.host[pl][ho..ho + seg];
                             let dev = &mut w.dev[pl][k][dof..dof + seg];
-                            match self.op {
-                                Op::Backup => host.copy_from_slice(dev),
-                                Op::Load { .. } => dev.copy_from_slice(host),
+                            if self.op.to_host() {
+                                host.copy_from_slice(dev);
+                            } else {
+                                dev.copy_from_slice(host);
                             }
                         }
                     }
@@ -684,7 +685,7 @@ mod tests {
                     continue;
                 }
                 for width in [IndexWidth::I32, IndexWidth::I64] {
-                    for load in [false, true] {
+                    for op in 0..3 {
                         let rows = page * (2 + rng.below(4) as usize);
                         let dev_rows = page * (2 + rng.below(4) as usize);
                         let npages = 1 + rng.below((rows.min(dev_rows) / page) as u64) as usize;
@@ -701,12 +702,13 @@ mod tests {
                             host_idx: h,
                             dev_idx: d,
                             width,
-                            op: if load {
-                                Op::Load {
-                                    host_layer: rng.below(layers as u64) as usize,
+                            op: {
+                                let host_layer = rng.below(layers as u64) as usize;
+                                match op {
+                                    0 => Op::Backup,
+                                    1 => Op::BackupLayer { host_layer },
+                                    _ => Op::Load { host_layer },
                                 }
-                            } else {
-                                Op::Backup
                             },
                         };
                         case.check(rng.next());
@@ -715,7 +717,7 @@ mod tests {
                 }
             }
         }
-        assert!(cases > 150, "{cases}");
+        assert!(cases > 225, "{cases}");
     }
 
     #[test]

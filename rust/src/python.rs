@@ -248,6 +248,19 @@ fn index_array(
 }
 
 impl PyPoolCore {
+    /// A host layer id from Python; a negative one is out of range like a too large one.
+    fn host_layer_arg(&self, py: Python<'_>, host_layer: i64) -> PyResult<usize> {
+        usize::try_from(host_layer).map_err(|_| {
+            transfer_err(
+                py,
+                format!(
+                    "host layer {host_layer} is out of range [0, {})",
+                    self.geom.layers
+                ),
+            )
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
@@ -443,8 +456,9 @@ impl PyPoolCore {
         self.geom.plane_base.clone()
     }
 
-    /// Device layers -> host, every layer: `device_ptrs` holds `nplanes * L` layer bases.
-    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan"))]
+    /// Device layers -> host: every layer (`device_ptrs` holds `nplanes * L` layer bases), or only
+    /// `host_layer` (`device_ptrs` holds `nplanes` bases) for a layer-sharded pool.
+    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", host_layer = None))]
     #[allow(clippy::too_many_arguments)]
     fn backup(
         &self,
@@ -457,11 +471,18 @@ impl PyPoolCore {
         device: &str,
         stream: u64,
         engine: &str,
+        host_layer: Option<i64>,
     ) -> PyResult<()> {
+        let op = match host_layer {
+            None => Op::Backup,
+            Some(layer) => Op::BackupLayer {
+                host_layer: self.host_layer_arg(py, layer)?,
+            },
+        };
         self.transfer(
             py,
             backend,
-            Op::Backup,
+            op,
             device_ptrs,
             device_rows,
             host_idx,
@@ -488,15 +509,7 @@ impl PyPoolCore {
         stream: u64,
         engine: &str,
     ) -> PyResult<()> {
-        let host_layer = usize::try_from(host_layer).map_err(|_| {
-            transfer_err(
-                py,
-                format!(
-                    "host layer {host_layer} is out of range [0, {})",
-                    self.geom.layers
-                ),
-            )
-        })?;
+        let host_layer = self.host_layer_arg(py, host_layer)?;
         self.transfer(
             py,
             backend,

@@ -65,7 +65,20 @@ impl Backend {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Backup,
-    Load { host_layer: usize },
+    /// One host layer, device -> host: a layer-sharded pool backs up only the layers it owns.
+    BackupLayer {
+        host_layer: usize,
+    },
+    Load {
+        host_layer: usize,
+    },
+}
+
+impl Op {
+    /// True when bytes move device -> host.
+    pub fn to_host(self) -> bool {
+        !matches!(self, Self::Load { .. })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use super::driver::{as_stream, check, code, describe, symbol};
 use super::probe;
 use crate::error::{Error, Result};
 use crate::plan::{self, CopyOp};
-use crate::transfer::{IndexArray, Op, TransferRequest};
+use crate::transfer::{IndexArray, TransferRequest};
 
 type BatchV1 = unsafe extern "C" fn(
     *mut sys::CUdeviceptr,
@@ -238,5 +238,5 @@ pub(crate) fn run(req: &TransferRequest, stream: u64, driver_version: i32) -> Re
     if ops.is_empty() {
         return Ok(());
     }
-    submit(&ops, matches!(req.op, Op::Backup), stream, driver_version)
+    submit(&ops, req.op.to_host(), stream, driver_version)
 }

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::plan::Checked;
-use crate::transfer::{IndexWidth, Op, TransferRequest};
+use crate::transfer::{IndexWidth, TransferRequest};
 
 /// Device layer pointers carried inside the parameter block (`HKV_INLINE_PTRS`).
 pub(crate) const INLINE_PTRS: usize = 256;
@@ -116,7 +116,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         layer_count,
         planes,
         layout: g.layout as u32,
-        to_host: u32::from(matches!(req.op, Op::Backup)),
+        to_host: u32::from(req.op.to_host()),
         page_size: to_u32("page size", g.page_size as u64)?,
         heads: 1,
         host_idx_wide: u32::from(req.host_idx.width == IndexWidth::I64),

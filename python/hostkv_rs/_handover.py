@@ -1,0 +1,59 @@
+"""Constructions hostkv_rs does not serve go to SGLang's own class.
+
+`hostkv_rs.sglang.install()` records, for each of our pool classes, the SGLang class it stands in
+for. When SGLang then builds one of ours with something we do not implement (a layout such as
+`page_unified`, KV scales, an NPU device pool), `HostKVCache.__new__` builds SGLang's class with
+the same arguments instead and logs one line saying so. Without install() (no SGLang), our own
+constructor refuses the same construction with SGLang's error text, so nothing is dropped
+silently either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("hostkv_rs")
+
+_lock = threading.Lock()
+# our class -> SGLang's class it replaces (filled by hostkv_rs.sglang.install()).
+_originals: dict[type, type] = {}
+
+
+def set_originals(mapping: dict[type, type]) -> None:
+    with _lock:
+        _originals.clear()
+        _originals.update(mapping)
+
+
+def original_for(cls: type) -> type | None:
+    """SGLang's class standing behind `cls` (its nearest recorded ancestor), if installed."""
+    with _lock:
+        for klass in cls.__mro__:
+            original = _originals.get(klass)
+            if original is not None:
+                return original
+    return None
+
+
+def handover(cls: type, args: tuple, kwargs: dict):
+    """An instance of SGLang's own class when hostkv_rs cannot serve this construction and
+    install() recorded that class; None to build ours (which refuses what it cannot serve)."""
+    reason = cls._unsupported_reason(args, kwargs)
+    if reason is None:
+        return None
+    original = original_for(cls)
+    if original is None:
+        return None
+    log_handover(cls.__name__, original, reason)
+    return original(*args, **kwargs)
+
+
+def log_handover(what: str, original: type, reason: str) -> None:
+    logger.warning(
+        "hostkv_rs: %s handed to SGLang's own %s.%s: %s",
+        what,
+        original.__module__,
+        original.__qualname__,
+        reason,
+    )

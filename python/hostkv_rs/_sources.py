@@ -1,0 +1,117 @@
+"""What SGLang hands a host pool to mirror: a device pool (0.5.18-0.5.22) or a buffer info
+(0.5.23's `MHABufferInfo` / `MLABufferInfo`), and what in either hostkv_rs does not serve."""
+
+from __future__ import annotations
+
+import torch
+
+# Layouts SGLang has that hostkv_rs does not implement: page_unified (0.5.23) and the Ascend
+# page_first_kv_split. install() hands them to SGLang's own class.
+SGLANG_ONLY_LAYOUTS = ("page_unified", "page_first_kv_split")
+
+
+def is_buffer_info(obj) -> bool:
+    """A 0.5.23 buffer info: `buffers` but none of a device pool's per-layer lists."""
+    return (
+        hasattr(obj, "buffers") and not hasattr(obj, "k_buffer") and not hasattr(obj, "kv_buffer")
+    )
+
+
+def is_allocation_only(obj) -> bool:
+    """0.5.23 `MLAHostAllocation`: the geometry of an allocator-only (dummy) MLA pool."""
+    return (
+        hasattr(obj, "size_per_token")
+        and hasattr(obj, "kv_cache_dim")
+        and not hasattr(obj, "buffers")
+        and not hasattr(obj, "kv_buffer")
+    )
+
+
+def device_source(device_pool, buffer_info):
+    """The one device source a pool was given, by position or as `device_pool=` (<= 0.5.22) or
+    `buffer_info=` (0.5.23)."""
+    if device_pool is not None and buffer_info is not None:
+        raise TypeError("pass either a device pool or a buffer info, not both")
+    source = device_pool if device_pool is not None else buffer_info
+    if source is None:
+        raise TypeError(
+            "a host pool needs a device pool (SGLang <= 0.5.22) or a buffer info (SGLang 0.5.23)"
+        )
+    return source
+
+
+def arg(args: tuple, kwargs: dict, position: int, name: str):
+    """A constructor argument given by position or keyword (None when absent)."""
+    if len(args) > position:
+        return args[position]
+    return kwargs.get(name)
+
+
+def scale_layout_value(scales) -> str:
+    layout = getattr(scales, "layout", None)
+    return str(getattr(layout, "value", layout))
+
+
+def is_mxfp8_scales(scales) -> bool:
+    return scale_layout_value(scales) == "mxfp8_interleaved"
+
+
+def is_mxfp8_device_pool(device_pool) -> bool:
+    """SGLang picks the MXFP8 host pool for `MHATokenToKVPoolMXFP8` device pools; recognise that
+    class by name anywhere in the MRO, or a pool whose `is_mxfp8` attribute is True (`is True`, so
+    a mock's auto-created attribute does not count)."""
+    if getattr(device_pool, "is_mxfp8", False) is True:
+        return True
+    return any(cls.__name__ == "MHATokenToKVPoolMXFP8" for cls in type(device_pool).__mro__)
+
+
+def scales_reason(source) -> str | None:
+    """Why a source carries bytes hostkv_rs does not mirror (KV scales), or None."""
+    if is_buffer_info(source):
+        scales = getattr(source, "scales", None)
+        if scales is not None:
+            return f"KV scales ({scale_layout_value(scales)} layout) are not mirrored"
+        return None
+    if is_mxfp8_device_pool(source):
+        return "MXFP8 KV scales are not mirrored"
+    if isinstance(getattr(source, "k_scale_buffer", None), (list, tuple)):
+        return "KV scale buffers are not mirrored"
+    return None
+
+
+def device_type_reason(source) -> str | None:
+    """Why a source lives where hostkv_rs does not copy (an NPU, a split Ascend buffer), or
+    None."""
+    if getattr(source, "transfer_buffers", None) is not None:
+        return "relocatable (NPU) transfer buffers"
+    buffers = getattr(source, "buffers", None) if is_buffer_info(source) else None
+    split = buffers is not None and not isinstance(buffers, (tuple, list))
+    if split and not hasattr(buffers, "k_data_ptrs"):
+        return "split MLA buffers (Ascend page_first_kv_split)"
+    device = getattr(source, "device", None)
+    if device is None:
+        return None
+    try:
+        kind = torch.device(device).type
+    except (TypeError, RuntimeError):
+        return None
+    if kind not in ("cpu", "cuda", "meta"):
+        return f"device type {kind!r}"
+    return None
+
+
+def refuse_unserved(reason: str | None) -> None:
+    if reason is not None:
+        raise NotImplementedError(
+            f"hostkv_rs does not serve this host pool: {reason}. With SGLang installed, "
+            f"hostkv_rs.sglang.install() hands it to SGLang's own class."
+        )
+
+
+def cat_tables(tables):
+    """SGLang's packed pointer table: the given uint64 tables concatenated (None if any is
+    missing, e.g. an NPU pool)."""
+    tables = list(tables)
+    if not tables or any(t is None for t in tables):
+        return None
+    return tables[0] if len(tables) == 1 else torch.cat(tables)
