@@ -1,0 +1,225 @@
+"""pytest-benchmark suite: host-pool transfers against the core alone, plain torch indexing and one
+contiguous copy of the same bytes, per pool kind x layout x backend.
+
+The test command runs it with `--benchmark-disable` (each body runs once, so CI checks that every
+case still works); measure with
+
+    cd tests && python -m pytest bench -p no:cacheprovider --benchmark-enable \
+        --benchmark-autosave --benchmark-group-by=group --benchmark-columns=min,median,mean,ops
+
+and compare two saved runs with `--benchmark-compare=0001 --benchmark-compare-fail=none`.
+
+Cases (group = kind/layout/backend/case; variants inside a group: pool, core, torch, copy):
+
+* load-1page, load-64page: one load_to_device_per_layer call (8 layers, page size 64);
+* backup-8L, backup-61L: one backup_from_device_all_layer call of 8 pages;
+* row-load, row-backup-61L: page size 1, one token (one layer / all 61 layers): the fixed cost.
+
+`core` is the same call on the pool's Rust core (`PoolCore.load/backup`) with the arguments the
+pool would pass, so pool - core is the Python glue; `torch` is what a Python pool would write
+(`host[h] = dev[d]` per layer and plane, on the pool's own buffer views); `copy` is one
+`dst.copy_(src)` of the same number of bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hostkv_rs import (
+    DeepSeekV4PagedHostPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    get_mha_host_pool_cls,
+)
+from hostkv_rs._indices import index_arg
+from hostkv_rs.mla import MLATokenToKVPoolHost
+
+PAIRS = {
+    "mha": [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("page_head", "kernel"),
+        ("layer_first", "direct"),
+        ("page_first_direct", "direct"),
+    ],
+    "asym": [("page_first", "kernel"), ("page_first_direct", "direct")],
+    "mla": [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("layer_first", "direct"),
+        ("page_first_direct", "direct"),
+    ],
+    "v4": [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("layer_first", "direct"),
+        ("page_first_direct", "direct"),
+    ],
+}
+# case -> (layers, page size, pages moved, op)
+CASES = {
+    "load-1page": (8, 64, 1, "load"),
+    "load-64page": (8, 64, 64, "load"),
+    "backup-8L": (8, 64, 8, "backup"),
+    "backup-61L": (61, 64, 8, "backup"),
+    "row-load": (8, 1, 1, "load"),
+    "row-backup-61L": (61, 1, 1, "backup"),
+}
+# Llama-3.1-8B (8 KV heads x 128, bf16), MiMo-V2 asymmetric (4 x 192 / 4 x 128), DeepSeek MLA
+# (576 x bf16), and a DeepSeek V4 C4-sized page row.
+V4_ITEM = 37440
+VARIANTS = ("pool", "core", "torch", "copy")
+
+
+def _params():
+    for kind, pairs in PAIRS.items():
+        for layout, backend in pairs:
+            for case in CASES:
+                for variant in VARIANTS:
+                    yield pytest.param(
+                        kind,
+                        layout,
+                        backend,
+                        case,
+                        variant,
+                        id=f"{kind}-{layout}-{backend}-{case}-{variant}",
+                    )
+
+
+@functools.lru_cache(maxsize=1)
+def _world(kind: str, layout: str, layers: int, page_size: int, pages: int):
+    """(host pool, device pool, host index tensor, device index tensor); cached, so a group's four
+    variants share one pool pair."""
+    torch.manual_seed(0)
+    device_tokens = (pages + 1) * page_size
+    if kind == "v4":
+        rows = pages + 1
+        dev = [torch.randint(0, 255, (rows, V4_ITEM), dtype=torch.uint8) for _ in range(layers)]
+        host = DeepSeekV4PagedHostPool("c4", dev, V4_ITEM, 2 * pages, page_size, layout)
+        h = host.alloc(pages * page_size)
+        d = torch.arange(page_size, (pages + 1) * page_size)
+        return host, dev, h, d
+    if kind == "mla":
+        dp = MLATokenToKVPool(device_tokens, page_size, torch.bfloat16, 512, 64, layers)
+        host = MLATokenToKVPoolHost(dp, 2.0, 0, page_size, layout)
+    else:
+        heads, head_dim = (8, 128) if kind == "mha" else (4, 192)
+        dp = MHATokenToKVPool(
+            device_tokens, page_size, torch.bfloat16, heads, head_dim, layers, v_head_dim=128
+        )
+        host = get_mha_host_pool_cls(dp)(dp, 2.0, 0, page_size, layout)
+    for plane in _device_planes(dp):
+        for t in plane:
+            t.view(torch.uint8).random_()
+    h = host.alloc(pages * page_size)
+    d = torch.arange(page_size, (pages + 1) * page_size)
+    return host, dp, h, d
+
+
+def _device_planes(dp) -> list[list[torch.Tensor]]:
+    if isinstance(dp, list):
+        return [dp]
+    if hasattr(dp, "kv_buffer"):
+        return [dp.kv_buffer]
+    return [dp.k_buffer, dp.v_buffer]
+
+
+def _nbytes(dp, pages: int, page_size: int, layers_moved: int) -> int:
+    row = sum(t[0].nbytes for plane in _device_planes(dp) for t in plane[:1])
+    return row * pages * page_size * layers_moved
+
+
+def _torch_ops(host, dp, layout: str, h, d, page_size: int, op: str):
+    """What a Python pool would write: per plane and layer, one advanced-indexing copy between
+    the device layer and the pool's own buffer view (in place on both sides)."""
+    planes = _device_planes(dp)
+    if isinstance(host, DeepSeekV4PagedHostPool):
+        rows_h, rows_d = h[::page_size] // page_size, d[::page_size] // page_size
+        buf = host.kv_buffer
+
+        def host_index(layer):
+            if layout == "layer_first":
+                return buf[layer], (rows_h,)
+            if layout == "page_first":
+                return buf, (rows_h, layer)
+            return buf, (rows_h, layer, 0)
+
+        pairs = [(host_index(l), planes[0][l], rows_d) for l in range(len(planes[0]))]
+    else:
+        names = ("kv_buffer",) if hasattr(dp, "kv_buffer") else ("k_buffer", "v_buffer")
+        hp, hr = h // page_size, h % page_size
+        pairs = []
+        for name, plane in zip(names, planes):
+            buf = host.kv_buffer if name == "kv_buffer" else getattr(host, name)
+            for layer in range(len(plane)):
+                if layout == "layer_first":
+                    index = (buf[layer], (h,))
+                elif layout == "page_first":
+                    index = (buf, (h, layer))
+                elif layout == "page_first_direct":
+                    index = (buf, (hp, layer, hr))
+                else:  # page_head [pages, heads, P, L, D]
+                    index = (buf, (hp, slice(None), hr, layer))
+                pairs.append((index, plane[layer], d))
+    if op == "load":
+        pairs = pairs[: len(planes)] if len(planes) == 1 else [pairs[0], pairs[len(pairs) // 2]]
+
+        def fn():
+            for (hbuf, hidx), dev, didx in pairs:
+                dev[didx] = hbuf[hidx].reshape(dev[didx].shape)
+    else:
+
+        def fn():
+            for (hbuf, hidx), dev, didx in pairs:
+                hbuf[hidx] = dev[didx].reshape(hbuf[hidx].shape)
+
+    return fn
+
+
+def _call(host, dp, h, d, backend, op, core: bool):
+    if op == "load":
+        if core:
+            return _core_call(host, dp, h, d, backend, "load")
+        return lambda: host.load_to_device_per_layer(dp, h, d, 0, backend)
+    if core:
+        return _core_call(host, dp, h, d, backend, "backup")
+    return lambda: host.backup_from_device_all_layer(dp, h, d, backend)
+
+
+def _core_call(host, dp, h, d, backend, op):
+    """The pool's Rust core called directly with the arguments the pool passes it."""
+    if isinstance(host, DeepSeekV4PagedHostPool):
+        pytest.skip("the V4 pool maps tokens to page rows before its core call")
+    side = host._device_side
+    core = host._pool_core
+    h32, d32 = index_arg(h), index_arg(d)
+    if op == "load":
+        _, dev = side.load(0, False)
+        return lambda: core.load(backend, 0, dev.ptrs, dev.rows, h32, d32, "cpu", 0)
+    ((_, dev),) = side.backup()
+    return lambda: core.backup(backend, dev.ptrs, dev.rows, h32, d32, "cpu", 0)
+
+
+@pytest.mark.parametrize(("kind", "layout", "backend", "case", "variant"), list(_params()))
+def test_transfer(benchmark, kind, layout, backend, case, variant):
+    layers, page_size, pages, op = CASES[case]
+    if kind == "v4" and page_size == 1:
+        pytest.skip("V4 rows are whole slot pages; page size 1 is the same call as 1 page")
+    host, dp, h, d = _world(kind, layout, layers, page_size, pages)
+    benchmark.group = f"{kind}/{layout}/{backend}/{case}"
+    layers_moved = layers if op == "backup" else 1
+    benchmark.extra_info["bytes"] = _nbytes(dp, pages, page_size, layers_moved)
+    if variant in ("pool", "core"):
+        fn = _call(host, dp, h, d, backend, op, core=variant == "core")
+    elif variant == "torch":
+        fn = _torch_ops(host, dp, layout, h, d, page_size, op)
+    else:
+        n = benchmark.extra_info["bytes"]
+        src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+
+        def fn():
+            dst.copy_(src)
+
+    benchmark(fn)
