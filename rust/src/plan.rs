@@ -237,8 +237,42 @@ fn read_all(req: &TransferRequest, c: &Checked) -> Result<Indices> {
                 )));
             }
         }
+        check_page_runs(&host, &dev, p)?;
     }
     Ok(Indices { host, dev })
+}
+
+/// A page-block copy moves whole pages: `P` host slots starting at a page boundary and `P`
+/// consecutive device rows, found from the first index of each page. Refuse any page whose
+/// indices say otherwise, or the copy would move rows that were not listed.
+fn check_page_runs(host: &[u64], dev: &[u64], p: u64) -> Result<()> {
+    for (k, (h, d)) in host
+        .chunks(p as usize)
+        .zip(dev.chunks(p as usize))
+        .enumerate()
+    {
+        let first = k as u64 * p;
+        if h[0] % p != 0 {
+            return Err(invalid(format!(
+                "page {k}: host index {} at position {first} does not start a page (page size \
+                 {p}); page-block copies move whole host pages",
+                h[0]
+            )));
+        }
+        for (side, run) in [("host", h), ("device", d)] {
+            if let Some(j) = (1..run.len()).find(|&j| run[j] != run[0] + j as u64) {
+                return Err(invalid(format!(
+                    "page {k}: {side} index {} at position {} breaks the run {}..{} (page-block \
+                     copies move {p} consecutive rows per page)",
+                    run[j],
+                    first + j as u64,
+                    run[0],
+                    run[0] + p
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs every check, reading host-resident indices; device-resident indices are left to the
@@ -784,18 +818,41 @@ mod tests {
     }
 
     #[test]
-    fn page_blocks_read_only_the_first_index_of_each_page() {
+    fn page_blocks_move_whole_listed_pages() {
         let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![12, 4]);
-        // Page 1 then page 3 of the host; device starts 4 and 0. The other indices are junk
-        // (but in range), as SGLang ignores them.
-        c.host_idx = vec![4, 0, 0, 0, 13, 2, 2, 2];
-        c.dev_idx = vec![5, 1, 1, 1, 0, 9, 9, 9];
+        // Host pages 1 and 3; device runs starting at 5 and 0.
+        c.host_idx = vec![4, 5, 6, 7, 12, 13, 14, 15];
+        c.dev_idx = vec![5, 6, 7, 8, 0, 1, 2, 3];
         let ops = c.check(11);
         assert!(ops.iter().all(|o| o.len % (4 * 4) == 0));
         // 2 pages x 3 layers x 2 planes, no two blocks adjacent on both sides.
         assert_eq!(ops.len(), 12);
         c.op = Op::Load { host_layer: 2 };
         assert_eq!(c.check(12).len(), 4);
+    }
+
+    #[test]
+    fn page_blocks_refuse_indices_that_are_not_whole_pages() {
+        // SGLang reads only the first index of each page; a run that is not the whole page
+        // would move rows nobody listed, so it is refused before anything moves.
+        let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![12, 4]);
+        c.host_idx = vec![4, 5, 6, 7, 12, 13, 14, 15];
+        c.dev_idx = vec![5, 6, 7, 8, 3, 2, 1, 0];
+        let e = expect_err(
+            &c,
+            "page 1: device index 2 at position 5 breaks the run 3..7",
+        );
+        assert!(matches!(e, Error::InvalidTransfer(_)));
+        c.dev_idx = vec![5, 6, 7, 8, 0, 1, 2, 3];
+        c.host_idx = vec![4, 5, 9, 7, 12, 13, 14, 15];
+        expect_err(&c, "page 0: host index 9 at position 2 breaks the run 4..8");
+        c.host_idx = vec![5, 6, 7, 8, 12, 13, 14, 15];
+        expect_err(
+            &c,
+            "page 0: host index 5 at position 0 does not start a page",
+        );
+        c.op = Op::Load { host_layer: 1 };
+        expect_err(&c, "does not start a page");
     }
 
     #[test]
