@@ -253,3 +253,12 @@ def test_allocator_works_for_subclasses_that_skip_init():
     pool.destroy()
     pool.destroy()
     assert pool.kv_buffer is None
+
+
+def test_a_huge_double_free_message_is_capped():
+    pool = BarePool(1 << 20, 4)
+    with pytest.raises(AssertionError) as info:
+        pool.free(torch.arange(1 << 20))
+    text = str(info.value)
+    assert text.startswith("Double-free detected: slots not currently allocated: [0, 1, 2,")
+    assert text.endswith(f", ...] ({(1 << 20)} slots).") and len(text) < 400

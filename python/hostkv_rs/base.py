@@ -180,15 +180,26 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     return slots.clone()
 
 
+def slot_list_text(slots: torch.Tensor, limit: int = 32) -> str:
+    """A list of slots for an error message: SGLang's `[a, b, ...]` text, capped at `limit`
+    entries (a million-slot free must not build megabytes of text)."""
+    if slots.numel() <= limit:
+        return str(slots.tolist())
+    head = ", ".join(map(str, slots[:limit].tolist()))
+    return f"[{head}, ...] ({slots.numel()} slots)"
+
+
 class SlotFreeList:
     """SGLang's lazy-release free list: `alloc` takes from the front of `free_slots`, `free`
     parks chunks on `release_slots`, merged only when `free_slots` runs short (one torch.cat per
-    merge, not per free; #30658). Pool-specific checks stay with each pool's alloc/free."""
+    merge, not per free; #30658). `slot_used` marks what is allocated, so a slot is never handed
+    to two owners and a double or foreign free is refused before anything is released."""
 
     def _reset_free_list(self, n: int) -> None:
         self.free_slots = torch.arange(n, dtype=torch.int64)
         self.release_slots = []
         self.num_release_slots = 0
+        self.slot_used = torch.zeros(n, dtype=torch.bool)
 
     def available_size(self):
         return len(self.free_slots) + self.num_release_slots
@@ -203,20 +214,42 @@ class SlotFreeList:
         self.release_slots = []
         self.num_release_slots = 0
 
-    def _take_slots(self, need_size: int, vet=None) -> torch.Tensor | None:
-        """The first `need_size` free slots (a view of the free list, as in SGLang), or None when
-        the pool is short. `vet(selected)` may refuse them before the free list moves on."""
+    def _take_slots(self, need_size: int) -> torch.Tensor | None:
+        """The first `need_size` free slots (a view of the free list, as in SGLang), marked
+        used, or None when the pool is short."""
         if need_size > self.available_size():
             return None
         if need_size > len(self.free_slots):
             self._merge_release_slots()
         selected = self.free_slots[:need_size]
-        if vet is not None:
-            vet(selected)
+        already = self.slot_used[selected]
+        if bool(already.any()):
+            raise AssertionError(
+                f"Double-alloc detected: slots already allocated: "
+                f"{slot_list_text(selected[already])}."
+            )
         self.free_slots = self.free_slots[need_size:]
+        self.slot_used[selected] = True
         return selected
 
     def _release_slots(self, slots: torch.Tensor) -> None:
+        """Give back `slots` (CPU int64, in range): all must be allocated and distinct, or
+        nothing is released (AssertionError, as SGLang's double-free detection)."""
+        if slots.numel() == 0:
+            return
+        used = self.slot_used[slots]
+        if not bool(used.all()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: "
+                f"{slot_list_text(slots[~used])}."
+            )
+        unique, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: "
+                f"{slot_list_text(unique[counts > 1])}."
+            )
+        self.slot_used[slots] = False
         self.release_slots.append(slots)
         self.num_release_slots += slots.numel()
 
@@ -322,6 +355,21 @@ def _required(form: str, **values) -> None:
     missing = [name for name, value in values.items() if value is None]
     if missing:
         raise TypeError(f"{form} needs the keyword argument(s): {', '.join(missing)}")
+
+
+def on_destroy(pool, callback) -> None:
+    """Have `pool.destroy()` call `callback()` (once, on its first call), before the pool lets go
+    of its memory. hostkv_rs.l3 uses it to unregister a pool's buffers from a store client."""
+    pool.__dict__.setdefault("_on_destroy", []).append(callback)
+
+
+def run_destroy_callbacks(pool) -> None:
+    """Run and forget the `on_destroy` callbacks of `pool`; one that raises is logged."""
+    for callback in pool.__dict__.pop("_on_destroy", ()):
+        try:
+            callback()
+        except Exception:
+            logger.exception("a destroy callback of %s failed", type(pool).__name__)
 
 
 class HostKVCache(SlotFreeList, abc.ABC):
@@ -707,16 +755,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
         # Legacy and unused by SGLang's callers, but part of the pool's surface.
         self.mem_state = torch.zeros((n,), dtype=torch.uint8, device=getattr(self, "device", "cpu"))
         self._reset_free_list(n)
-        self.slot_used = torch.zeros(n, dtype=torch.bool)
 
     available_size = synchronized(SlotFreeList.available_size)
-
-    def _refuse_double_alloc(self, selected: torch.Tensor) -> None:
-        already = self.slot_used[selected]
-        if bool(already.any()):
-            raise AssertionError(
-                f"Double-alloc detected: slots already allocated: {selected[already].tolist()}."
-            )
 
     @synchronized
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -729,10 +769,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             raise ValueError(f"need_size must not be negative, got {need_size}")
         if need_size % self.logical_page_size != 0:
             raise AssertionError("The requested size should be a multiple of the page size.")
-        selected = self._take_slots(need_size, self._refuse_double_alloc)
-        if selected is not None:
-            self.slot_used[selected] = True
-        return selected
+        return self._take_slots(need_size)
 
     @synchronized
     def free(self, indices) -> int:
@@ -742,20 +779,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
         free: AssertionError, and nothing is released.
         """
         slots = slots_in_pool(indices, self.slot_used.numel(), "free")
-        if slots.numel() == 0:
-            return 0
-        used = self.slot_used[slots]
-        if not bool(used.all()):
-            raise AssertionError(
-                f"Double-free detected: slots not currently allocated: {slots[~used].tolist()}."
-            )
-        unique, counts = torch.unique(slots, return_counts=True)
-        if bool((counts > 1).any()):
-            raise AssertionError(
-                f"Double-free detected: slots not currently allocated: "
-                f"{unique[counts > 1].tolist()}."
-            )
-        self.slot_used[slots] = False
         self._release_slots(slots)
         return slots.numel()
 
@@ -960,6 +983,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if getattr(self, "_destroyed", False):
             return
         self._destroyed = True
+        run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching the pool from a store
         for region in getattr(self, "_host_regions", ()):
             region.unregister_cuda()
         self.kv_buffer = None

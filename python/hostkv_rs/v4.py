@@ -318,12 +318,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     @synchronized
     def free(self, indices) -> int:
-        """Release slots lazily (any device; no page or double-free check, as in SGLang). Only
-        integer slots inside the pool are taken back: anything else would later be handed out
-        as a slot that does not exist."""
+        """Release slots lazily (any device; no page check, as in SGLang). Stricter than SGLang
+        on purpose: a slot that is not allocated (a double free, or one never handed out) is
+        refused with the MHA/MLA pools' "Double-free detected" error and nothing is released;
+        SGLang would later hand it to two owners."""
         slots = slots_in_pool(indices, self.size, f"{self.pool_name} free")
-        if slots.numel() == 0:
-            return 0
         self._release_slots(slots)
         return slots.numel()
 
@@ -692,6 +691,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if getattr(self, "_destroyed", True):
             return
         self._destroyed = True
+        pool_host_base.run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching from a store
         for region in (self._region, self._scale_region):
             if region is not None and region.pinned:
                 region.unregister_cuda()
@@ -763,6 +763,8 @@ class LogicalHostPool(SlotFreeList):
     def free(self, indices) -> int:
         # SGLang counts len() (the rows of a 2-D tensor) and releases every entry. No dtype in
         # the conversion: int64 would truncate 1.5 to 1, and float or bool values are not slots.
+        # Stricter than SGLang on purpose: a double or foreign free is refused (the MHA/MLA
+        # pools' error), where SGLang's count of available slots would drift past the size.
         if not isinstance(indices, torch.Tensor):
             indices = torch.as_tensor(indices)
         n = len(indices)
