@@ -8,7 +8,8 @@
 # Steps per kernel file: nvcc -ptx for compute_80; pin the header to `.version 8.0` /
 # `.target sm_80` (what R525+ drivers and every GPU from Ampere on can JIT; nvcc 13 writes a
 # newer ISA version than the code needs); check with ptxas for sm_80 and sm_90 that the pinned
-# ISA version still accepts every instruction; prepend `// source-sha256: <sha256 of the .cu
+# ISA version still accepts every instruction, with no register spill and at most 64 registers
+# per thread (4 blocks of 256 threads per SM); prepend `// source-sha256: <sha256 of the .cu
 # bytes followed by emu_shim.h>` so a unit test (rust/src/cuda/ptx.rs) can tell, without nvcc,
 # that a committed .ptx is stale.
 set -euo pipefail
@@ -57,9 +58,17 @@ for cu in "$KDIR"/*.cu; do
             echo "gen_ptx.sh: ptxas -arch=$arch rejected $name.ptx" >&2
             exit 1
         }
-        if grep -q "spill" "$TMP/ptxas.$arch.log" && grep -Eq "[1-9][0-9]* bytes spill" "$TMP/ptxas.$arch.log"; then
-            echo "gen_ptx.sh: warning: register spills for $arch:" >&2
+        # The kernels must not spill (a spill is local memory traffic per copied vector), and the
+        # launch bounds (256 threads, 4 blocks per SM) must hold: at most 64 registers per thread.
+        if grep -Eq "[1-9][0-9]* bytes (spill|stack)" "$TMP/ptxas.$arch.log"; then
             grep -E "spill|Used" "$TMP/ptxas.$arch.log" >&2
+            echo "gen_ptx.sh: ptxas -arch=$arch reports register spills or a stack frame" >&2
+            exit 1
+        fi
+        regs=$(grep -oE 'Used [0-9]+ registers' "$TMP/ptxas.$arch.log" | grep -oE '[0-9]+' | sort -n | tail -1)
+        if [[ -n "$regs" && "$regs" -gt 64 ]]; then
+            echo "gen_ptx.sh: $regs registers per thread for $arch; 4 blocks of 256 threads need <= 64" >&2
+            exit 1
         fi
         echo "ptxas $arch: $(grep -E 'Used [0-9]+ registers' "$TMP/ptxas.$arch.log" | sed 's/ptxas info *: //' | tr '\n' ';')"
     done

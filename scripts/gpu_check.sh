@@ -106,6 +106,39 @@ echo "# CUDA_VISIBLE_DEVICES='': $NODEV" >>"$ENVLOG"
 record probe_no_device "$(verdict $?)" "${NODEV:0:160}"
 cat "$ENVLOG"
 
+# The copy kernel's resources as the driver sees them (issue 12: 256-thread blocks, no spills,
+# <= 64 registers, at least 4 blocks per SM so a copy block never needs a whole SM).
+KRES=$(cd /tmp && timeout -k 5 120 $PY - "$ROOT/rust/kernels/hostkv_transfer.ptx" 2>&1 <<'PYEOF'
+import ctypes, sys
+import torch
+torch.zeros(1, device="cuda")
+cu = ctypes.CDLL("libcuda.so.1")
+mod = ctypes.c_void_p()
+assert cu.cuModuleLoadData(ctypes.byref(mod), open(sys.argv[1], "rb").read() + b"\0") == 0
+ok, out = True, []
+for name in (b"hkv_transfer", b"hkv_check_indices"):
+    fn = ctypes.c_void_p()
+    assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, name) == 0
+    def attr(a):
+        v = ctypes.c_int()
+        assert cu.cuFuncGetAttribute(ctypes.byref(v), a, fn) == 0
+        return v.value
+    blocks = ctypes.c_int()
+    assert cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), fn, 256,
+                                                          ctypes.c_size_t(0)) == 0
+    maxt, local, regs = attr(0), attr(3), attr(4)
+    ok &= maxt == 256 and local == 0 and regs <= 64 and blocks.value >= 4
+    out.append(f"{name.decode()}: regs={regs} local={local}B maxntid={maxt} "
+               f"blocks/SM={blocks.value}")
+print("; ".join(out))
+sys.exit(0 if ok else 1)
+PYEOF
+)
+rc=$?
+echo "# kernel resources: $KRES" >>"$ENVLOG"
+KLAST=$(echo "$KRES" | tail -1)
+record kernel_resources "$(verdict $rc)" "${KLAST:0:160}"
+
 # pytest from tests/ (so `import hostkv_rs` is the installed wheel), without the project's
 # addopts (they name plugins this machine may lack); a per-test timeout when available.
 PYTEST=($PY -m pytest -q -ra -p no:cacheprovider -o addopts= -o console_output_style=classic)
@@ -113,7 +146,10 @@ if $PY -c "import pytest_timeout" >/dev/null 2>&1; then
     PYTEST+=(--timeout=150 --timeout-method=thread)
 fi
 
-# 3. GPU tests: on a GPU machine nothing may be skipped there (a skip means CUDA was unusable)
+# 3. GPU tests: on a GPU machine nothing may be skipped there (a skip means CUDA was unusable).
+# tests/gpu/test_gpu_hardening.py holds issue 12's guards: destroy() waits only for its own
+# stream, bounded; destroy racing transfers; copies across registration seams; capped chunks;
+# refused launches counted; capture refused; first-call JIT without the GIL; one driver.
 secs=$(allow 300)
 if ((secs > 0)); then
     echo "== gpu tests (up to ${secs}s, log gpu_tests.log)"

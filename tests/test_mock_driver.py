@@ -34,7 +34,7 @@ def mock_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("mock_cuda")
     cmd = [
         cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
-        "-I", KERNELS, MOCK_SRC, "-o", str(out / "libcuda.so"),
+        "-I", KERNELS, MOCK_SRC, "-o", str(out / "libcuda.so"), "-ldl",
     ]  # fmt: skip
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -51,10 +51,16 @@ m = ctypes.CDLL("libcuda.so")
 for name, res in [("mock_stream_create", ctypes.c_uint64), ("mock_current_ctx", ctypes.c_uint64),
                   ("mock_primary_ctx", ctypes.c_uint64), ("mock_violation_text", ctypes.c_char_p),
                   ("mock_pending_ops", ctypes.c_long), ("mock_registrations", ctypes.c_long),
-                  ("mock_counter", ctypes.c_long)]:
+                  ("mock_counter", ctypes.c_long), ("mock_ctx_created", ctypes.c_long),
+                  ("mock_registration_size", ctypes.c_longlong)]:
     getattr(m, name).restype = res
 m.mock_label.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
+m.mock_stream_capture.argtypes = [ctypes.c_uint64, ctypes.c_int]
+m.mock_enqueue_hang.argtypes = [ctypes.c_uint64]
 m.cuCtxSetCurrent.argtypes = [ctypes.c_uint64]
+if os.environ.get("PRELOAD_DRIVER"):
+    # Another copy of the driver library, mapped first (as torch's libcuda.so.1 would be).
+    ctypes.CDLL(os.environ["PRELOAD_DRIVER"])
 assert "Mock GPU" in _core.runtime_info() or os.environ.get("EXPECT_UNAVAILABLE"), \
     _core.runtime_info()
 
@@ -319,7 +325,7 @@ def test_context_is_the_pointers_device_and_the_threads_context_is_restored(mock
         try:
             ok.run("kernel", np.arange(3), np.arange(3), s0)
         except RuntimeError as e:
-            assert "cuLaunchKernel" in str(e), e
+            assert "cuMemcpyHtoDAsync" in str(e) or "cuLaunchKernel" in str(e), e
         else:
             raise AssertionError("a foreign stream was accepted")
         assert m.mock_current_ctx() == c0.value
@@ -409,6 +415,7 @@ def test_registration_rollback_parallel_threads_and_unregister_after_queued_work
         assert m.mock_pending_ops() == 0 and m.mock_registrations() == 0
         """,
         MOCK_FAIL_REGISTER_AT=3,
+        MOCK_PROGRESS_ON_QUERY=1,
     )
 
 
@@ -479,5 +486,417 @@ def test_forked_child_does_not_touch_cuda(mock_dir):
         _, status = os.waitpid(pid, 0)
         assert status == 0, status
         assert _core.cuda_available()
+        """,
+    )
+
+
+# ---------------------------------------------------------------- issue 12: production hardening
+# Each test below fails against the code before the fix (noted per test) and passes after it.
+
+
+def test_unpinning_waits_only_for_its_own_work_bounded_and_without_the_gil(mock_dir):
+    # Before: destroy()/GC called cuCtxSynchronize on every active context (waits for an NCCL
+    # kernel that never ends; illegal while another thread captures a graph), with the GIL held
+    # on garbage collection, and could not time out.
+    run_scenario(
+        mock_dir,
+        """
+        import time
+        s, nccl, cap = (m.mock_stream_create(0) for _ in range(3))
+        m.mock_enqueue_hang(nccl)       # an NCCL kernel spinning on a dead peer
+        m.mock_stream_capture(cap, 1)   # another thread captures a CUDA graph meanwhile
+        pool = Pool("page_first", [64], backup=True)
+        pool.run("kernel", np.arange(5), np.arange(5), s)
+        pool.region.unregister_cuda()   # waits for this pool's transfer only
+        assert not pool.region.pinned and m.mock_registrations() == 0
+        pool.check("the queued backup finished before the memory was unpinned")
+
+        # Garbage collection of a pinned pool with work queued: same wait, GIL released (the
+        # mock flags blocking calls made with the GIL held).
+        gone = Pool("layer_first", [32], backup=False)
+        gone.run("kernel", np.arange(4), np.arange(4), s, layer=1)
+        del gone
+        gc.collect()
+        assert m.mock_registrations() == 0
+
+        # Work that cannot finish (queued behind a hung kernel): a bounded wait, a clear error,
+        # and the memory stays pinned (and mapped) instead of being freed under the DMA.
+        stuck_stream = m.mock_stream_create(0)
+        m.mock_enqueue_hang(stuck_stream)
+        stuck = Pool("page_first", [64], backup=True)
+        stuck.run("kernel", np.arange(3), np.arange(3), stuck_stream)
+        t0 = time.monotonic()
+        try:
+            stuck.region.unregister_cuda()
+        except RuntimeError as e:
+            assert "timed out after 0.5 s" in str(e) and "stays pinned" in str(e), e
+        else:
+            raise AssertionError("a wait that cannot end returned")
+        assert time.monotonic() - t0 < 10
+        assert stuck.region.pinned and m.mock_registrations() == 1
+        m.mock_unhang()                 # the peer came back
+        stuck.region.unregister_cuda()
+        assert not stuck.region.pinned and m.mock_registrations() == 0
+        m.mock_stream_capture(cap, 0)
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
+        HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )
+
+
+def test_destroy_racing_transfers_never_unpins_under_queued_work(mock_dir):
+    # Before: a transfer that had passed its checks could enqueue after destroy() drained and
+    # unpinned the region; the mock then sees a kernel or copy touch unregistered memory (a
+    # sticky illegal-address error on a GPU).
+    run_scenario(
+        mock_dir,
+        """
+        import random, time
+        for rnd in range(3):
+            pool = Pool("layer_first", [4096, 4096], layers=4, rows=128, dev_rows=128,
+                        backup=True, seed=rnd)
+            streams = [m.mock_stream_create(0) for _ in range(3)]
+            refused, errors = [], []
+
+            def transfers(k):
+                rng = random.Random(k)
+                for i in range(12):
+                    backend = "kernel" if (i + k) % 2 else "direct"
+                    start = rng.randrange(0, 64) // 4 * 4
+                    idx = np.arange(start, start + 64)
+                    try:
+                        pool.run(backend, idx, idx, streams[k])
+                    except RuntimeError as e:
+                        text = str(e)
+                        if "being unregistered" in text or "not registered" in text or \\
+                                "needs host memory registered" in text:
+                            refused.append(text)
+                        else:
+                            errors.append(text)
+
+            def destroy():
+                time.sleep(0.01 + 0.01 * rnd)
+                pool.region.unregister_cuda()
+
+            ts = [threading.Thread(target=transfers, args=(k,)) for k in range(3)]
+            ts.append(threading.Thread(target=destroy))
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert not errors, errors[:3]
+            assert not pool.region.pinned
+            m.mock_sync_all()
+            no_violations()
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
+        MOCK_ENQUEUE_DELAY_US=3000,
+    )
+
+
+def test_direct_copies_never_span_two_registration_chunks(mock_dir):
+    # Before: a coalesced run crossing a chunk seam went to the driver as one copy, which the
+    # driver (and the mock) rejects.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        for backup in (True, False):
+            # 16 KiB in 4 KiB chunks: every layer's run of 64 rows crosses a seam somewhere.
+            pool = Pool("layer_first", [40, 24], layers=4, rows=64, dev_rows=64, page=4,
+                        backup=backup, granularity=4096, chunk_limit=4096)
+            assert m.mock_registrations() > 2
+            hi = np.arange(64); di = np.arange(64)
+            pool.run("direct", hi, di, s, layer=1)
+            hi2 = np.arange(16, 48); di2 = np.arange(0, 32)
+            pool.run("direct", hi2, di2, s, layer=2)
+            m.mock_sync_all()
+            pool.check(f"backup={backup}")
+            pool.region.unregister_cuda()
+        assert m.mock_counter(9) == 0, "a copy spanning two registrations reached the driver"
+
+        # One host layer, device -> host (a layer-sharded pool), on both backends.
+        pool = Pool("layer_first", [40, 24], layers=4, rows=64, dev_rows=64, backup=True,
+                    granularity=4096, chunk_limit=4096)
+        hi = np.arange(64); di = np.arange(64)
+        for backend, layer in (("direct", 1), ("kernel", 2)):
+            ptrs = [pool.dev[p * 4 + layer].ctypes.data for p in range(2)]
+            ptrs_cpu = [pool.dev_cpu[p * 4 + layer].ctypes.data for p in range(2)]
+            pool.core_cpu.backup(backend, ptrs_cpu, 64, arr(hi), arr(di), "cpu", 0,
+                                 host_layer=layer)
+            pool.core.backup(backend, ptrs, 64, arr(hi), arr(di), "cuda", s, host_layer=layer)
+        m.mock_sync_all()
+        pool.check("one host layer backed up")
+        assert m.mock_counter(9) == 0
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
+    )
+
+
+@pytest.mark.parametrize("batch", ["1", "0"])
+def test_direct_copies_never_span_two_registration_chunks_per_copy_path(mock_dir, batch):
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("layer_first", [40], layers=4, rows=64, dev_rows=64, backup=True,
+                    granularity=4096, chunk_limit=4096)
+        pool.run("direct", np.arange(64), np.arange(64), s)
+        m.mock_sync_all()
+        pool.check()
+        assert m.mock_counter(9) == 0
+        """,
+        HOSTKV_DIRECT_BATCH=batch,
+    )
+
+
+def test_registration_is_chunked_at_the_limit_and_retried_by_halving(mock_dir):
+    # Before: granularity 0 registered the whole region in one call (no limit) and a refused
+    # chunk failed the pool at once.
+    run_scenario(
+        mock_dir,
+        """
+        region = _core.HostRegion((1 << 20) + 3 * 4096)
+        region.register_cuda(0, 1 << 30)   # the mock refuses registrations over 300000 bytes
+        sizes = [n for _, n in region.registered_ranges]
+        assert len(sizes) > 1 and max(sizes) <= 300000, sizes
+        assert sum(sizes) == region.nbytes
+        assert all((b - region.address) % 4096 == 0 for b, _ in region.registered_ranges)
+        assert m.mock_registrations() == len(sizes)
+        region.unregister_cuda()
+
+        capped = _core.HostRegion(1 << 20)
+        capped.register_cuda(0, 64 << 10)  # no granularity given: chunks still capped
+        assert [n for _, n in capped.registered_ranges] == [64 << 10] * 16
+        capped.unregister_cuda()
+
+        # Halving stops at one copy unit; then the contract's error, everything rolled back.
+        unit = 400000
+        big = _core.HostRegion((1 << 20) + 3 * 4096)
+        try:
+            big.register_cuda(unit, 1 << 30)
+        except RuntimeError as e:
+            text = str(e)
+            assert text.startswith("cudaHostRegister failed (rc=2, ") and \\
+                f"at offset=0 size={unit} (total={big.nbytes}, chunk_limit=" in text, text
+        else:
+            raise AssertionError("a copy unit the driver refuses was accepted")
+        assert m.mock_registrations() == 0 and not big.pinned
+        """,
+        MOCK_REGISTER_MAX_BYTES=300000,
+    )
+
+
+def test_unregistration_runs_on_the_device_the_range_was_registered_on(mock_dir):
+    # Before: a thread with no current context unregistered with GPU 0's primary context,
+    # creating a context on GPU 0 (on every rank of an 8-GPU node).
+    run_scenario(
+        mock_dir,
+        """
+        c1 = ctypes.c_uint64()
+        assert m.cuDevicePrimaryCtxRetain(ctypes.byref(c1), 1) == 0
+        assert m.cuCtxSetCurrent(c1.value) == 0        # torch.cuda.set_device(1)
+        s1 = m.mock_stream_create(1)
+        pool = Pool("page_first", [32], device=1, backup=True)
+        pool.run("kernel", np.arange(4), np.arange(4), s1)
+        m.mock_sync_all()
+        assert m.cuCtxSetCurrent(0) == 0
+        done = {}
+        def destroy():                                  # a thread that never touched CUDA
+            pool.region.unregister_cuda()
+            done["ctx"] = m.mock_current_ctx()
+        t = threading.Thread(target=destroy); t.start(); t.join()
+        assert done == {"ctx": 0} and m.mock_registrations() == 0
+        assert m.mock_ctx_created(0) == 0, "a context was created on GPU 0"
+        """,
+        MOCK_DEVICES=2,
+    )
+
+
+def test_staged_indices_reach_the_kernels_from_device_memory(mock_dir):
+    # Before: the kernels read host-resident indices (and long layer tables) from mapped pinned
+    # memory, every warp over PCIe.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_first", [16, 8], layers=131, rows=64, dev_rows=64, backup=True)
+        for k in range(3):
+            hi = indices(7, pool.rows, np.int64, k); di = indices(7, pool.dev_rows, np.int32, k)
+            pool.run("kernel", hi, di, s)
+            hi[:] = 0; di[:] = 0
+        m.mock_sync_all()
+        pool.check()
+        assert m.mock_counter(7) == 3, m.mock_counter(7)  # one async copy per call
+        assert m.mock_counter(6) == 0, "a kernel read indices or a layer table from host memory"
+        """,
+    )
+
+
+def test_a_second_driver_library_in_the_process_is_refused(mock_dir, tmp_path):
+    # Before: cudarc's libcuda.so (e.g. a toolkit stub) was used next to torch's libcuda.so.1.
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(os.path.join(mock_dir, "libcuda.so"), other / "libcuda.so.1")
+    run_scenario(
+        mock_dir,
+        """
+        assert not _core.cuda_available()
+        info = _core.runtime_info()
+        assert "two different CUDA driver libraries" in info and "libcuda.so.1" in info, info
+        region = _core.HostRegion(4096)
+        try:
+            region.register_cuda()
+        except RuntimeError as e:
+            assert "two different CUDA driver libraries" in str(e), e
+        else:
+            raise AssertionError("registered through a second driver")
+        """,
+        PRELOAD_DRIVER=str(other / "libcuda.so.1"),
+        EXPECT_UNAVAILABLE=1,
+    )
+
+
+def test_pin_memory_with_a_gpu_the_core_cannot_use_raises(monkeypatch):
+    # Before: the pool was silently left unpinned.
+    import torch
+    from hostkv_rs import _core, _memory
+
+    if _core.cuda_available():
+        pytest.skip("the core can use CUDA here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="pin_memory=True"):
+        _memory.alloc_host_region(4096, pin_memory=True)
+    region = _memory.alloc_host_region(4096, pin_memory=False)
+    assert not region.pinned
+
+
+def test_every_refused_launch_is_counted_and_reported(mock_dir):
+    # Before: a bad-index launch that ran while an earlier report was unread was not recorded,
+    # so its transfer (which wrote nothing) looked successful.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_first", [32, 16], backup=True)
+        before = np.frombuffer(pool.region, dtype=np.uint8).copy()
+        ptrs = [d.ctypes.data for d in pool.dev]
+        hi = labelled(np.arange(6))
+        bad1 = labelled(np.array([0, 1, 2, 99, 4, 5]))
+        bad2 = labelled(np.array([0, -3, 2, 3, 4, 5]))
+        # Both queued before either runs: the second runs while the first report is unread.
+        pool.core.backup("kernel", ptrs, pool.dev_rows, arr(hi, True), arr(bad1, True), "cuda", s)
+        pool.core.backup("kernel", ptrs, pool.dev_rows, arr(hi, True), arr(bad2, True), "cuda", s)
+        m.mock_sync_all()
+        try:
+            _core.check_device_errors()
+        except _core.TransferError as e:
+            text = str(e)
+            assert text.startswith("device index 99 ") and "2 CUDA transfers were refused" in text, text
+        else:
+            raise AssertionError("the bad indices were not reported")
+        _core.check_device_errors()           # reported once
+        assert np.array_equal(np.frombuffer(pool.region, dtype=np.uint8), before)
+        # The next one is reported on its own, by the next transfer call (which does not run).
+        pool.core.backup("kernel", ptrs, pool.dev_rows, arr(hi, True), arr(bad2, True), "cuda", s)
+        m.mock_sync_all()
+        launches = m.mock_counter(0)
+        try:
+            pool.run("kernel", np.arange(3), np.arange(3), s)
+        except _core.TransferError as e:
+            assert str(e).startswith("device index -3 ") and "transfers were" not in str(e), e
+        else:
+            raise AssertionError("the pending error was not reported")
+        assert m.mock_counter(0) == launches
+        _core.check_device_errors()
+        """,
+    )
+
+
+def test_kernels_survive_a_primary_context_reset(mock_dir):
+    # Before: per-context function handles from cuModuleGetFunction went stale when the primary
+    # context was reset, and the next launch failed (invalid handle).
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_head", [48], heads=2, backup=True)
+        pool.run("kernel", np.arange(4), np.arange(4, 8), s)
+        m.mock_sync_all()
+        pool.check("before the reset")
+        assert m.cuDevicePrimaryCtxReset_v2(0) == 0
+        pool.run("kernel", labelled(np.arange(8, 12)), labelled(np.arange(4)), s,
+                 hi_dev=True, di_dev=True)
+        m.mock_sync_all()
+        pool.check("after the reset")
+        _core.check_device_errors()
+        """,
+    )
+
+
+def test_transfers_on_a_capturing_stream_are_refused(mock_dir):
+    # Before: the copies were captured into the graph (replayed later, after their staging
+    # buffers and checks were recycled), with no error.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        m.mock_stream_capture(s, 1)
+        for backend, layout in (("kernel", "page_first"), ("direct", "layer_first")):
+            pool = Pool(layout, [32])
+            try:
+                pool.run(backend, np.arange(8), np.arange(8), s)
+            except RuntimeError as e:
+                assert f"CUDA stream {s:#x} is capturing a CUDA graph" in str(e), e
+            else:
+                raise AssertionError(f"{backend}: a capturing stream was accepted")
+            try:                       # the legacy stream, while another stream captures
+                pool.run(backend, np.arange(8), np.arange(8), 0)
+            except RuntimeError as e:
+                assert "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT" in str(e), e
+            else:
+                raise AssertionError(f"{backend}: the legacy stream was used during a capture")
+        assert m.mock_counter(8) == 0 and m.mock_pending_ops() == 0
+        m.mock_stream_capture(s, 0)
+        """,
+    )
+
+
+def test_nothing_blocks_with_the_gil_held(mock_dir):
+    # The mock flags every blocking driver call (JIT, pinning, allocation, waits, pageable copies)
+    # made by a thread holding the GIL. Before: the first small transfer JIT-compiled with the
+    # GIL held, staging waits and index read-backs too.
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("page_first", [16], layers=2, rows=64, dev_rows=64, backup=False)
+        for k in range(40):                # more than the 32 staging buffers: waits happen
+            hi = indices(3, pool.rows, np.int64, k); di = indices(3, pool.dev_rows, np.int64, k)
+            pool.run("kernel", hi, di, s, layer=k % 2)
+        direct = Pool("layer_first", [16], backup=True)
+        direct.run("direct", labelled(np.arange(8)), labelled(np.arange(8)), s,
+                   hi_dev=True, di_dev=True)
+        m.mock_sync_all()
+        pool.check(); direct.check()
+        """,
+    )
+
+
+def test_direct_backend_refuses_pageable_host_memory(mock_dir):
+    # Before: it ran a synchronous copy from pageable memory (with the GIL held).
+    run_scenario(
+        mock_dir,
+        """
+        s = m.mock_stream_create(0)
+        pool = Pool("layer_first", [32], backup=True)
+        pool.region.unregister_cuda()
+        try:
+            pool.run("direct", np.arange(8), np.arange(8), s)
+        except RuntimeError as e:
+            assert "needs host memory registered with CUDA" in str(e), e
+        else:
+            raise AssertionError("a pageable host pool was copied synchronously")
+        assert m.mock_counter(5) == 0 and m.mock_pending_ops() == 0
         """,
     )

@@ -103,6 +103,12 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
                 f"registration_granularity_bytes must be positive, got {registration_granularity}"
             )
         region.register_cuda(registration_granularity, register_chunk_limit_bytes())
+    elif pin_memory and nbytes > 0 and torch.cuda.is_available():
+        # Never leave a pool silently unpinned next to a GPU: transfers would be pageable.
+        raise RuntimeError(
+            "pin_memory=True: torch sees a CUDA GPU but the hostkv_rs core cannot use CUDA, so "
+            f"the host pool cannot be pinned ({_core.runtime_info()})"
+        )
     return region
 
 

@@ -51,6 +51,7 @@ void hkv_params_layout(unsigned long long* out, unsigned int cap) {
         offsetof(HkvParams, host_rows),
         offsetof(HkvParams, dev_rows),
         offsetof(HkvParams, err),
+        offsetof(HkvParams, dev_err),
         offsetof(HkvParams, abort_seq),
         offsetof(HkvParams, layers),
         offsetof(HkvParams, layer_begin),
@@ -63,8 +64,13 @@ void hkv_params_layout(unsigned long long* out, unsigned int cap) {
         offsetof(HkvParams, host_idx_wide),
         offsetof(HkvParams, dev_idx_wide),
         sizeof(HkvErrorRecord),
+        sizeof(HkvDeviceRecord),
+        offsetof(HkvErrorRecord, aborted),
+        offsetof(HkvErrorRecord, ack),
+        offsetof(HkvDeviceRecord, abort_ring),
         HKV_INLINE_PTRS,
         HKV_ABORT_RING,
+        HKV_BLOCK,
     };
     const unsigned int n = sizeof(v) / sizeof(v[0]);
     for (unsigned int i = 0; i < n && i < cap; ++i) {

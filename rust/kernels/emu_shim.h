@@ -49,14 +49,27 @@ inline void hkv_emu_store(T* p, T v) {
     std::memcpy(static_cast<void*>(p), &v, sizeof(T));
 }
 
+// A includer may define its own (the stand-in driver checks every address a kernel touches).
+#ifndef HKV_LOAD
 #define HKV_LOAD(ptr) hkv_emu_load(ptr)
+#endif
+#ifndef HKV_STORE
 #define HKV_STORE(ptr, v) hkv_emu_store((ptr), (v))
+#endif
 #define HKV_PRAGMA_UNROLL
 
 inline unsigned long long atomicCAS(unsigned long long* addr, unsigned long long compare,
                                     unsigned long long val) {
     __atomic_compare_exchange_n(addr, &compare, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return compare;
+}
+
+inline unsigned long long atomicExch(unsigned long long* addr, unsigned long long val) {
+    return __atomic_exchange_n(addr, val, __ATOMIC_SEQ_CST);
+}
+
+inline unsigned long long atomicAdd(unsigned long long* addr, unsigned long long val) {
+    return __atomic_fetch_add(addr, val, __ATOMIC_SEQ_CST);
 }
 
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

@@ -37,19 +37,39 @@ typedef unsigned int hkv_u32;
 #define HKV_SIDE_HOST 0
 #define HKV_SIDE_DEVICE 1
 
-// Error record shared by every launch of a process (host-mapped pinned memory on a GPU). The
-// first bad device-resident index claims `flag` (0 -> HKV_FLAG_CLAIMED, compare-and-swap), fills
-// value/bound/side, fences, then publishes (flag = HKV_FLAG_PUBLISHED). The host reads the record
-// without synchronising, so it reports only a published record (a claimed one may still have
-// half-written fields) and then clears `flag` back to 0. abort_ring[seq % HKV_ABORT_RING] == seq
-// tells the copy kernel of launch `seq` that its index check failed, so it writes nothing at all.
-#define HKV_FLAG_CLAIMED 1ULL
-#define HKV_FLAG_PUBLISHED 2ULL
+// Threads per block of both kernels, and the blocks per SM the copy kernel is compiled to allow
+// (__launch_bounds__): 256 threads x 4 blocks caps it at 64 registers per thread, so one copy
+// block takes a quarter of an SM's register file and the forward pass's blocks keep running
+// beside it (a 1024-thread block at 64 registers would need a whole, empty SM).
+#define HKV_BLOCK 256
+#define HKV_MIN_BLOCKS_PER_SM 4
+
+// Bad device-resident indices are reported through two records per CUDA context.
+//
+// HkvDeviceRecord lives in device memory: every atomic of the protocol is a device-scope atomic
+// on it (atomics on mapped host memory are not atomic for the host or for other devices). The
+// first thread of a launch to find a bad index marks the launch in abort_ring (exchange; the
+// copy kernel of that launch then writes nothing) and counts it in `aborted` (one count per
+// refused launch, whether or not an earlier report is still unread). If no record is pending
+// (`claim` == the host's `ack`), it claims the next generation, writes the details into the
+// host-mapped HkvErrorRecord and publishes them (flag = generation) after a system fence; the
+// count is raised after that, so a host reading half-way counts every launch exactly once.
+//
+// HkvErrorRecord is pinned, device-mapped host memory the host reads without synchronising:
+// `flag` > `ack` means a published, unreported record; `aborted` mirrors the device count; the
+// host writes `ack` = `flag` once it has reported the record, which lets the next one be claimed.
 struct HkvErrorRecord {
     hkv_u64 flag;
     hkv_u64 value;
     hkv_u64 bound;
     hkv_u64 side;
+    hkv_u64 aborted;
+    hkv_u64 ack;
+};
+
+struct HkvDeviceRecord {
+    hkv_u64 claim;
+    hkv_u64 aborted;
     hkv_u64 abort_ring[HKV_ABORT_RING];
 };
 
@@ -71,8 +91,10 @@ struct HkvParams {
     // Bounds: host rows S and device rows.
     hkv_u64 host_rows;
     hkv_u64 dev_rows;
-    // HkvErrorRecord* (0: none) and this launch's sequence number (0: no abort slot).
+    // Device-visible HkvErrorRecord* and HkvDeviceRecord* (0: none), and this launch's sequence
+    // number (0: no abort slot).
     hkv_u64 err;
+    hkv_u64 dev_err;
     hkv_u64 abort_seq;
     hkv_u32 layers;       // L of the host pool
     hkv_u32 layer_begin;  // first host layer moved
@@ -194,37 +216,47 @@ __device__ __forceinline__ void hkv_copy_segment(const unsigned char* src, unsig
 
 __device__ __forceinline__ void hkv_record_bad_index(const HkvParams& p, long long value,
                                                      hkv_u64 bound, hkv_u64 side) {
-    if (p.err == 0) {
+    if (p.err == 0 || p.dev_err == 0) {
         return;
     }
-    HkvErrorRecord* rec = reinterpret_cast<HkvErrorRecord*>(p.err);
-    if (atomicCAS(&rec->flag, 0ULL, HKV_FLAG_CLAIMED) == 0ULL) {
-        volatile HkvErrorRecord* v = rec;
-        v->value = static_cast<hkv_u64>(value);
-        v->bound = bound;
-        v->side = side;
+    HkvDeviceRecord* d = reinterpret_cast<HkvDeviceRecord*>(p.dev_err);
+    volatile HkvErrorRecord* h = reinterpret_cast<volatile HkvErrorRecord*>(p.err);
+    if (p.abort_seq != 0 &&
+        atomicExch(&d->abort_ring[p.abort_seq % HKV_ABORT_RING], p.abort_seq) == p.abort_seq) {
+        return;  // this launch is already marked and counted
+    }
+    const hkv_u64 gen = h->ack;
+    if (atomicCAS(&d->claim, gen, gen + 1ULL) == gen) {
+        h->value = static_cast<hkv_u64>(value);
+        h->bound = bound;
+        h->side = side;
         // The fields must reach host memory before the host can see the record as published.
         __threadfence_system();
-        v->flag = HKV_FLAG_PUBLISHED;
+        h->flag = gen + 1ULL;
     }
-    if (p.abort_seq != 0) {
-        volatile hkv_u64* ring = rec->abort_ring;
-        ring[p.abort_seq % HKV_ABORT_RING] = p.abort_seq;
-    }
-    __threadfence_system();
+    // Counted after publishing, so a host that reads the record counts this launch once.
+    atomicAdd(&d->aborted, 1ULL);
+    // Mirror the count to the host; re-read until no other launch moved it meanwhile, so the
+    // host's copy never ends below the device count.
+    hkv_u64 seen;
+    do {
+        seen = atomicAdd(&d->aborted, 0ULL);
+        h->aborted = seen;
+        __threadfence_system();
+    } while (atomicAdd(&d->aborted, 0ULL) != seen);
 }
 
 __device__ __forceinline__ bool hkv_aborted(const HkvParams& p) {
-    if (p.err == 0 || p.abort_seq == 0) {
+    if (p.dev_err == 0 || p.abort_seq == 0) {
         return false;
     }
-    const volatile hkv_u64* ring = reinterpret_cast<const HkvErrorRecord*>(p.err)->abort_ring;
+    const volatile hkv_u64* ring = reinterpret_cast<const HkvDeviceRecord*>(p.dev_err)->abort_ring;
     return ring[p.abort_seq % HKV_ABORT_RING] == p.abort_seq;
 }
 
 // Pass 1 for device-resident indices: checks every index before the copy kernel (same stream)
 // runs, so one bad index means nothing of the transfer is written.
-extern "C" __global__ void __launch_bounds__(1024, 1)
+extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     hkv_check_indices(const __grid_constant__ HkvParams p) {
     const hkv_u64 stride = static_cast<hkv_u64>(gridDim.x) * blockDim.x;
     for (hkv_u64 i = static_cast<hkv_u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
@@ -242,9 +274,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 
 // Pass 2: one warp per task (index position i, plane, moved layer j); tasks are dealt out
 // round-robin over all warps of the grid, so any grid size (block quota) moves the same bytes.
-// The task counter is kept as (i, r) and advanced without 64-bit division (registers are tight
-// at 1024 threads per block).
-extern "C" __global__ void __launch_bounds__(1024, 1)
+// The task counter is kept as (i, r) and advanced without 64-bit division (registers are capped
+// at 64 per thread by the launch bounds).
+extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     hkv_transfer(const __grid_constant__ HkvParams p) {
     if (hkv_aborted(p)) {
         return;

@@ -2,23 +2,45 @@
 //
 // It implements the driver entry points rust/src/cuda calls, with the rules of the real driver
 // that our code depends on, and nothing else:
-//   * a per-thread context stack (cuCtxSetCurrent/Push/Pop) and primary contexts per device;
-//     calls that need a current context fail with CUDA_ERROR_INVALID_CONTEXT without one;
+//   * a per-thread context stack (cuCtxSetCurrent/Push/Pop) and primary contexts per device, with
+//     a generation that cuDevicePrimaryCtxReset bumps (function handles of an older generation are
+//     stale; cuCtxGetId changes); calls that need a current context fail without one, and a
+//     primary context made active for the first time is counted (mock_ctx_created);
 //   * work is asynchronous: launches and copies are queued per stream and run only when the
-//     stream, an event recorded on it, or the context is synchronised (or the test drains them),
-//     so a host buffer reused before the queued work ran is caught as wrong bytes;
-//   * kernel launches run the real kernels (hostkv_transfer.cu under the CPU emulation shim)
-//     with a copy of the parameter block taken at launch, as the driver does;
-//   * cuMemHostRegister ranges may not overlap; only registered or cuMemHostAlloc'd memory has a
-//     device pointer; unregistering while work is queued is recorded as a violation;
+//     stream, an event recorded on it, or the context is synchronised (or the test drains them;
+//     MOCK_PROGRESS_ON_QUERY=1 also lets cuEventQuery advance a stream up to the event, as a GPU
+//     gets there by itself), so a host buffer reused before the queued work ran is caught as
+//     wrong bytes; a "hung kernel" (mock_enqueue_hang, an NCCL kernel spinning on a dead peer)
+//     never completes, and any wait behind it is a violation (it would hang forever);
+//   * kernel launches run the real kernels (hostkv_transfer.cu under the CPU emulation shim) with
+//     a copy of the parameter block taken at launch, as the driver does; the block size may not
+//     exceed the entry's .maxntid; every address a kernel touches must be registered, allocated or
+//     labelled device memory when it runs (else a violation: on a GPU, an illegal-address error
+//     that kills the process's CUDA state); kernels reading index arrays or layer tables from
+//     host memory are counted;
+//   * cuMemHostRegister ranges may not overlap (MOCK_REGISTER_MAX_BYTES: larger ones fail, as on a
+//     GPU whose memory is full); only registered or cuMemHostAlloc'd memory has a device pointer;
+//     a copy whose host range spans two registrations is rejected (CUDA_ERROR_INVALID_VALUE);
+//     a copy from pageable memory is synchronous; unregistering a range that queued work still
+//     touches, or running queued work on memory unregistered since it was queued, is a violation;
 //   * cuMemcpyBatchAsync (12.8 ABI, with failIdx) and cuMemcpyBatchAsync_v2 (13.0 ABI) check
-//     their arguments and refuse the legacy stream, as the driver does.
+//     their arguments and refuse the legacy stream, as the driver does;
+//   * stream capture (mock_stream_capture): work enqueued on a capturing stream is recorded into
+//     the graph, not run; cuCtxSynchronize during a capture is illegal; cuStreamIsCapturing of
+//     the legacy stream then answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+//   * blocking calls (JIT, pinning, allocation, synchronisation, pageable copies) made by a
+//     thread that holds the Python GIL are violations (unless MOCK_ALLOW_GIL=1).
 // Knobs (environment): MOCK_CUDA_VERSION (default 13000), MOCK_DEVICES (1), MOCK_INIT_RC (0),
-// MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_BATCH_UNSUPPORTED,
-// MOCK_JIT_FAIL. The test reads counters through the mock_* functions (ctypes).
+// MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_MAX_BYTES,
+// MOCK_BATCH_UNSUPPORTED, MOCK_JIT_FAIL, MOCK_PROGRESS_ON_QUERY, MOCK_ENQUEUE_DELAY_US (sleep
+// before each launch/copy is queued: widens race windows), MOCK_ALLOW_GIL. The test reads
+// counters through the mock_* functions (ctypes).
 //
 // Build: g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I rust/kernels mock_libcuda.cpp
-//        -o <dir>/libcuda.so, then run the process under test with LD_LIBRARY_PATH=<dir>.
+//        -o <dir>/libcuda.so -ldl, then run the process under test with LD_LIBRARY_PATH=<dir>.
+
+#include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -30,12 +52,34 @@
 #include <string>
 #include <vector>
 
+namespace mockmem {
+// Every address an emulated kernel loads or stores goes through here (see HKV_LOAD below).
+bool check(const void* p, size_t n);
+}  // namespace mockmem
+
+template <typename T>
+inline T hkv_mock_load(const T* p) {
+    T v{};
+    if (mockmem::check(p, sizeof(T))) {
+        std::memcpy(&v, static_cast<const void*>(p), sizeof(T));
+    }
+    return v;
+}
+
+template <typename T>
+inline void hkv_mock_store(T* p, T v) {
+    if (mockmem::check(p, sizeof(T))) {
+        std::memcpy(static_cast<void*>(p), &v, sizeof(T));
+    }
+}
+
+#define HKV_LOAD(ptr) hkv_mock_load(ptr)
+#define HKV_STORE(ptr, v) hkv_mock_store((ptr), (v))
+
 #include "emu_shim.h"
 #include "hostkv_transfer.cu"
 
 #define API extern "C" __attribute__((visibility("default")))
-
-void hkv_emu_launch_kernel(int kernel, const HkvParams& p, unsigned grid);
 
 namespace {
 
@@ -50,32 +94,57 @@ enum : int {
     E_INVALID_HANDLE = 400,
     E_NOT_FOUND = 500,
     E_NOT_READY = 600,
+    E_LAUNCH_TIMEOUT = 702,
     E_ALREADY_REGISTERED = 712,
     E_NOT_REGISTERED = 713,
     E_NOT_SUPPORTED = 801,
+    E_CAPTURE_UNSUPPORTED = 900,
+    E_CAPTURE_IMPLICIT = 906,
 };
 
 constexpr int kMaxDevices = 8;
+constexpr uint32_t kKernelMagic = 0x4b524e4c;  // "KRNL"
+constexpr uint32_t kFuncMagic = 0x46554e43;    // "FUNC"
 
 struct Ctx {
     int device;
     int refs;
     bool active;
+    unsigned gen;
 };
 
 struct Module {
     Ctx* ctx;
+    unsigned gen;
 };
 
+// cuModuleGetFunction / cuKernelGetFunction handles: bound to one context generation.
 struct Func {
+    uint32_t magic;
     Ctx* ctx;
+    unsigned gen;
     int kernel;  // 0 = hkv_check_indices, 1 = hkv_transfer
+};
+
+// cuLibraryGetKernel handles: context-independent.
+struct Kernel {
+    uint32_t magic;
+    int kernel;
+};
+
+struct Library {
+    unsigned maxntid[2];
 };
 
 struct Event {
     Ctx* ctx;
     bool pending;
+    unsigned seq;
+    int device;
+    uint64_t stream;
 };
+
+enum Side { DEVICE_MEM, PINNED, PAGEABLE };
 
 struct Copy {
     uint64_t dst, src;
@@ -83,36 +152,49 @@ struct Copy {
 };
 
 struct Op {
-    int kind;  // 0 kernel, 1 copies, 2 event marker
+    int kind;  // 0 kernel, 1 copies, 2 event marker, 3 hung kernel, 4 memset
     int kernel;
-    unsigned grid;
+    unsigned grid, block;
     HkvParams params;
     std::vector<Copy> copies;
     Event* event;
+    unsigned seq;
+    uint64_t dst;
+    size_t n;
+    unsigned char value;
 };
 
 struct Range {
     uint64_t base, len;
-    int device;  // registered / labelled against this device
+    int device;  // registered / allocated / labelled against this device
     unsigned flags;
 };
 
 std::recursive_mutex mu;
 bool inited = false;
 Ctx ctxs[kMaxDevices];
+long created[kMaxDevices];
 thread_local std::vector<Ctx*> stack;
-std::vector<Range> registered, host_allocs, labels;
-std::map<uint64_t, int> stream_device;  // mock_stream_create handles -> device
+std::vector<Range> registered, host_allocs, labels, dev_allocs;
+std::map<uint64_t, int> stream_device;  // stream handles -> device
+std::map<uint64_t, bool> capturing;     // stream handle -> capture active
 std::map<std::pair<int, uint64_t>, std::deque<Op>> queues;  // (device, stream) -> work
+std::map<std::pair<Ctx*, unsigned>, bool> warm;             // per-context library loads
 int register_calls = 0;
-long counters[8];  // see mock_counter
+long counters[16];  // see mock_counter
 int last_launch_device = -1;
 std::string violation;
 int violations = 0;
+bool kernel_fault_reported = false;
 
 int env_int(const char* name, int dflt) {
     const char* v = std::getenv(name);
     return v && *v ? std::atoi(v) : dflt;
+}
+
+long long env_ll(const char* name, long long dflt) {
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoll(v) : dflt;
 }
 
 int device_count() { return env_int("MOCK_DEVICES", 1); }
@@ -121,6 +203,18 @@ void violate(const std::string& what) {
     ++violations;
     violation = what;
     std::fprintf(stderr, "mock libcuda: violation: %s\n", what.c_str());
+}
+
+// A blocking driver call: the calling thread must not hold the Python GIL.
+void blocking(const char* what) {
+    if (env_int("MOCK_ALLOW_GIL", 0)) {
+        return;
+    }
+    using Check = int (*)();
+    static Check gil = reinterpret_cast<Check>(dlsym(RTLD_DEFAULT, "PyGILState_Check"));
+    if (gil && gil() == 1) {
+        violate(std::string(what) + " (a blocking driver call) with the Python GIL held");
+    }
 }
 
 Ctx* current() { return stack.empty() ? nullptr : stack.back(); }
@@ -135,36 +229,134 @@ const Range* find(const std::vector<Range>& v, uint64_t p) {
     return nullptr;
 }
 
+bool is_device(uint64_t p) { return find(labels, p) || find(dev_allocs, p); }
+
+Side side_of(uint64_t p) {
+    if (is_device(p)) {
+        return DEVICE_MEM;
+    }
+    if (find(registered, p) || find(host_allocs, p)) {
+        return PINNED;
+    }
+    return PAGEABLE;
+}
+
+// Whether [p, p+n) lies in one range of kind `side` now.
+bool covered(uint64_t p, size_t n, Side side) {
+    const Range* r = nullptr;
+    if (side == DEVICE_MEM) {
+        r = find(labels, p);
+        if (!r || p + n > r->base + r->len) {
+            r = find(dev_allocs, p);
+        }
+    } else {
+        r = find(registered, p);
+        if (!r) {
+            r = find(host_allocs, p);
+        }
+    }
+    return r && p + n <= r->base + r->len;
+}
+
+// Host bytes of plane p of a kernel's parameter block (every layout: layers * rows * item).
+uint64_t plane_bytes(const HkvParams& p, unsigned plane) {
+    return static_cast<uint64_t>(p.layers) * p.host_rows * p.item_bytes[plane];
+}
+
+bool overlaps(uint64_t a, uint64_t alen, uint64_t b, uint64_t blen) {
+    return a < b + blen && b < a + alen;
+}
+
+bool op_touches(const Op& op, uint64_t base, uint64_t len) {
+    if (op.kind == 0) {
+        for (unsigned k = 0; k < op.params.planes && k < 2; ++k) {
+            if (overlaps(op.params.host_base[k], plane_bytes(op.params, k), base, len)) {
+                return true;
+            }
+        }
+    } else if (op.kind == 1) {
+        for (const Copy& c : op.copies) {
+            if (overlaps(c.src, c.n, base, len) || overlaps(c.dst, c.n, base, len)) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+void run_kernel(const Op& op);
+
 void run(Op& op) {
     switch (op.kind) {
         case 0:
-            hkv_emu_launch_kernel(op.kernel, op.params, op.grid);
+            run_kernel(op);
             break;
         case 1:
             for (const Copy& c : op.copies) {
-                std::memmove(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src),
-                             c.n);
+                // Pinned host memory queued for DMA must still be pinned when the copy runs.
+                bool ok = true;
+                for (uint64_t a : {c.src, c.dst}) {
+                    Side s = side_of(a);
+                    if (s == PAGEABLE || !covered(a, c.n, s)) {
+                        violate("a queued copy ran on memory that is no longer registered or "
+                                "allocated (an illegal address on a GPU)");
+                        ok = false;
+                    }
+                }
+                if (ok) {
+                    std::memmove(reinterpret_cast<void*>(c.dst),
+                                 reinterpret_cast<const void*>(c.src), c.n);
+                }
             }
             break;
+        case 2:
+            if (op.event->seq == op.seq) {
+                op.event->pending = false;
+            }
+            break;
+        case 4:
+            std::memset(reinterpret_cast<void*>(op.dst), op.value, op.n);
+            break;
         default:
-            op.event->pending = false;
+            break;
     }
 }
 
-void drain(std::deque<Op>& q) {
+// Runs queued work until `stop` (if given) has run; stops at a hung kernel. Returns false if it
+// stopped at a hung kernel before reaching `stop` (or the end).
+bool drain(std::deque<Op>& q, const Event* stop = nullptr, unsigned stop_seq = 0) {
     while (!q.empty()) {
+        if (q.front().kind == 3) {
+            return false;
+        }
         Op op = std::move(q.front());
         q.pop_front();
+        bool done = stop && op.kind == 2 && op.event == stop && op.seq == stop_seq;
         run(op);
-    }
-}
-
-void drain_device(int device) {
-    for (auto& [key, q] : queues) {
-        if (key.first == device) {
-            drain(q);
+        if (done) {
+            return true;
         }
     }
+    return true;
+}
+
+bool drain_device(int device) {
+    bool ok = true;
+    for (auto& [key, q] : queues) {
+        if (key.first == device) {
+            ok = drain(q) && ok;
+        }
+    }
+    return ok;
+}
+
+bool any_capture() {
+    for (auto& [s, on] : capturing) {
+        if (on) {
+            return true;
+        }
+    }
+    return false;
 }
 
 // The queue a stream handle names in the current context; nullptr if the handle is foreign.
@@ -183,6 +375,15 @@ std::deque<Op>* queue_of(uint64_t stream, bool* legacy) {
     return &queues[{c->device, stream}];
 }
 
+// Appends work to a stream: captured into a graph when the stream is capturing.
+void push(std::deque<Op>* q, uint64_t stream, Op&& op) {
+    if (capturing[stream]) {
+        ++counters[8];
+        return;
+    }
+    q->push_back(std::move(op));
+}
+
 size_t pending_ops() {
     size_t n = 0;
     for (auto& [key, q] : queues) {
@@ -191,24 +392,71 @@ size_t pending_ops() {
     return n;
 }
 
+void enqueue_delay() {
+    long long us = env_ll("MOCK_ENQUEUE_DELAY_US", 0);
+    if (us > 0) {
+        usleep(static_cast<useconds_t>(us));
+    }
+}
+
+thread_local const Range* last_hit = nullptr;
+
 }  // namespace
 
-// The emulated grid (the same loop as emu_runner.cpp, kept here so this library stands alone).
-void hkv_emu_launch_kernel(int kernel, const HkvParams& p, unsigned grid) {
-    gridDim = dim3{grid, 1, 1};
-    blockDim = dim3{1024, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) {
+bool mockmem::check(const void* ptr, size_t n) {
+    uint64_t p = reinterpret_cast<uint64_t>(ptr);
+    if (last_hit && p >= last_hit->base && p + n <= last_hit->base + last_hit->len) {
+        return true;
+    }
+    for (const std::vector<Range>* v : {&registered, &host_allocs, &labels, &dev_allocs}) {
+        const Range* r = find(*v, p);
+        if (r && p + n <= r->base + r->len) {
+            last_hit = r;
+            return true;
+        }
+    }
+    if (!kernel_fault_reported) {
+        kernel_fault_reported = true;
+        char buf[160];
+        std::snprintf(buf, sizeof buf,
+                      "a kernel touched 0x%llx, which is not registered, allocated or device "
+                      "memory (an illegal address on a GPU)",
+                      static_cast<unsigned long long>(p));
+        violate(buf);
+    }
+    return false;
+}
+
+namespace {
+
+void run_kernel(const Op& op) {
+    const HkvParams& p = op.params;
+    // Index arrays and layer tables the kernels read from host memory: every warp reads them over
+    // PCIe on a GPU.
+    for (uint64_t a : {p.host_idx, p.dev_idx, p.dev_table}) {
+        if (a && side_of(a) == PINNED) {
+            ++counters[6];
+        }
+    }
+    last_hit = nullptr;
+    kernel_fault_reported = false;
+    gridDim = dim3{op.grid, 1, 1};
+    blockDim = dim3{op.block, 1, 1};
+    for (unsigned b = 0; b < op.grid; ++b) {
         blockIdx = dim3{b, 0, 0};
-        for (unsigned t = 0; t < 1024; ++t) {
+        for (unsigned t = 0; t < op.block; ++t) {
             threadIdx = dim3{t, 0, 0};
-            if (kernel == 0) {
+            if (op.kernel == 0) {
                 hkv_check_indices(p);
             } else {
                 hkv_transfer(p);
             }
         }
     }
+    last_hit = nullptr;
 }
+
+}  // namespace
 
 #define LOCK std::lock_guard<std::recursive_mutex> lock(mu)
 #define NEED_INIT \
@@ -231,6 +479,7 @@ API int cuDriverGetVersion(int* v) {
 }
 
 API int cuInit(unsigned flags) {
+    blocking("cuInit");
     LOCK;
     if (flags != 0) {
         return E_INVALID_VALUE;
@@ -294,9 +543,12 @@ API int cuGetErrorName(int rc, const char** s) {
         {218, "CUDA_ERROR_INVALID_PTX"},
         {400, "CUDA_ERROR_INVALID_HANDLE"},
         {600, "CUDA_ERROR_NOT_READY"},
+        {702, "CUDA_ERROR_LAUNCH_TIMEOUT"},
         {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
         {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
         {801, "CUDA_ERROR_NOT_SUPPORTED"},
+        {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"},
+        {906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"},
     };
     auto it = names.find(rc);
     if (it == names.end()) {
@@ -325,6 +577,10 @@ API int cuDevicePrimaryCtxRetain(Ctx** out, int dev) {
     }
     Ctx* c = &ctxs[dev];
     c->device = dev;
+    if (!c->active) {
+        blocking("cuDevicePrimaryCtxRetain (creating a context)");
+        ++created[dev];
+    }
     c->refs += 1;
     c->active = true;
     *out = c;
@@ -350,6 +606,38 @@ API int cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active) {
     NEED_INIT;
     *flags = 0;
     *active = ctxs[dev].active ? 1 : 0;
+    return OK;
+}
+
+// Destroys the primary context's state (its allocations and loaded modules); the context is
+// re-created at the same handle with a new id on next use.
+API int cuDevicePrimaryCtxReset_v2(int dev) {
+    LOCK;
+    NEED_INIT;
+    if (dev < 0 || dev >= device_count()) {
+        return E_INVALID_DEVICE;
+    }
+    for (auto& [key, q] : queues) {
+        if (key.first == dev && !q.empty()) {
+            violate("cuDevicePrimaryCtxReset with work queued");
+        }
+    }
+    ctxs[dev].gen += 1;
+    for (size_t i = dev_allocs.size(); i-- > 0;) {
+        if (dev_allocs[i].device == dev) {
+            dev_allocs.erase(dev_allocs.begin() + static_cast<long>(i));
+        }
+    }
+    return OK;
+}
+
+API int cuCtxGetId(Ctx* c, unsigned long long* id) {
+    LOCK;
+    NEED_INIT;
+    if (!c) {
+        return E_INVALID_CONTEXT;
+    }
+    *id = (static_cast<unsigned long long>(c->device + 1) << 32) | c->gen;
     return OK;
 }
 
@@ -418,19 +706,33 @@ API int cuCtxGetDevice(int* dev) {
 }
 
 API int cuCtxSynchronize() {
+    blocking("cuCtxSynchronize");
     LOCK;
     NEED_CTX;
-    drain_device(current()->device);
+    if (any_capture()) {
+        violate("cuCtxSynchronize while a stream is capturing a CUDA graph (illegal)");
+        return E_CAPTURE_UNSUPPORTED;
+    }
+    if (!drain_device(current()->device)) {
+        violate("cuCtxSynchronize waits for every stream, including a hung kernel: it would "
+                "never return");
+        return E_LAUNCH_TIMEOUT;
+    }
     return OK;
 }
 
 // ---------------------------------------------------------------- host memory
 
 API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
+    blocking("cuMemHostRegister");
     LOCK;
     NEED_CTX;
     ++register_calls;
     if (register_calls == env_int("MOCK_FAIL_REGISTER_AT", 0)) {
+        return E_OUT_OF_MEMORY;
+    }
+    long long cap = env_ll("MOCK_REGISTER_MAX_BYTES", 0);
+    if (cap > 0 && static_cast<long long>(n) > cap) {
         return E_OUT_OF_MEMORY;
     }
     if (!p || n == 0) {
@@ -450,13 +752,19 @@ API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
 }
 
 API int cuMemHostUnregister(void* p) {
+    blocking("cuMemHostUnregister");
     LOCK;
     NEED_CTX;
     uint64_t b = reinterpret_cast<uint64_t>(p);
     for (size_t i = 0; i < registered.size(); ++i) {
         if (registered[i].base == b) {
-            if (pending_ops() > 0) {
-                violate("cuMemHostUnregister while copies or kernels are still queued");
+            for (auto& [key, q] : queues) {
+                for (const Op& op : q) {
+                    if (op_touches(op, b, registered[i].len)) {
+                        violate("cuMemHostUnregister while queued work still touches the range");
+                        break;
+                    }
+                }
             }
             registered.erase(registered.begin() + static_cast<long>(i));
             return OK;
@@ -466,6 +774,7 @@ API int cuMemHostUnregister(void* p) {
 }
 
 API int cuMemHostAlloc(void** p, size_t n, unsigned flags) {
+    blocking("cuMemHostAlloc");
     LOCK;
     NEED_CTX;
     if (flags != 3) {
@@ -482,6 +791,7 @@ API int cuMemHostAlloc(void** p, size_t n, unsigned flags) {
 }
 
 API int cuMemFreeHost(void* p) {
+    blocking("cuMemFreeHost");
     LOCK;
     NEED_CTX;
     uint64_t b = reinterpret_cast<uint64_t>(p);
@@ -510,6 +820,9 @@ API int cuPointerGetAttribute(void* data, int attr, uint64_t p) {
     LOCK;
     NEED_INIT;
     const Range* dev = find(labels, p);
+    if (!dev) {
+        dev = find(dev_allocs, p);
+    }
     if (attr == 9) {  // DEVICE_ORDINAL: needs no current context
         const Range* r = dev ? dev : find(registered, p);
         if (!r) {
@@ -531,13 +844,57 @@ API int cuPointerGetAttribute(void* data, int attr, uint64_t p) {
     return E_INVALID_VALUE;
 }
 
-// ---------------------------------------------------------------- modules and launches
+// ---------------------------------------------------------------- device memory
 
-API int cuModuleLoadDataEx(Module** out, const void* image, unsigned nopts, int* opts,
-                           void** vals) {
+API int cuMemAlloc_v2(uint64_t* d, size_t n) {
+    blocking("cuMemAlloc");
     LOCK;
     NEED_CTX;
-    const char* text = static_cast<const char*>(image);
+    size_t rounded = (n + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, rounded);
+    if (!p) {
+        return E_OUT_OF_MEMORY;
+    }
+    std::memset(p, 0x5A, rounded);  // device memory is not zeroed
+    *d = reinterpret_cast<uint64_t>(p);
+    dev_allocs.push_back({*d, n, current()->device, 0});
+    return OK;
+}
+
+API int cuMemFree_v2(uint64_t d) {
+    blocking("cuMemFree");
+    LOCK;
+    NEED_CTX;
+    for (size_t i = 0; i < dev_allocs.size(); ++i) {
+        if (dev_allocs[i].base == d) {
+            dev_allocs.erase(dev_allocs.begin() + static_cast<long>(i));
+            std::free(reinterpret_cast<void*>(d));
+            return OK;
+        }
+    }
+    return E_INVALID_VALUE;
+}
+
+// ---------------------------------------------------------------- modules and launches
+
+static bool ptx_ok(const char* text) {
+    return std::strstr(text, "\n.version 8.0\n") && std::strstr(text, "\n.target sm_80\n") &&
+           std::strstr(text, ".entry hkv_check_indices(") && std::strstr(text, ".entry hkv_transfer(");
+}
+
+// The .maxntid of an entry (0: none declared).
+static unsigned maxntid(const char* text, const char* entry) {
+    std::string want = std::string(".entry ") + entry + "(";
+    const char* at = std::strstr(text, want.c_str());
+    const char* body = at ? std::strchr(at, '{') : nullptr;
+    const char* m = at ? std::strstr(at, ".maxntid ") : nullptr;
+    if (!m || (body && m > body)) {
+        return 0;
+    }
+    return static_cast<unsigned>(std::strtoul(m + 9, nullptr, 10));
+}
+
+static void jit_log(unsigned nopts, int* opts, void** vals) {
     char* err_log = nullptr;
     size_t err_cap = 0;
     for (unsigned i = 0; i < nopts; ++i) {
@@ -547,16 +904,25 @@ API int cuModuleLoadDataEx(Module** out, const void* image, unsigned nopts, int*
             err_cap = reinterpret_cast<size_t>(vals[i]);
         }
     }
-    bool ok = std::strstr(text, "\n.version 8.0\n") && std::strstr(text, "\n.target sm_80\n") &&
-              std::strstr(text, ".entry hkv_check_indices(") &&
-              std::strstr(text, ".entry hkv_transfer(");
-    if (!ok || env_int("MOCK_JIT_FAIL", 0)) {
-        if (err_log && err_cap > 0) {
-            std::snprintf(err_log, err_cap, "mock ptxas: rejected the module");
-        }
+    if (err_log && err_cap > 0) {
+        std::snprintf(err_log, err_cap, "mock ptxas: rejected the module");
+    }
+}
+
+static Library* last_library = nullptr;
+
+API int cuModuleLoadDataEx(Module** out, const void* image, unsigned nopts, int* opts,
+                           void** vals) {
+    blocking("cuModuleLoadDataEx (JIT)");
+    LOCK;
+    NEED_CTX;
+    const char* text = static_cast<const char*>(image);
+    if (!ptx_ok(text) || env_int("MOCK_JIT_FAIL", 0)) {
+        jit_log(nopts, opts, vals);
         return E_INVALID_PTX;
     }
-    *out = new Module{current()};
+    last_library = new Library{{maxntid(text, "hkv_check_indices"), maxntid(text, "hkv_transfer")}};
+    *out = new Module{current(), current()->gen};
     return OK;
 }
 
@@ -569,20 +935,88 @@ API int cuModuleGetFunction(Func** out, Module* m, const char* name) {
     if (!m || k < 0) {
         return E_NOT_FOUND;
     }
-    *out = new Func{m->ctx, k};
+    *out = new Func{kFuncMagic, m->ctx, m->gen, k};
     return OK;
 }
 
-API int cuLaunchKernel(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                       unsigned bz, unsigned smem, uint64_t stream, void** params, void** extra) {
+// Context-independent loading (CUDA 12.0): no context needed.
+API int cuLibraryLoadData(Library** out, const void* image, int* opts, void** vals,
+                          unsigned nopts, void* lib_opts, void* lib_vals, unsigned nlib) {
+    blocking("cuLibraryLoadData (JIT)");
+    LOCK;
+    NEED_INIT;
+    (void)lib_opts;
+    (void)lib_vals;
+    if (nlib != 0) {
+        return E_INVALID_VALUE;
+    }
+    const char* text = static_cast<const char*>(image);
+    if (!ptx_ok(text) || env_int("MOCK_JIT_FAIL", 0)) {
+        jit_log(nopts, opts, vals);
+        return E_INVALID_PTX;
+    }
+    *out = new Library{{maxntid(text, "hkv_check_indices"), maxntid(text, "hkv_transfer")}};
+    last_library = *out;
+    return OK;
+}
+
+API int cuLibraryGetKernel(Kernel** out, Library* lib, const char* name) {
+    LOCK;
+    NEED_INIT;
+    int k = std::strcmp(name, "hkv_check_indices") == 0 ? 0
+            : std::strcmp(name, "hkv_transfer") == 0    ? 1
+                                                        : -1;
+    if (!lib || k < 0) {
+        return E_NOT_FOUND;
+    }
+    *out = new Kernel{kKernelMagic, k};
+    return OK;
+}
+
+// Loads the library into the current context (the per-context JIT on a real driver).
+API int cuKernelGetFunction(Func** out, Kernel* k) {
     LOCK;
     NEED_CTX;
-    if (f->ctx != current()) {
-        violate("cuLaunchKernel of a function loaded in another context");
+    if (!k || k->magic != kKernelMagic) {
         return E_INVALID_HANDLE;
     }
-    if (gx < 1 || gx > 65535 || gy != 1 || gz != 1 || bx != 1024 || by != 1 || bz != 1 ||
-        smem != 0 || !params || extra) {
+    Ctx* c = current();
+    if (!warm[{c, c->gen}]) {
+        blocking("cuKernelGetFunction (loading into a context)");
+        warm[{c, c->gen}] = true;
+    }
+    *out = new Func{kFuncMagic, c, c->gen, k->kernel};
+    return OK;
+}
+
+API int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                       unsigned bz, unsigned smem, uint64_t stream, void** params, void** extra) {
+    enqueue_delay();
+    LOCK;
+    NEED_CTX;
+    int kernel = -1;
+    if (f && *static_cast<uint32_t*>(f) == kKernelMagic) {
+        kernel = static_cast<Kernel*>(f)->kernel;  // context-independent handle
+    } else if (f && *static_cast<uint32_t*>(f) == kFuncMagic) {
+        Func* fn = static_cast<Func*>(f);
+        if (fn->ctx != current()) {
+            violate("cuLaunchKernel of a function loaded in another context");
+            return E_INVALID_HANDLE;
+        }
+        if (fn->gen != current()->gen) {
+            violate("cuLaunchKernel of a stale function handle (its context was reset)");
+            return E_INVALID_HANDLE;
+        }
+        kernel = fn->kernel;
+    } else {
+        return E_INVALID_HANDLE;
+    }
+    unsigned limit = last_library ? last_library->maxntid[kernel] : 0;
+    if (limit && bx > limit) {
+        return E_INVALID_VALUE;  // more threads than the entry's .maxntid
+    }
+    if (gx < 1 || gx > 0x7fffffffu || gy != 1 || gz != 1 || bx < 32 || bx % 32 != 0 || by != 1 ||
+        bz != 1 || smem != 0 || !params || extra) {
         violate("cuLaunchKernel with unexpected dimensions or arguments");
         return E_INVALID_VALUE;
     }
@@ -593,10 +1027,11 @@ API int cuLaunchKernel(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned 
     }
     Op op{};
     op.kind = 0;
-    op.kernel = f->kernel;
+    op.kernel = kernel;
     op.grid = gx;
+    op.block = bx;
     std::memcpy(&op.params, params[0], sizeof(HkvParams));  // by value, at launch
-    q->push_back(std::move(op));
+    push(q, stream, std::move(op));
     last_launch_device = current()->device;
     ++counters[0];
     return OK;
@@ -608,7 +1043,14 @@ API int cuEventCreate(Event** out, unsigned flags) {
     LOCK;
     NEED_CTX;
     (void)flags;
-    *out = new Event{current(), false};
+    *out = new Event{current(), false, 0, current()->device, 0};
+    return OK;
+}
+
+API int cuEventDestroy_v2(Event* e) {
+    LOCK;
+    NEED_INIT;
+    (void)e;  // leaked on purpose: a queued marker may still point at it
     return OK;
 }
 
@@ -624,10 +1066,18 @@ API int cuEventRecord(Event* e, uint64_t stream) {
     if (!q) {
         return E_INVALID_HANDLE;
     }
+    if (capturing[stream]) {
+        ++counters[8];
+        return OK;
+    }
     e->pending = true;
+    e->seq += 1;
+    e->device = current()->device;
+    e->stream = legacy ? 0 : stream;
     Op op{};
     op.kind = 2;
     op.event = e;
+    op.seq = e->seq;
     q->push_back(std::move(op));
     return OK;
 }
@@ -635,19 +1085,46 @@ API int cuEventRecord(Event* e, uint64_t stream) {
 API int cuEventQuery(Event* e) {
     LOCK;
     NEED_INIT;
+    if (e->pending && env_int("MOCK_PROGRESS_ON_QUERY", 0)) {
+        drain(queues[{e->device, e->stream}], e, e->seq);
+    }
     return e->pending ? E_NOT_READY : OK;
 }
 
 API int cuEventSynchronize(Event* e) {
+    blocking("cuEventSynchronize");
     LOCK;
     NEED_INIT;
     if (e->pending) {
-        drain_device(e->ctx->device);
+        drain(queues[{e->device, e->stream}], e, e->seq);
+        if (e->pending) {
+            violate("cuEventSynchronize behind a hung kernel: it would never return");
+            return E_LAUNCH_TIMEOUT;
+        }
     }
     return OK;
 }
 
+API int cuStreamCreate(uint64_t* out, unsigned flags) {
+    LOCK;
+    NEED_CTX;
+    (void)flags;
+    static uint64_t next = 0x9000;
+    next += 0x10;
+    stream_device[next] = current()->device;
+    *out = next;
+    return OK;
+}
+
+API int cuStreamDestroy_v2(uint64_t s) {
+    LOCK;
+    NEED_INIT;
+    stream_device.erase(s);
+    return OK;
+}
+
 API int cuStreamSynchronize(uint64_t stream) {
+    blocking("cuStreamSynchronize");
     LOCK;
     NEED_CTX;
     bool legacy = false;
@@ -655,26 +1132,74 @@ API int cuStreamSynchronize(uint64_t stream) {
     if (!q) {
         return E_INVALID_HANDLE;
     }
-    drain(*q);
+    if (!drain(*q)) {
+        violate("cuStreamSynchronize behind a hung kernel: it would never return");
+        return E_LAUNCH_TIMEOUT;
+    }
+    return OK;
+}
+
+API int cuStreamIsCapturing(uint64_t stream, int* status) {
+    LOCK;
+    NEED_CTX;
+    if (stream <= 1) {
+        if (any_capture()) {
+            return E_CAPTURE_IMPLICIT;
+        }
+        *status = 0;
+        return OK;
+    }
+    if (stream_device.find(stream) == stream_device.end()) {
+        return E_INVALID_HANDLE;
+    }
+    *status = capturing[stream] ? 1 : 0;
     return OK;
 }
 
 // ---------------------------------------------------------------- copies
 
+// Queues `copies` (or runs them at once when a host side is pageable, as the driver does).
 static int enqueue_copies(uint64_t stream, std::vector<Copy> copies) {
     bool legacy = false;
     std::deque<Op>* q = queue_of(stream, &legacy);
     if (!q) {
         return E_INVALID_HANDLE;
     }
+    bool pageable = false;
+    for (const Copy& c : copies) {
+        for (uint64_t a : {c.src, c.dst}) {
+            Side s = side_of(a);
+            if (s == PAGEABLE) {
+                pageable = true;
+            } else if (!covered(a, c.n, s)) {
+                // Registered memory: the whole host range must lie in one registration.
+                ++counters[9];
+                return E_INVALID_VALUE;
+            }
+        }
+    }
+    if (pageable) {
+        blocking("a copy from/to pageable memory (synchronous)");
+        ++counters[5];
+        if (!drain(*q)) {
+            violate("a synchronous pageable copy behind a hung kernel: it would never return");
+            return E_LAUNCH_TIMEOUT;
+        }
+        for (const Copy& c : copies) {
+            std::memmove(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src),
+                         c.n);
+        }
+        return OK;
+    }
     Op op{};
     op.kind = 1;
     op.copies = std::move(copies);
-    q->push_back(std::move(op));
+    push(q, stream, std::move(op));
     return OK;
 }
 
 API int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t n, uint64_t stream) {
+    enqueue_delay();
     LOCK;
     NEED_CTX;
     ++counters[1];
@@ -686,6 +1211,37 @@ API int cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, uint64_t stream)
     NEED_CTX;
     ++counters[4];
     return enqueue_copies(stream, {{reinterpret_cast<uint64_t>(dst), src, n}});
+}
+
+API int cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, uint64_t stream) {
+    LOCK;
+    NEED_CTX;
+    ++counters[7];
+    if (!is_device(dst)) {
+        violate("cuMemcpyHtoDAsync to memory that is not device memory");
+        return E_INVALID_VALUE;
+    }
+    return enqueue_copies(stream, {{dst, reinterpret_cast<uint64_t>(src), n}});
+}
+
+API int cuMemsetD8Async(uint64_t dst, unsigned char value, size_t n, uint64_t stream) {
+    LOCK;
+    NEED_CTX;
+    bool legacy = false;
+    std::deque<Op>* q = queue_of(stream, &legacy);
+    if (!q) {
+        return E_INVALID_HANDLE;
+    }
+    if (!is_device(dst)) {
+        return E_INVALID_VALUE;
+    }
+    Op op{};
+    op.kind = 4;
+    op.dst = dst;
+    op.n = n;
+    op.value = value;
+    push(q, stream, std::move(op));
+    return OK;
 }
 
 struct MockLocation {
@@ -724,6 +1280,7 @@ static int batch(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
 API int cuMemcpyBatchAsync(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
                            MockMemcpyAttributes* attrs, size_t* attr_idx, size_t nattrs,
                            size_t* fail_idx, uint64_t stream) {
+    enqueue_delay();
     LOCK;
     NEED_CTX;
     ++counters[2];
@@ -738,6 +1295,7 @@ API int cuMemcpyBatchAsync(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t
 API int cuMemcpyBatchAsync_v2(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
                               MockMemcpyAttributes* attrs, size_t* attr_idx, size_t nattrs,
                               uint64_t stream) {
+    enqueue_delay();
     LOCK;
     NEED_CTX;
     ++counters[3];
@@ -760,7 +1318,32 @@ API uint64_t mock_stream_create(int device) {
     return next;
 }
 
-// Runs every queued copy and kernel.
+// Starts (on != 0) or ends a CUDA graph capture on `stream`.
+API void mock_stream_capture(uint64_t stream, int on) {
+    LOCK;
+    capturing[stream] = on != 0;
+}
+
+// Queues a kernel that never finishes (an NCCL kernel spinning on a dead peer).
+API void mock_enqueue_hang(uint64_t stream) {
+    LOCK;
+    int device = stream_device.count(stream) ? stream_device[stream] : 0;
+    Op op{};
+    op.kind = 3;
+    queues[{device, stream}].push_back(std::move(op));
+}
+
+// The hung kernels finish (the peer came back).
+API void mock_unhang() {
+    LOCK;
+    for (auto& [key, q] : queues) {
+        for (auto it = q.begin(); it != q.end();) {
+            it = it->kind == 3 ? q.erase(it) : it + 1;
+        }
+    }
+}
+
+// Runs every queued copy and kernel (up to a hung kernel).
 API void mock_sync_all() {
     LOCK;
     for (auto& [key, q] : queues) {
@@ -778,10 +1361,26 @@ API long mock_registrations() {
     return static_cast<long>(registered.size());
 }
 
-// 0 launches, 1 cuMemcpyAsync, 2 batch (12.8 ABI), 3 batch _v2, 4 DtoH.
+// Bytes of registration `i` (in registration order), or -1.
+API long long mock_registration_size(int i) {
+    LOCK;
+    return i >= 0 && static_cast<size_t>(i) < registered.size()
+               ? static_cast<long long>(registered[static_cast<size_t>(i)].len)
+               : -1;
+}
+
+// 0 launches, 1 cuMemcpyAsync, 2 batch (12.8 ABI), 3 batch _v2, 4 DtoH, 5 pageable (synchronous)
+// copies, 6 kernels reading indices or layer tables from host memory, 7 HtoD copies, 8 work
+// captured into a graph, 9 copies refused for spanning two registrations.
 API long mock_counter(int which) {
     LOCK;
     return counters[which];
+}
+
+// Times device `device`'s primary context was created (made active from inactive).
+API long mock_ctx_created(int device) {
+    LOCK;
+    return created[device];
 }
 
 API int mock_last_launch_device() {

@@ -23,6 +23,11 @@ pub enum Error {
     /// A CUDA driver call failed.
     #[error("{0}")]
     Cuda(String),
+    /// Internal to the CUDA path (`cuda::try_execute`): the call would have to block (wait for
+    /// the GPU, JIT the kernels, allocate or pin memory) and was asked not to; nothing was
+    /// enqueued. The caller retries with the GIL released; it never reaches Python.
+    #[error("the CUDA call would block")]
+    WouldBlock,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

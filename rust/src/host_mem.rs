@@ -556,22 +556,38 @@ impl HostRegion {
         Ok(())
     }
 
-    /// Undoes `register_cuda`; idempotent.
-    pub fn unregister_cuda(&self) {
-        let taken = std::mem::take(&mut *self.ranges());
-        if !taken.is_empty() {
-            crate::cuda::unregister_host(&taken);
-            // SAFETY: getpid has no preconditions. A forked child never had the pinned range.
-            if self.private && unsafe { libc::getpid() } == self.owner_pid {
-                let _ = set_dontfork(self.ptr, self.map_len, false);
+    /// Undoes `register_cuda`; idempotent. Waits (bounded, without needing the GIL: call it
+    /// detached) for the transfers still queued on the region; when that wait runs out the
+    /// region stays registered and the error says why (a later call tries again).
+    pub fn unregister_cuda(&self) -> Result<()> {
+        // Not holding the lock while waiting: `pinned()` and friends stay answerable.
+        let taken = self.ranges().clone();
+        if taken.is_empty() {
+            return Ok(());
+        }
+        crate::cuda::unregister_host(&taken)?;
+        {
+            let mut ranges = self.ranges();
+            if *ranges == taken {
+                ranges.clear();
             }
         }
+        // SAFETY: getpid has no preconditions. A forked child never had the pinned range.
+        if self.private && unsafe { libc::getpid() } == self.owner_pid {
+            let _ = set_dontfork(self.ptr, self.map_len, false);
+        }
+        Ok(())
     }
 }
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        self.unregister_cuda();
+        if self.unregister_cuda().is_err() {
+            // Work queued on the region did not finish in time (logged by the CUDA path): the
+            // GPU may still write here, so the pages stay pinned and mapped (leaked) rather than
+            // freed under a running DMA.
+            return;
+        }
         // SAFETY: getpid has no preconditions.
         if self.private && unsafe { libc::getpid() } != self.owner_pid {
             // In a forked child the range is either absent (it was pinned, so `MADV_DONTFORK`) or
@@ -693,7 +709,7 @@ mod tests {
         .unwrap();
         assert_eq!((r.addr(), r.len(), r.mapped_len()), (0, 0, 0));
         assert!(!r.pinned());
-        r.unregister_cuda();
+        r.unregister_cuda().unwrap();
     }
 
     #[test]

@@ -61,6 +61,8 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         },
         Error::HostMemory(m) => PyMemoryError::new_err(m),
         Error::CudaUnavailable(m) | Error::Cuda(m) => PyRuntimeError::new_err(m),
+        // Internal to `cuda::try_execute` (retried detached below); never expected here.
+        e @ Error::WouldBlock => PyRuntimeError::new_err(e.to_string()),
     }
 }
 
@@ -153,9 +155,12 @@ impl PyHostRegion {
             .map_err(|e| to_py(py, e))
     }
 
-    fn unregister_cuda(&self, py: Python<'_>) {
+    /// Waits (bounded, without the GIL) for transfers queued on the region; raises RuntimeError
+    /// when that wait runs out (the region then stays registered).
+    fn unregister_cuda(&self, py: Python<'_>) -> PyResult<()> {
         let region = &self.inner;
-        py.detach(|| region.unregister_cuda());
+        py.detach(|| region.unregister_cuda())
+            .map_err(|e| to_py(py, e))
     }
 
     fn __len__(&self) -> usize {
@@ -206,6 +211,20 @@ impl PyHostRegion {
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
         // PyBuffer_FillInfo allocates nothing, and PyBuffer_Release drops the owner reference.
+    }
+}
+
+impl Drop for PyHostRegion {
+    /// Garbage collection of a pinned region: unpinning waits for the transfers queued on it,
+    /// so do it with the GIL released (the inner region's own drop then only unmaps).
+    fn drop(&mut self) {
+        if self.inner.pinned() {
+            let region = &self.inner;
+            // SAFETY: a pyclass is dropped by its tp_dealloc, with the GIL held.
+            let py = unsafe { Python::assume_attached() };
+            // An error was logged; the inner drop then leaves the memory mapped (see HostRegion).
+            let _ = py.detach(|| region.unregister_cuda());
+        }
     }
 }
 
@@ -317,12 +336,17 @@ impl PyPoolCore {
                 let bytes = (c.len as u64)
                     .saturating_mul(c.layer_count)
                     .saturating_mul(per_row);
-                if bytes > DETACH_BYTES {
+                // Small transfers run with the GIL unless they would block (JIT, a staging
+                // wait, allocation, an index read-back); then again without it.
+                let run = if bytes > DETACH_BYTES {
                     py.detach(|| cuda::execute(&req, stream))
-                        .map_err(|e| to_py(py, e))
                 } else {
-                    cuda::execute(&req, stream).map_err(|e| to_py(py, e))
-                }
+                    match cuda::try_execute(&req, stream) {
+                        Err(Error::WouldBlock) => py.detach(|| cuda::execute(&req, stream)),
+                        other => other,
+                    }
+                };
+                run.map_err(|e| to_py(py, e))
             }
             (other, _) => Err(PyValueError::new_err(format!(
                 "Unsupported device: {other}; expected 'cpu' or 'cuda'"
@@ -525,17 +549,18 @@ impl PyPoolCore {
     }
 }
 
+/// The first call probes the driver (`cuInit` can take seconds): without the GIL.
 #[pyfunction]
-fn cuda_available() -> bool {
-    cuda::available()
+fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(cuda::available)
 }
 
 #[pyfunction]
-fn runtime_info() -> String {
+fn runtime_info(py: Python<'_>) -> String {
     format!(
         "hostkv_rs {}; {}",
         env!("CARGO_PKG_VERSION"),
-        cuda::runtime_info()
+        py.detach(cuda::runtime_info)
     )
 }
 

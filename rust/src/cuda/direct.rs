@@ -13,10 +13,11 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::driver::{as_stream, check, code, describe, symbol};
+use super::driver::{as_stream, check, code, describe, may_block, symbol};
 use super::probe;
+use super::registry::{self, Entered};
 use crate::error::{Error, Result};
-use crate::plan::{self, CopyOp};
+use crate::plan::{self, Checked, CopyOp};
 use crate::transfer::{IndexArray, TransferRequest};
 
 type BatchV1 = unsafe extern "C" fn(
@@ -92,8 +93,15 @@ fn location(host: bool, ordinal: c_int) -> sys::CUmemLocation {
     }
 }
 
-/// Submits `ops` on `stream`; `to_host` says which side each op's destination is.
-fn submit(ops: &[CopyOp], to_host: bool, stream: u64, driver_version: i32) -> Result<()> {
+/// Submits `ops` on `stream`; `to_host` says which side each op's destination is. Sets
+/// `enqueued` once any copy was queued.
+fn submit(
+    ops: &[CopyOp],
+    to_host: bool,
+    stream: u64,
+    driver_version: i32,
+    enqueued: &mut bool,
+) -> Result<()> {
     let s = as_stream(stream);
     // The legacy NULL stream (0, or CU_STREAM_LEGACY = 1) is rejected by the batch API.
     let legacy = stream <= 1;
@@ -148,7 +156,7 @@ fn submit(ops: &[CopyOp], to_host: bool, stream: u64, driver_version: i32) -> Re
             if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
                 // This driver/platform cannot batch: copy one by one, now and from now on.
                 BATCH_REFUSED.store(true, Ordering::Relaxed);
-                return per_copy(ops, s);
+                return per_copy(ops, s, enqueued);
             }
             if rc != 0 {
                 let at = if fail_idx == usize::MAX {
@@ -163,13 +171,14 @@ fn submit(ops: &[CopyOp], to_host: bool, stream: u64, driver_version: i32) -> Re
                 )));
             }
             done += chunk.len();
+            *enqueued = true;
         }
         return Ok(());
     }
-    per_copy(ops, s)
+    per_copy(ops, s, enqueued)
 }
 
-fn per_copy(ops: &[CopyOp], s: sys::CUstream) -> Result<()> {
+fn per_copy(ops: &[CopyOp], s: sys::CUstream, enqueued: &mut bool) -> Result<()> {
     for (i, o) in ops.iter().enumerate() {
         // SAFETY: the plan checked both ranges against their pools; under unified addressing a
         // (pinned) host address is a valid argument in either direction.
@@ -181,6 +190,7 @@ fn per_copy(ops: &[CopyOp], s: sys::CUstream) -> Result<()> {
                 describe(code(rc))
             )));
         }
+        *enqueued = true;
     }
     Ok(())
 }
@@ -188,6 +198,7 @@ fn per_copy(ops: &[CopyOp], s: sys::CUstream) -> Result<()> {
 /// Copies GPU-resident index arrays to the host (a blocking read, as SGLang's `.cpu()` is):
 /// the copy engine needs host-side addresses to build its list.
 fn host_copy(idx: &IndexArray, stream: u64) -> Result<Vec<u8>> {
+    may_block()?;
     let bytes = idx.len * idx.width.bytes();
     let mut out = vec![0u8; bytes];
     if bytes > 0 {
@@ -211,9 +222,27 @@ fn host_copy(idx: &IndexArray, stream: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-pub(crate) fn run(req: &TransferRequest, stream: u64, driver_version: i32) -> Result<()> {
-    // Held to the end: the copies and the index reads must run in the pointers' context.
-    let _ctx = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+/// Runs the direct backend's plan for `req` on `stream` (the pointers' context is current).
+/// Every host plane must lie in registered memory (`entered`); copies are cut at registration
+/// seams. Sets `enqueued` once any copy was queued.
+pub(crate) fn run(
+    req: &TransferRequest,
+    c: &Checked,
+    stream: u64,
+    driver_version: i32,
+    entered: &Entered,
+    enqueued: &mut bool,
+) -> Result<()> {
+    if let Some(p) = entered.registered.iter().position(|&r| !r) {
+        let nbytes = c.planes[p].map_or(0, |pl| pl.nbytes);
+        return Err(Error::Cuda(format!(
+            "the direct backend needs host memory registered with CUDA (pin_memory=True): host \
+             plane {p} ({:#x}, {nbytes} bytes) is not, and a copy from pageable memory would \
+             block the calling thread until the GPU has finished it; register the pool or use \
+             the kernel backend. Nothing was enqueued",
+            req.geom.plane_base[p]
+        )));
+    }
     // Keep the host copies alive until the plan is built.
     let host_buf = req
         .host_idx
@@ -238,5 +267,9 @@ pub(crate) fn run(req: &TransferRequest, stream: u64, driver_version: i32) -> Re
     if ops.is_empty() {
         return Ok(());
     }
-    submit(&ops, req.op.to_host(), stream, driver_version)
+    // A coalesced run may cross a chunk seam once a region is registered in several chunks;
+    // the driver rejects a copy whose host range spans two registrations.
+    let to_host = req.op.to_host();
+    let ops = registry::split_at_seams(ops, to_host, &entered.seams());
+    submit(&ops, to_host, stream, driver_version, enqueued)
 }

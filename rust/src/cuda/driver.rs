@@ -4,8 +4,10 @@
 //! dynamic loading cudarc panics, instead of returning an error, when the library is missing.
 //! Entry points of the CUDA module therefore run their bodies under [`guard`].
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use cudarc::driver::sys;
 
@@ -107,4 +109,51 @@ pub(crate) fn as_stream(stream: u64) -> sys::CUstream {
 
 pub(crate) fn as_void(p: u64) -> *mut c_void {
     p as usize as *mut c_void
+}
+
+thread_local! {
+    /// Set while `cuda::try_execute` runs on this thread: anything that would block returns
+    /// `Error::WouldBlock` instead, before the first enqueue.
+    static NO_BLOCK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `Err(Error::WouldBlock)` when the calling thread asked not to block. Called before every step
+/// that may wait (JIT, pinned or device allocation, a stream/event wait, a context creation).
+pub(crate) fn may_block() -> Result<()> {
+    if NO_BLOCK.with(Cell::get) {
+        Err(Error::WouldBlock)
+    } else {
+        Ok(())
+    }
+}
+
+/// Marks the calling thread as "must not block" until dropped.
+pub(crate) struct NoBlock(bool);
+
+impl NoBlock {
+    pub(crate) fn enter() -> Self {
+        NoBlock(NO_BLOCK.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for NoBlock {
+    fn drop(&mut self) {
+        let prev = self.0;
+        NO_BLOCK.with(|c| c.set(prev));
+    }
+}
+
+/// Locks a cache whose holder may be blocked in the driver (JIT, allocation): in "must not block"
+/// mode a held lock is `Error::WouldBlock`, so a thread holding the GIL never waits for one. A
+/// poisoned lock is still used: every update of these caches is a single insert.
+pub(crate) fn lock_cache<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
+    if NO_BLOCK.with(Cell::get) {
+        match m.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(Error::WouldBlock),
+        }
+    } else {
+        Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }

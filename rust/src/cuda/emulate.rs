@@ -5,7 +5,8 @@
 
 use std::ffi::{c_int, c_uint};
 
-use super::params::{self, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
+use super::errword;
+use super::params::{self, HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
 use crate::transfer::TransferRequest;
@@ -54,16 +55,17 @@ pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()
     if let Some(table) = &m.table {
         m.params.dev_table = table.as_ptr() as u64;
     }
-    let mut record = Box::new(HkvErrorRecord {
-        flag: 0,
-        value: 0,
-        bound: 0,
-        side: 0,
+    // Both records in plain memory ("device" pointers are host pointers here).
+    let mut record = Box::new(HkvErrorRecord::default());
+    let mut dev_record = Box::new(HkvDeviceRecord {
+        claim: 0,
+        aborted: 0,
         abort_ring: [0; ABORT_RING],
     });
     m.params.err = &mut *record as *mut HkvErrorRecord as u64;
+    m.params.dev_err = &mut *dev_record as *mut HkvDeviceRecord as u64;
+    m.params.abort_seq = 1;
     if req.host_idx.on_device || req.dev_idx.on_device {
-        m.params.abort_seq = 1;
         launch(
             KERNEL_CHECK,
             &m.params,
@@ -77,16 +79,10 @@ pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()
             params::transfer_grid(m.tasks, quota),
         )?;
     }
-    match record.flag {
-        0 => Ok(()),
-        params::FLAG_PUBLISHED => Err(Error::InvalidTransfer(params::bad_index_message(
-            record.side,
-            record.value,
-            record.bound,
-        ))),
-        // The GPU host reports only published records: one left claimed would be lost there.
-        other => Err(Error::Cuda(format!(
-            "emulated kernels left the error record in state {other} (claimed, never published)"
-        ))),
+    let mut reported = 0;
+    // SAFETY: the kernels have returned; the record is ours.
+    match unsafe { errword::consume(&mut *record, &mut reported) } {
+        None => Ok(()),
+        Some(msg) => Err(Error::InvalidTransfer(msg)),
     }
 }

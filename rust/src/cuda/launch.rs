@@ -1,6 +1,6 @@
-//! The kernel backend on a GPU: marshal the request, place host-resident indices (and an
-//! oversized layer table) in staging memory, then launch the index check (when some indices
-//! live on the GPU) and the copy kernel on the caller's stream.
+//! The kernel backend on a GPU: marshal the request, stage host-resident indices (and an
+//! oversized layer table) and copy them to device scratch with one async copy, then launch the
+//! index check (when some indices live on the GPU) and the copy kernel on the caller's stream.
 
 use std::ffi::{c_int, c_void};
 
@@ -108,15 +108,16 @@ fn check_same_device(ordinal: c_int, req: &TransferRequest) -> Result<()> {
     Ok(())
 }
 
+/// Enqueues the kernels of `req` on `stream` in context `ctx` (current on this thread). Sets
+/// `enqueued` once anything was queued (the caller then records its event behind it).
 pub(crate) fn run(
     req: &TransferRequest,
     c: &Checked,
+    ctx: sys::CUcontext,
     stream: sys::CUstream,
     pr: &Probe,
+    enqueued: &mut bool,
 ) -> Result<()> {
-    // Held to the end of the call: module, staging, launches and the event all belong to it.
-    let scope = probe::bind_context(req.device.layer_ptrs.first().copied())?;
-    let ctx = scope.ctx();
     let ordinal = probe::current_device()?;
     if let Some(d) = pr.devices.get(ordinal as usize) {
         if !d.unified_addressing {
@@ -134,8 +135,9 @@ pub(crate) fn run(
         let nbytes = c.planes[p].map(|pl| pl.nbytes).unwrap_or(0);
         m.params.host_base[p] = device_view_of_plane(p, m.params.host_base[p], nbytes)?;
     }
+    (m.params.err, m.params.dev_err) = errword::device_ptrs(ctx)?;
 
-    // Lay out the staging buffer: [layer table][host indices][device indices], 16-aligned.
+    // Lay out the staging pair: [layer table][host indices][device indices], 16-aligned.
     let table_bytes = m.table.as_ref().map_or(0, |t| t.len() * 8);
     let host_idx_bytes = if req.host_idx.on_device {
         0
@@ -150,16 +152,16 @@ pub(crate) fn run(
     let off_host = align16(table_bytes);
     let off_dev = off_host + align16(host_idx_bytes);
     let total = off_dev + align16(dev_idx_bytes);
-    m.params.err = errword::device_ptr()?;
     let lease = if total > 0 {
         Some(staging::acquire(ctx, total)?)
     } else {
         None
     };
+    let mut result = Ok(());
     if let Some(l) = &lease {
-        // SAFETY: the lease is `total` bytes of host memory that no queued kernel reads any
-        // more (staging::acquire); the caller keeps the index arrays (validated by
-        // plan::validate) alive for this call, and they are copied before it returns.
+        // SAFETY: the lease's host buffer is `total` bytes that no queued copy reads any more
+        // (staging::acquire); the caller keeps the index arrays (validated by plan::validate)
+        // alive for this call, and they are copied before it returns.
         unsafe {
             if let Some(t) = &m.table {
                 std::ptr::copy_nonoverlapping(t.as_ptr().cast::<u8>(), l.host, table_bytes);
@@ -182,25 +184,28 @@ pub(crate) fn run(
                 m.params.dev_idx = l.dev + off_dev as u64;
             }
         }
+        // One copy per call into device scratch, ahead of the kernels on the same stream.
+        result = staging::upload(l, total, stream);
+        *enqueued |= result.is_ok();
     }
 
-    let mut launched = false;
-    let mut result = Ok(());
-    if req.host_idx.on_device || req.dev_idx.on_device {
-        m.params.abort_seq = errword::next_seq();
+    // Every launch gets a sequence number: its slot in the abort ring marks it refused (and
+    // counted) at most once.
+    m.params.abort_seq = errword::next_seq();
+    if result.is_ok() && (req.host_idx.on_device || req.dev_idx.on_device) {
         let grid = params::check_grid(m.params.n, quota);
         result = launch(kernels.check, &m.params, grid, stream);
-        launched = result.is_ok();
+        *enqueued |= result.is_ok();
     }
     if result.is_ok() {
         let grid = params::transfer_grid(m.tasks, quota);
         result = launch(kernels.transfer, &m.params, grid, stream);
-        launched |= result.is_ok();
+        *enqueued |= result.is_ok();
     }
     if let Some(l) = lease {
-        // Once anything was queued the buffer stays busy until the stream passes this point;
-        // if nothing was, it is free at once.
-        let released = staging::release(l, launched.then_some(stream));
+        // Once anything was queued the pair stays busy until the stream passes this point; if
+        // nothing was, it is free at once.
+        let released = staging::release(l, enqueued.then_some(stream));
         result = result.and(released);
     }
     result

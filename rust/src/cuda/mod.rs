@@ -15,12 +15,15 @@ mod params;
 mod probe;
 mod ptx;
 mod register;
+mod registry;
 mod staging;
 
 #[cfg(test)]
 mod tests;
 
-use crate::error::Result;
+use cudarc::driver::sys;
+
+use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
 use crate::transfer::TransferRequest;
 use driver::guard;
@@ -35,11 +38,27 @@ pub fn runtime_info() -> String {
     probe::describe(&probe::probe())
 }
 
-/// Enqueue `req` on the raw CUDA stream `stream` (torch's current stream). No synchronisation.
+/// Enqueue `req` on the raw CUDA stream `stream` (torch's current stream). No synchronisation;
+/// it may block (first-use JIT and allocations, a staging buffer still in use, GPU-resident
+/// indices read back for the direct backend): call without the GIL.
 ///
 /// A bad device-resident index recorded by an earlier launch is reported first (and this request
 /// is then not run), so an error is never silently dropped.
 pub fn execute(req: &TransferRequest, stream: u64) -> Result<()> {
+    run(req, stream)
+}
+
+/// `execute`, unless it would have to block: then `Err(Error::WouldBlock)` with nothing
+/// enqueued, and the caller retries with `execute` after releasing the GIL.
+pub fn try_execute(req: &TransferRequest, stream: u64) -> Result<()> {
+    let _no_block = driver::NoBlock::enter();
+    if !probe::probed_here() {
+        return Err(Error::WouldBlock);
+    }
+    run(req, stream)
+}
+
+fn run(req: &TransferRequest, stream: u64) -> Result<()> {
     let pr = probe::ready()?;
     guard("hostkv_rs CUDA transfer", || {
         errword::take()?;
@@ -47,11 +66,71 @@ pub fn execute(req: &TransferRequest, stream: u64) -> Result<()> {
         if c.len == 0 || c.layer_count == 0 {
             return Ok(());
         }
-        match c.strategy {
-            Strategy::PerItem => launch::run(req, &c, driver::as_stream(stream), &pr),
-            Strategy::Runs | Strategy::PageBlocks => direct::run(req, stream, pr.driver_version),
-        }
+        // Held to the end: everything below belongs to the pointers' context.
+        let scope = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+        let ctx = scope.ctx();
+        let device = probe::current_device()?;
+        refuse_capture(stream)?;
+        // From here until the event is recorded, unregistering these planes waits for us.
+        let planes: Vec<(u64, u64)> = (0..c.nplanes)
+            .map(|p| {
+                (
+                    req.geom.plane_base[p],
+                    c.planes[p].map_or(0, |pl| pl.nbytes),
+                )
+            })
+            .collect();
+        let entered = registry::enter(&planes)?;
+        let mut enqueued = false;
+        let result = match c.strategy {
+            Strategy::PerItem => {
+                launch::run(req, &c, ctx, driver::as_stream(stream), &pr, &mut enqueued)
+            }
+            Strategy::Runs | Strategy::PageBlocks => {
+                direct::run(req, &c, stream, pr.driver_version, &entered, &mut enqueued)
+            }
+        };
+        let recorded = if enqueued && entered.touches_registered() {
+            entered.record(ctx, device, stream)
+        } else {
+            Ok(())
+        };
+        drop(entered);
+        result.and(recorded)
     })
+}
+
+/// A transfer on a stream that is capturing a CUDA graph is refused before anything is
+/// enqueued: captured copies would run whenever the graph is replayed, long after the staging
+/// buffers, events and index checks of this call were recycled.
+fn refuse_capture(stream: u64) -> Result<()> {
+    let mut status: u32 = 0;
+    // SAFETY: valid out-pointer for the 32-bit enum the driver writes; a context is current.
+    let rc = unsafe {
+        sys::cuStreamIsCapturing(driver::as_stream(stream), (&mut status as *mut u32).cast())
+    };
+    const STREAM_CAPTURE_IMPLICIT: i32 = 906;
+    let which = if stream <= 1 {
+        format!("the legacy default stream ({stream:#x})")
+    } else {
+        format!("CUDA stream {stream:#x}")
+    };
+    match driver::code(rc) {
+        0 if status == 0 => Ok(()),
+        0 => Err(Error::Cuda(format!(
+            "{which} is capturing a CUDA graph (capture status {status}): hostkv_rs transfers \
+             cannot be captured (their index checks, staging buffers and events belong to this \
+             call); run the transfer outside the capture. Nothing was enqueued"
+        ))),
+        STREAM_CAPTURE_IMPLICIT => Err(Error::Cuda(format!(
+            "{which} cannot be used while another thread captures a CUDA graph in global mode \
+             (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); use a side stream. Nothing was enqueued"
+        ))),
+        other => Err(Error::Cuda(format!(
+            "cuStreamIsCapturing({which}) failed: {}",
+            driver::describe(other)
+        ))),
+    }
 }
 
 /// Run the kernel backend's `.cu` code under the CPU emulation shim (device pointers are host
@@ -62,8 +141,9 @@ pub fn emulate(req: &TransferRequest) -> Result<()> {
 }
 
 /// Register `[ptr, ptr+len)` with cuMemHostRegister(PORTABLE|DEVICEMAP) in chunks that are whole
-/// multiples of `granularity` (0 = one registration) and at most `chunk_limit` bytes. Returns the
-/// registered ranges; on failure rolls back and returns an error carrying the contract's text.
+/// multiples of `granularity` (0: 4 KiB) and at most `chunk_limit` bytes, halving a refused
+/// chunk down to one copy unit. Returns the registered ranges; on failure rolls back and returns
+/// an error carrying the contract's text. Blocks: call without the GIL.
 pub fn register_host(
     ptr: u64,
     len: usize,
@@ -75,12 +155,12 @@ pub fn register_host(
     })
 }
 
-/// Unregister ranges returned by `register_host` (reverse order, errors ignored).
-pub fn unregister_host(ranges: &[(u64, usize)]) {
-    let _ = guard("cudaHostUnregister", || {
-        register::unregister(ranges);
-        Ok(())
-    });
+/// Unregister ranges returned by `register_host`, each on the device it was registered on, after
+/// the transfers queued on them (and only those) have finished. The wait is bounded
+/// (`HOSTKV_UNREGISTER_TIMEOUT_S`, default 60 s): past it the ranges stay pinned and an error is
+/// returned (the caller must then not unmap them). Blocks: call without the GIL.
+pub fn unregister_host(ranges: &[(u64, usize)]) -> Result<()> {
+    guard("cudaHostUnregister", || register::unregister(ranges))
 }
 
 /// Report (and clear) a bad device-resident index recorded by a kernel since the last check.

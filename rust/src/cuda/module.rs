@@ -1,13 +1,20 @@
-//! The embedded PTX, JIT-loaded once per CUDA context on first use.
+//! The embedded PTX, loaded once per process as a context-independent library
+//! (`cuLibraryLoadData`, CUDA 12.0+). Its kernels (`cuLibraryGetKernel`) are launched through
+//! their `CUkernel` handles cast to `CUfunction`, which the driver launches in whatever context
+//! is current: no per-context function handle can go stale when a primary context is reset or
+//! another context is used.
+//!
+//! The JIT may run at load and again when a context first uses the library; both happen before
+//! anything is enqueued, and count as blocking (`driver::may_block`): the first call per context
+//! runs without the GIL.
 
-use std::collections::HashMap;
 use std::ffi::{c_uint, c_void};
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-use super::driver::{check, code, describe};
-use super::ptx;
+use super::driver::{check, code, describe, lock_cache, may_block};
+use super::{probe, ptx};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy)]
@@ -16,41 +23,64 @@ pub(crate) struct Kernels {
     pub transfer: sys::CUfunction,
 }
 
-// CUfunction handles are plain driver handles, valid from any thread of the process.
+/// `CUkernel` handles (process-wide; valid from any thread and context).
 #[derive(Clone, Copy)]
-struct Handles(usize, usize);
-
-static LOADED: Mutex<Option<HashMap<usize, Handles>>> = Mutex::new(None);
-
-/// The kernels in context `ctx` (current on this thread), loading the module if needed.
-pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernels> {
-    let mut guard = LOADED.lock().unwrap_or_else(|p| p.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    if let Some(h) = map.get(&(ctx as usize)) {
-        return Ok(Kernels {
-            check: h.0 as sys::CUfunction,
-            transfer: h.1 as sys::CUfunction,
-        });
-    }
-    let module = load(driver_version)?;
-    let get = |name: &[u8]| -> Result<sys::CUfunction> {
-        let mut f: sys::CUfunction = std::ptr::null_mut();
-        // SAFETY: `module` is loaded, `name` NUL-terminated.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr().cast()) },
-            "cuModuleGetFunction",
-        )?;
-        Ok(f)
-    };
-    let k = Kernels {
-        check: get(ptx::KERNEL_CHECK)?,
-        transfer: get(ptx::KERNEL_TRANSFER)?,
-    };
-    map.insert(ctx as usize, Handles(k.check as usize, k.transfer as usize));
-    Ok(k)
+struct Handles {
+    check: usize,
+    transfer: usize,
 }
 
-fn load(driver_version: i32) -> Result<sys::CUmodule> {
+struct Loaded {
+    kernels: Option<Handles>,
+    /// Contexts (`probe::ctx_key`) the library has been loaded into (a handful per process).
+    warm: Vec<u64>,
+}
+
+static LOADED: Mutex<Loaded> = Mutex::new(Loaded {
+    kernels: None,
+    warm: Vec::new(),
+});
+
+/// The kernels, usable in context `ctx` (current on this thread).
+pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernels> {
+    let mut guard = lock_cache(&LOADED)?;
+    let h = match guard.kernels {
+        Some(h) => h,
+        None => {
+            may_block()?;
+            let h = load(driver_version)?;
+            guard.kernels = Some(h);
+            h
+        }
+    };
+    let key = probe::ctx_key(ctx);
+    if !guard.warm.contains(&key) {
+        // Loads the library into this context now (the per-context JIT), rather than inside a
+        // launch.
+        may_block()?;
+        for (k, name) in [(h.check, "hkv_check_indices"), (h.transfer, "hkv_transfer")] {
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: a kernel of the loaded library; valid out-pointer.
+            check(
+                unsafe { sys::cuKernelGetFunction(&mut f, k as sys::CUkernel) },
+                &format!("cuKernelGetFunction ({name})"),
+            )?;
+        }
+        guard.warm.push(key);
+    }
+    Ok(Kernels {
+        check: h.check as sys::CUfunction,
+        transfer: h.transfer as sys::CUfunction,
+    })
+}
+
+fn load(driver_version: i32) -> Result<Handles> {
+    if driver_version < 12000 {
+        return Err(Error::CudaUnavailable(format!(
+            "the hostkv_rs kernels need a CUDA 12.0 or newer driver (PTX ISA 8.0, \
+             cuLibraryLoadData); this driver is {driver_version}"
+        )));
+    }
     const LOG: usize = 8192;
     let mut err_log = vec![0u8; LOG];
     let mut info_log = vec![0u8; LOG];
@@ -68,15 +98,19 @@ fn load(driver_version: i32) -> Result<sys::CUmodule> {
         info_log.as_mut_ptr().cast(),
         LOG as *mut c_void,
     ];
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: NUL-terminated PTX image; option arrays of equal length that outlive the call.
+    let mut lib: sys::CUlibrary = std::ptr::null_mut();
+    // SAFETY: NUL-terminated PTX image; option arrays of equal length that outlive the call; no
+    // library options.
     let rc = unsafe {
-        sys::cuModuleLoadDataEx(
-            &mut module,
+        sys::cuLibraryLoadData(
+            &mut lib,
             ptx::PTX.as_ptr().cast(),
-            opts.len() as c_uint,
             opts.as_mut_ptr(),
             vals.as_mut_ptr(),
+            opts.len() as c_uint,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
         )
     };
     if rc != sys::cudaError_enum::CUDA_SUCCESS {
@@ -92,5 +126,18 @@ fn load(driver_version: i32) -> Result<sys::CUmodule> {
             text(&err_log)
         )));
     }
-    Ok(module)
+    let get = |name: &[u8]| -> Result<usize> {
+        let mut k: sys::CUkernel = std::ptr::null_mut();
+        // SAFETY: `lib` is loaded, `name` NUL-terminated.
+        check(
+            unsafe { sys::cuLibraryGetKernel(&mut k, lib, name.as_ptr().cast()) },
+            "cuLibraryGetKernel",
+        )?;
+        Ok(k as usize)
+    };
+    // The library stays loaded for the life of the process.
+    Ok(Handles {
+        check: get(ptx::KERNEL_CHECK)?,
+        transfer: get(ptx::KERNEL_TRANSFER)?,
+    })
 }

@@ -10,11 +10,17 @@ use crate::transfer::{IndexWidth, TransferRequest};
 pub(crate) const INLINE_PTRS: usize = 256;
 /// Slots of the launch-sequence ring in the error record (`HKV_ABORT_RING`).
 pub(crate) const ABORT_RING: usize = 4096;
-/// Threads per block of both kernels (32 warps), as SGLang's kernels use.
-pub(crate) const BLOCK_THREADS: u32 = 1024;
+/// Threads per block of both kernels (8 warps; `HKV_BLOCK`). The kernels are compiled for 4 such
+/// blocks per SM (`__launch_bounds__(256, 4)`, at most 64 registers per thread), so a copy block
+/// takes a quarter of an SM and never waits for, or holds, a whole one.
+pub(crate) const BLOCK_THREADS: u32 = 256;
 const WARPS_PER_BLOCK: u64 = BLOCK_THREADS as u64 / 32;
-/// Blocks a transfer may occupy unless `HOSTKV_BLOCK_QUOTA` says otherwise: 2 keeps the copy on
-/// two SMs so it does not steal the forward pass's SMs (SGLang's default).
+/// `HOSTKV_BLOCK_QUOTA` counts warps' worth of work in units of SGLang's 1024-thread block (32
+/// warps): quota `q` allows `q * 4` of our 256-thread blocks, the same warp count as SGLang's `q`
+/// blocks.
+pub(crate) const BLOCKS_PER_QUOTA: u32 = 1024 / BLOCK_THREADS;
+/// Quota unless `HOSTKV_BLOCK_QUOTA` says otherwise: 2 (64 warps), SGLang's default, which keeps
+/// the copy to a small share of the GPU during a forward pass.
 pub(crate) const DEFAULT_BLOCK_QUOTA: u32 = 2;
 
 /// `HkvParams`, field for field (`#[repr(C)]`; a test compares sizes and offsets with the C++
@@ -33,6 +39,7 @@ pub(crate) struct HkvParams {
     pub host_rows: u64,
     pub dev_rows: u64,
     pub err: u64,
+    pub dev_err: u64,
     pub abort_seq: u64,
     pub layers: u32,
     pub layer_begin: u32,
@@ -46,20 +53,30 @@ pub(crate) struct HkvParams {
     pub dev_idx_wide: u32,
 }
 
-/// `HkvErrorRecord`.
+/// `HkvErrorRecord`: pinned, device-mapped host memory the host reads without synchronising.
 #[repr(C)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct HkvErrorRecord {
+    /// Generation of the last published record (0: none yet).
     pub flag: u64,
     pub value: u64,
     pub bound: u64,
     pub side: u64,
+    /// Launches refused so far (mirror of `HkvDeviceRecord::aborted`).
+    pub aborted: u64,
+    /// Written by the host: the generation it last reported.
+    pub ack: u64,
+}
+
+/// `HkvDeviceRecord`: device memory, touched only by device-scope atomics.
+#[repr(C)]
+pub(crate) struct HkvDeviceRecord {
+    pub claim: u64,
+    pub aborted: u64,
     pub abort_ring: [u64; ABORT_RING],
 }
 
 pub(crate) const SIDE_HOST: u64 = 0;
-/// `HkvErrorRecord::flag` once a kernel has filled in the fields (`HKV_FLAG_PUBLISHED`); 1 means
-/// claimed and still being written.
-pub(crate) const FLAG_PUBLISHED: u64 = 2;
 
 /// Parameters plus what they still need placed in device-visible memory.
 pub(crate) struct Marshalled {
@@ -110,6 +127,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         host_rows: g.rows as u64,
         dev_rows: req.device.rows as u64,
         err: 0,
+        dev_err: 0,
         abort_seq: 0,
         layers: to_u32("layers", g.layers as u64)?,
         layer_begin: to_u32("layer id", c.first_layer)?,
@@ -160,14 +178,38 @@ pub(crate) fn block_quota() -> Result<u32> {
     }
 }
 
-/// Blocks for the copy kernel: enough for one warp per task, at most `quota`.
-pub(crate) fn transfer_grid(tasks: u64, quota: u32) -> u32 {
-    tasks.div_ceil(WARPS_PER_BLOCK).clamp(1, quota as u64) as u32
+fn max_blocks(quota: u32) -> u64 {
+    quota as u64 * BLOCKS_PER_QUOTA as u64
 }
 
-/// Blocks for the index check kernel: one thread per index position, at most `quota`.
+/// Blocks for the copy kernel: enough for one warp per task, at most `quota * 4` (see
+/// `BLOCKS_PER_QUOTA`).
+pub(crate) fn transfer_grid(tasks: u64, quota: u32) -> u32 {
+    tasks.div_ceil(WARPS_PER_BLOCK).clamp(1, max_blocks(quota)) as u32
+}
+
+/// Blocks for the index check kernel: one thread per index position, at most `quota * 4`.
 pub(crate) fn check_grid(n: u64, quota: u32) -> u32 {
-    n.div_ceil(BLOCK_THREADS as u64).clamp(1, quota as u64) as u32
+    n.div_ceil(BLOCK_THREADS as u64).clamp(1, max_blocks(quota)) as u32
+}
+
+/// The message for bad device-resident indices the kernels recorded: the published record's
+/// details (`None`: not recorded, see `errword`) and how many launches were refused since the
+/// last report.
+pub(crate) fn refused_message(detail: Option<(u64, u64, u64)>, refused: u64) -> String {
+    match detail {
+        Some((side, value, bound)) if refused <= 1 => bad_index_message(side, value, bound),
+        Some((side, value, bound)) => format!(
+            "{}; {refused} CUDA transfers were refused for bad GPU-resident indices since the \
+             last report (none of them wrote anything); this is the first recorded",
+            bad_index_message(side, value, bound)
+        ),
+        None => format!(
+            "{refused} CUDA transfer(s) were refused for bad GPU-resident indices (negative or out \
+             of range) since the last report; none of them wrote anything (their details were \
+             not recorded: an earlier report was still pending)"
+        ),
+    }
 }
 
 /// The message for a bad index a kernel recorded.

@@ -2,12 +2,13 @@
 //! fork-aware: a child of a process that initialised CUDA must not touch it.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::os::unix::fs::MetadataExt;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::driver::{self, check, code, guard, Cu};
+use super::driver::{self, check, code, guard, lock_cache, may_block, Cu};
 use crate::error::{Error, Result};
 
 #[derive(Debug)]
@@ -81,6 +82,21 @@ pub(crate) fn ready() -> Result<Arc<Probe>> {
     }
 }
 
+/// True when the probe already ran in this process (so `ready()` will not call the driver).
+/// Never waits: a probe running on another thread (holding the lock) counts as "not yet".
+pub(crate) fn probed_here() -> bool {
+    match PROBE.try_lock() {
+        Ok(g) => g
+            .as_ref()
+            .is_some_and(|p| p.pid == std::process::id() || p.initialised()),
+        Err(std::sync::TryLockError::Poisoned(p)) => p
+            .into_inner()
+            .as_ref()
+            .is_some_and(|p| p.pid == std::process::id() || p.initialised()),
+        Err(std::sync::TryLockError::WouldBlock) => false,
+    }
+}
+
 /// True when CUDA state exists in this process (so there may be device errors to report).
 pub(crate) fn initialised_here() -> bool {
     lock(&PROBE)
@@ -88,16 +104,72 @@ pub(crate) fn initialised_here() -> bool {
         .is_some_and(|p| p.initialised() && p.pid == std::process::id())
 }
 
-fn mapped_libcuda() -> Option<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .find(|path| {
-            path.rsplit('/')
-                .next()
-                .is_some_and(|f| f.starts_with("libcuda.so"))
-        })
-        .map(str::to_string)
+/// Driver library files mapped in this process (`libcuda.so*` in /proc/self/maps), one path per
+/// distinct file (symlinks resolved: (device, inode) identifies a file).
+fn mapped_drivers() -> Vec<(String, (u64, u64))> {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, (u64, u64))> = Vec::new();
+    for path in maps.lines().filter_map(|l| l.split_whitespace().nth(5)) {
+        let is_driver = path
+            .rsplit('/')
+            .next()
+            .is_some_and(|f| f.starts_with("libcuda.so"));
+        if !is_driver {
+            continue;
+        }
+        if let Ok(m) = std::fs::metadata(path) {
+            let id = (m.dev(), m.ino());
+            if !out.iter().any(|(_, other)| *other == id) {
+                out.push((path.to_string(), id));
+            }
+        }
+    }
+    out
+}
+
+fn file_id(path: &str) -> Option<(u64, u64)> {
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The file the driver library cudarc loaded was mapped from (`dladdr` of its `cuInit`).
+fn loaded_driver_path() -> Option<String> {
+    type Init = unsafe extern "C" fn(c_uint) -> c_int;
+    // SAFETY: only called once the library was found; `cuInit` has this signature, and only
+    // its address is used.
+    let f = unsafe { driver::symbol::<Init>(b"cuInit\0") }?;
+    // SAFETY: Dl_info is plain data; dladdr fills it for an address inside a loaded object.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(f as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        Some(
+            CStr::from_ptr(info.dli_fname)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
+/// One driver per process: the library cudarc loaded must be the one already mapped (torch's, or
+/// any other user's), else contexts, streams and pointers of one are meaningless to the other.
+/// `before` is what was mapped before cudarc loaded its library.
+fn check_one_driver(before: &[(String, (u64, u64))], ours: &str) -> Option<String> {
+    let our_id = file_id(ours)?;
+    let other = before
+        .iter()
+        .chain(mapped_drivers().iter())
+        .find(|(_, id)| *id != our_id)
+        .map(|(path, _)| path.clone())?;
+    Some(format!(
+        "two different CUDA driver libraries in one process: hostkv_rs loaded {ours}, but {other} \
+         is mapped too (loaded by torch or another library). Objects of one driver are invalid \
+         in the other, so hostkv_rs refuses to use CUDA. Usually a toolkit stub libcuda.so or a \
+         cuda-compat directory on LD_LIBRARY_PATH shadows the real driver: remove it, or put the \
+         driver's directory first"
+    ))
 }
 
 fn run_probe(pid: u32) -> Probe {
@@ -110,6 +182,7 @@ fn run_probe(pid: u32) -> Probe {
         devices: Vec::new(),
         problem: None,
     };
+    let before = mapped_drivers();
     // SAFETY: a pure dlopen probe (cudarc >= 0.19.5); it never panics.
     p.lib_present = unsafe { sys::is_culib_present() };
     if !p.lib_present {
@@ -118,13 +191,23 @@ fn run_probe(pid: u32) -> Probe {
         );
         return p;
     }
+    // Before cuInit: never initialise a second driver next to the process's own.
+    let ours = guard("CUDA probe", || Ok(loaded_driver_path()))
+        .ok()
+        .flatten();
+    p.lib_path = ours
+        .clone()
+        .or_else(|| mapped_drivers().first().map(|(path, _)| path.clone()));
+    if let Some(why) = ours.as_deref().and_then(|o| check_one_driver(&before, o)) {
+        p.problem = Some(why);
+        return p;
+    }
     if let Err(e) = guard("CUDA probe", || {
         query_driver(&mut p);
         Ok(())
     }) {
         p.problem = Some(e.to_string());
     }
-    p.lib_path = mapped_libcuda();
     p
 }
 
@@ -240,11 +323,13 @@ static PRIMARY: Mutex<Option<HashMap<i32, usize>>> = Mutex::new(None);
 /// The primary context of device `ordinal` (the one torch and every CUDA runtime user share),
 /// retained on first use.
 fn primary(ordinal: c_int) -> Result<sys::CUcontext> {
-    let mut guard = lock(&PRIMARY);
+    let mut guard = lock_cache(&PRIMARY)?;
     let map = guard.get_or_insert_with(HashMap::new);
     if let Some(&c) = map.get(&ordinal) {
         return Ok(c as sys::CUcontext);
     }
+    // Retaining may create the context (hundreds of milliseconds).
+    may_block()?;
     let mut dev: sys::CUdevice = 0;
     let mut c: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointers.
@@ -355,35 +440,86 @@ pub(crate) fn current_device() -> Result<c_int> {
     Ok(dev)
 }
 
-/// Waits for all work queued in every active primary context (torch's included), so that host
-/// memory about to be unpinned or unmapped is no longer the source or target of a copy or a
-/// kernel. Errors are ignored: this runs on the way to freeing memory.
-pub(crate) fn drain_active_devices() {
-    let count = probe().devices.len();
-    for ordinal in 0..count as c_int {
-        // SAFETY: valid out-pointers; retain/push/pop/release are balanced, and a context is
-        // only retained when it is already active (nothing is created here).
-        unsafe {
-            let mut dev: sys::CUdevice = 0;
-            if sys::cuDeviceGet(&mut dev, ordinal) != Cu::CUDA_SUCCESS {
-                continue;
-            }
-            let (mut flags, mut active): (std::ffi::c_uint, c_int) = (0, 0);
-            if sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) != Cu::CUDA_SUCCESS
-                || active == 0
-            {
-                continue;
-            }
-            let mut c: sys::CUcontext = std::ptr::null_mut();
-            if sys::cuDevicePrimaryCtxRetain(&mut c, dev) != Cu::CUDA_SUCCESS {
-                continue;
-            }
-            if sys::cuCtxPushCurrent_v2(c) == Cu::CUDA_SUCCESS {
-                let _ = sys::cuCtxSynchronize();
-                let mut prev: sys::CUcontext = std::ptr::null_mut();
-                let _ = sys::cuCtxPopCurrent_v2(&mut prev);
-            }
-            let _ = sys::cuDevicePrimaryCtxRelease_v2(dev);
+/// Makes device `ordinal`'s primary context current for one call (retained once, as above).
+/// Used where the device is known from a record (unregistering a range on the device it was
+/// registered on), so a thread with no context never falls back to another GPU.
+pub(crate) fn bind_device(ordinal: c_int) -> Result<CtxScope> {
+    let target = primary(ordinal)?;
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    if cur == target {
+        Ok(CtxScope {
+            ctx: cur,
+            pushed: false,
+        })
+    } else {
+        CtxScope::push(target)
+    }
+}
+
+type CtxGetId = unsafe extern "C" fn(sys::CUcontext, *mut u64) -> c_int;
+
+/// A key for per-context caches (modules, staging, error records): the context's unique id
+/// (`cuCtxGetId`, CUDA 12.0+), which changes when a primary context is reset and re-created at
+/// the same address; the handle itself where the driver has no ids.
+pub(crate) fn ctx_key(ctx: sys::CUcontext) -> u64 {
+    static GET_ID: OnceLock<Option<CtxGetId>> = OnceLock::new();
+    // SAFETY: the symbol has this C signature (CUDA 12.0+).
+    let f = GET_ID.get_or_init(|| unsafe { driver::symbol::<CtxGetId>(b"cuCtxGetId\0") });
+    if let Some(f) = f {
+        let mut id = 0u64;
+        // SAFETY: valid out-pointer; `ctx` is a live context.
+        if unsafe { f(ctx, &mut id) } == 0 {
+            return id;
         }
     }
+    ctx as usize as u64
+}
+
+/// `bytes` of zeroed device memory in the current context. Zeroed on a private non-blocking
+/// stream that only this call waits for, so nothing else queued in the context (torch's work,
+/// an NCCL kernel) is waited for.
+pub(crate) fn device_alloc_zeroed(bytes: usize, what: &str) -> Result<u64> {
+    may_block()?;
+    let mut d: sys::CUdeviceptr = 0;
+    // SAFETY: valid out-pointers; the stream is created, used and destroyed here, and the
+    // allocation is freed on any error.
+    unsafe {
+        check(
+            sys::cuMemAlloc_v2(&mut d, bytes),
+            &format!("cuMemAlloc ({what})"),
+        )?;
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        let r = check(
+            sys::cuStreamCreate(
+                &mut s,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
+            ),
+            "cuStreamCreate",
+        )
+        .and_then(|_| {
+            let r = check(
+                sys::cuMemsetD8Async(d, 0, bytes, s),
+                &format!("cuMemsetD8Async ({what})"),
+            )
+            .and_then(|_| check(sys::cuStreamSynchronize(s), "cuStreamSynchronize"));
+            let _ = sys::cuStreamDestroy_v2(s);
+            r
+        });
+        if let Err(e) = r {
+            let _ = sys::cuMemFree_v2(d);
+            return Err(e);
+        }
+    }
+    Ok(d)
+}
+
+/// Waits for everything queued on device `ordinal` (its primary context). Only a fallback for
+/// memory whose queued work could not be tracked by an event (see `registry`): it also waits for
+/// other users' streams.
+pub(crate) fn synchronize_device(ordinal: c_int) -> Result<()> {
+    let _scope = bind_device(ordinal)?;
+    // SAFETY: a context is current.
+    check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }

@@ -1,7 +1,12 @@
-//! Pinning host memory: `cuMemHostRegister(PORTABLE | DEVICEMAP)` in chunks that never split a
-//! copy unit (each chunk is a whole multiple of the granularity), in parallel threads for large
-//! regions, rolled back completely when any chunk fails.
+//! Pinning host memory: `cuMemHostRegister(PORTABLE | DEVICEMAP)` in chunks of at most the
+//! chunk limit that never split a copy unit (each chunk is a whole multiple of the granularity,
+//! or of 4 KiB when none is given), in parallel threads for large regions. A chunk the driver
+//! refuses is retried in halves (still whole copy units) down to one copy unit: single huge
+//! registrations fail intermittently on a GPU whose memory is full, which is exactly when a host
+//! pool is built. If a piece of one copy unit still fails, everything is rolled back. Every chunk
+//! is recorded with its device (`registry`), and unpinned with that device current.
 
+use std::ffi::c_int;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -9,30 +14,43 @@ use cudarc::driver::sys;
 
 use super::driver::{as_void, code, error_string};
 use super::probe;
+use super::registry::{self, Chunk};
 use crate::error::{Error, Result};
 
 /// Regions at least this large are registered from several threads (pinning is dominated by
 /// the kernel walking and locking pages, which scales with threads).
 const PARALLEL_BYTES: usize = 4 << 30;
 const MAX_THREADS: usize = 8;
+/// Copy unit when the pool gives none (layer_first pools): chunks stay page-aligned.
+const DEFAULT_UNIT: usize = 4096;
+/// `CUDA_ERROR_INVALID_VALUE` and `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`: smaller pieces
+/// would fail the same way, so these are not retried.
+const NOT_RETRIED: [i32; 2] = [1, 712];
 
-/// Chunk boundaries `(offset, size)` for `len` bytes.
+/// The copy unit chunks are whole multiples of.
+fn unit_of(granularity: usize, chunk_limit: usize) -> usize {
+    if granularity == 0 {
+        DEFAULT_UNIT.min(chunk_limit).max(1)
+    } else {
+        granularity
+    }
+}
+
+/// Chunk boundaries `(offset, size)` for `len` bytes: every chunk but the last is the largest
+/// multiple of the copy unit not above `chunk_limit` (granularity 0: a 4 KiB unit).
 pub(crate) fn chunks(
     len: usize,
     granularity: usize,
     chunk_limit: usize,
 ) -> Result<Vec<(usize, usize)>> {
-    if granularity == 0 {
-        // Legacy behaviour: one registration of the whole buffer.
-        return Ok(if len == 0 { Vec::new() } else { vec![(0, len)] });
-    }
-    if granularity > chunk_limit {
+    if granularity > chunk_limit || chunk_limit == 0 {
         return Err(Error::Unsupported(format!(
             "Host registration granularity exceeds the configured chunk limit: \
              granularity={granularity}, chunk_limit={chunk_limit}"
         )));
     }
-    let chunk = chunk_limit / granularity * granularity;
+    let unit = unit_of(granularity, chunk_limit);
+    let chunk = chunk_limit / unit * unit;
     let mut out = Vec::with_capacity(len.div_ceil(chunk));
     let mut off = 0;
     while off < len {
@@ -54,15 +72,55 @@ fn unregister_one(ptr: u64) {
     let _ = unsafe { sys::cuMemHostUnregister(as_void(ptr)) };
 }
 
-type Share<'a> = Mutex<Option<(usize, &'a mut [i32])>>;
+/// A chunk that could not be registered even in pieces of one copy unit.
+#[derive(Clone, Copy, Debug)]
+struct Failed {
+    offset: usize,
+    size: usize,
+    rc: i32,
+}
 
-fn take_share<'a>(cell: &Share<'a>) -> Option<(usize, &'a mut [i32])> {
+/// What registering one chunk gave: the pieces registered (in address order), and the piece that
+/// failed for good, if any (then the pieces after it were not tried).
+#[derive(Default)]
+struct Outcome {
+    pieces: Vec<(usize, usize)>,
+    failed: Option<Failed>,
+}
+
+/// Registers `[off, off+size)`; a refused piece larger than one unit is retried as two halves.
+fn register_halving(ptr: u64, off: usize, size: usize, unit: usize, out: &mut Outcome) -> bool {
+    let rc = register_one(ptr + off as u64, size);
+    if rc == 0 {
+        out.pieces.push((off, size));
+        return true;
+    }
+    if size <= unit || NOT_RETRIED.contains(&rc) {
+        out.failed = Some(Failed {
+            offset: off,
+            size,
+            rc,
+        });
+        return false;
+    }
+    let first = (size.div_ceil(unit) / 2).max(1) * unit;
+    eprintln!(
+        "hostkv_rs: cudaHostRegister of {size} bytes at offset {off} failed (rc={rc}, {}); \
+         retrying as {first} + {} bytes",
+        error_string(rc),
+        size - first
+    );
+    register_halving(ptr, off, first, unit, out)
+        && register_halving(ptr, off + first, size - first, unit, out)
+}
+
+type Share<'a> = Mutex<Option<(usize, &'a mut [Outcome])>>;
+
+fn take_share<'a>(cell: &Share<'a>) -> Option<(usize, &'a mut [Outcome])> {
     // Taking a share cannot panic halfway, so a poisoned lock still holds valid data.
     cell.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// Registers every chunk; returns each chunk's result code, in chunk order, and the number of
-/// threads used. `ctx` is current on the calling thread; helper threads make it current too.
 /// `PARALLEL_BYTES`, or `HOSTKV_REGISTER_PARALLEL_BYTES` (lets tests exercise the threaded path
 /// on small regions).
 fn parallel_bytes() -> usize {
@@ -72,12 +130,16 @@ fn parallel_bytes() -> usize {
         .unwrap_or(PARALLEL_BYTES)
 }
 
+/// Registers every chunk (halving refused ones); returns each chunk's outcome, in chunk order,
+/// and the number of threads used. `ctx` is current on the calling thread; helper threads make
+/// it current too.
 fn register_chunks(
     ctx: sys::CUcontext,
     ptr: u64,
     parts: &[(usize, usize)],
     len: usize,
-) -> (Vec<i32>, usize) {
+    unit: usize,
+) -> (Vec<Outcome>, usize) {
     let threads = if len >= parallel_bytes() && parts.len() > 1 {
         std::thread::available_parallelism()
             .map_or(1, |n| n.get())
@@ -86,23 +148,23 @@ fn register_chunks(
     } else {
         1
     };
-    let mut rcs = vec![0i32; parts.len()];
-    let fill = |first: usize, slots: &mut [i32]| {
-        for (k, rc) in slots.iter_mut().enumerate() {
+    let mut outcomes: Vec<Outcome> = parts.iter().map(|_| Outcome::default()).collect();
+    let fill = |first: usize, slots: &mut [Outcome]| {
+        for (k, out) in slots.iter_mut().enumerate() {
             let (o, s) = parts[first + k];
-            *rc = register_one(ptr + o as u64, s);
+            register_halving(ptr, o, s, unit, out);
         }
     };
     if threads <= 1 {
-        fill(0, &mut rcs);
-        return (rcs, 1);
+        fill(0, &mut outcomes);
+        return (outcomes, 1);
     }
     let ctx_addr = ctx as usize;
     let per = parts.len().div_ceil(threads);
     let fill = &fill;
     // Each share sits in a cell so that a share whose thread could not be spawned is done on
     // this thread instead (a failed spawn must not panic, nor leave chunks unregistered).
-    let shares: Vec<Share> = rcs
+    let shares: Vec<Share> = outcomes
         .chunks_mut(per)
         .enumerate()
         .map(|(t, slots)| Mutex::new(Some((t * per, slots))))
@@ -115,7 +177,14 @@ fn register_chunks(
                 let set = code(unsafe { sys::cuCtxSetCurrent(ctx_addr as sys::CUcontext) });
                 if let Some((first, slots)) = take_share(cell) {
                     if set != 0 {
-                        slots.iter_mut().for_each(|rc| *rc = set);
+                        for (k, out) in slots.iter_mut().enumerate() {
+                            let (offset, size) = parts[first + k];
+                            out.failed = Some(Failed {
+                                offset,
+                                size,
+                                rc: set,
+                            });
+                        }
                     } else {
                         fill(first, slots);
                     }
@@ -135,7 +204,7 @@ fn register_chunks(
         }
     });
     drop(shares);
-    (rcs, spawned.max(1))
+    (outcomes, spawned.max(1))
 }
 
 pub(crate) fn register(
@@ -149,51 +218,63 @@ pub(crate) fn register(
         return Ok(Vec::new());
     }
     probe::ready()?;
-    // PORTABLE registrations belong to every context: any current one will do.
+    // The thread's current context (torch's current device), else device 0's primary context.
+    // PORTABLE registrations belong to every context; the device is recorded so the range is
+    // unpinned with the same device current, never by creating a context on another GPU.
     let scope = probe::bind_context(None)?;
+    let device: c_int = probe::current_device()?;
+    let unit = unit_of(granularity, chunk_limit);
     let start = Instant::now();
-    let (rcs, threads) = register_chunks(scope.ctx(), ptr, &parts, len);
-    if let Some(bad) = rcs.iter().position(|&rc| rc != 0) {
-        for (&(o, _), _) in parts.iter().zip(&rcs).filter(|(_, &rc)| rc == 0).rev() {
+    let (outcomes, threads) = register_chunks(scope.ctx(), ptr, &parts, len, unit);
+    let pieces: Vec<(usize, usize)> = outcomes
+        .iter()
+        .flat_map(|o| o.pieces.iter().copied())
+        .collect();
+    if let Some(bad) = outcomes.iter().find_map(|o| o.failed) {
+        for &(o, _) in pieces.iter().rev() {
             unregister_one(ptr + o as u64);
         }
-        let (offset, size) = parts[bad];
-        let rc = rcs[bad];
         let chunk_bytes = parts[0].1;
         return Err(Error::Cuda(format!(
-            "cudaHostRegister failed (rc={rc}, {}) at offset={offset} size={size} \
-             (total={len}, chunk_limit={chunk_bytes}); host buffer is not pinned and device \
-             transfers may silently return stale data.",
-            error_string(rc)
+            "cudaHostRegister failed (rc={}, {}) at offset={} size={} (total={len}, \
+             chunk_limit={chunk_bytes}); host buffer is not pinned and device transfers may \
+             silently return stale data.",
+            bad.rc,
+            error_string(bad.rc),
+            bad.offset,
+            bad.size
         )));
     }
     if std::env::var_os("HOSTKV_LOG_REGISTER").is_some() {
         let secs = start.elapsed().as_secs_f64();
         eprintln!(
             "hostkv_rs: registered {len} bytes in {} chunk(s) on {threads} thread(s) in {secs:.3} s \
-             ({:.2} GB/s)",
-            parts.len(),
+             ({:.2} GB/s), device {device}",
+            pieces.len(),
             len as f64 / secs.max(1e-9) / 1e9
         );
     }
-    Ok(parts.iter().map(|&(o, s)| (ptr + o as u64, s)).collect())
+    registry::insert(
+        pieces
+            .iter()
+            .map(|&(o, s)| Chunk {
+                base: ptr + o as u64,
+                len: s,
+                device,
+            })
+            .collect(),
+    );
+    Ok(pieces.iter().map(|&(o, s)| (ptr + o as u64, s)).collect())
 }
 
-pub(crate) fn unregister(ranges: &[(u64, usize)]) {
+/// Unpins ranges returned by `register`, after the work queued on them has finished (bounded
+/// wait: see `registry::remove`). Blocks: call without the GIL.
+pub(crate) fn unregister(ranges: &[(u64, usize)]) -> Result<()> {
     // A forked child must not call into CUDA; its parent's registrations are not its own.
     if ranges.is_empty() || !probe::initialised_here() {
-        return;
+        return Ok(());
     }
-    // A copy or kernel still queued on any stream may read or write this memory: let it finish
-    // before the pages are unpinned (and, on drop, unmapped). Pool destruction is rare; a
-    // device fault from a DMA into unmapped memory would end the process.
-    probe::drain_active_devices();
-    let Ok(_scope) = probe::bind_context(None) else {
-        return;
-    };
-    for &(p, _) in ranges.iter().rev() {
-        unregister_one(p);
-    }
+    registry::remove(ranges[0].0)
 }
 
 #[cfg(test)]
@@ -213,8 +294,16 @@ mod tests {
     }
 
     #[test]
-    fn no_granularity_is_one_registration() {
-        assert_eq!(chunks(5 << 30, 0, 1 << 30).unwrap(), vec![(0, 5 << 30)]);
+    fn without_a_granularity_chunks_are_capped_and_page_aligned() {
+        // Before: one registration of the whole region, whatever its size.
+        let parts = chunks(5 << 30, 0, 1 << 30).unwrap();
+        assert_eq!(parts.len(), 5);
+        assert!(parts.iter().all(|&(o, s)| s == 1 << 30 && o % 4096 == 0));
+        let parts = chunks(10 << 20, 0, (3 << 20) + 100).unwrap();
+        assert!(parts
+            .iter()
+            .all(|&(o, s)| o % 4096 == 0 && s <= (3 << 20) + 100));
+        assert_eq!(parts.iter().map(|p| p.1).sum::<usize>(), 10 << 20);
         assert!(chunks(0, 0, 1 << 30).unwrap().is_empty());
     }
 

@@ -1,7 +1,9 @@
-//! Small pinned, device-mapped host buffers for what a launch reads besides the pools: host-
-//! resident index arrays (validated, then copied here so the kernel can read them) and device
-//! layer tables too long for the parameter block. A buffer is reused only after the event
-//! recorded behind the launch that read it has completed.
+//! What a launch reads besides the pools: host-resident index arrays (validated, then staged) and
+//! device layer tables too long for the parameter block. Each buffer is a pair: a pinned host
+//! buffer the CPU fills, and a device scratch buffer of the same size that one async copy on the
+//! launch's stream fills from it, so the kernels read the indices from device memory (not every
+//! warp over PCIe). A pair is reused only after the event recorded behind the launch that read
+//! it (and behind that copy) has completed.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -9,8 +11,9 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-use super::driver::{check, Cu};
-use crate::error::Result;
+use super::driver::{check, lock_cache, may_block, Cu};
+use super::probe;
+use crate::error::{Error, Result};
 
 const MIN_BLOCK: usize = 64 << 10;
 /// Beyond this many buffers per context, wait for one instead of allocating another.
@@ -18,6 +21,7 @@ const MAX_BLOCKS: usize = 32;
 
 struct Block {
     host: usize,
+    /// Device scratch of `cap` bytes.
     dev: u64,
     cap: usize,
     event: usize,
@@ -27,13 +31,16 @@ struct Block {
     pending: bool,
 }
 
-static POOLS: Mutex<Option<HashMap<usize, Vec<Block>>>> = Mutex::new(None);
+/// Keyed by `probe::ctx_key`.
+static POOLS: Mutex<Option<HashMap<u64, Vec<Block>>>> = Mutex::new(None);
 
-/// A staging buffer held for one launch.
+/// A staging pair held for one launch.
 pub(crate) struct Lease {
-    ctx: usize,
+    ctx: u64,
     index: usize,
+    /// Host buffer the caller fills.
     pub host: *mut u8,
+    /// Device scratch the kernels read, once `upload` has been enqueued.
     pub dev: u64,
 }
 
@@ -51,9 +58,11 @@ fn free_now(b: &Block) -> Result<bool> {
 }
 
 fn allocate(bytes: usize) -> Result<Block> {
+    may_block()?;
     let cap = bytes.max(MIN_BLOCK).next_power_of_two();
     let mut p: *mut c_void = std::ptr::null_mut();
-    // SAFETY: valid out-pointers throughout; the allocation is freed only with the process.
+    // SAFETY: valid out-pointers throughout; the allocations are freed on error, else only with
+    // the process.
     unsafe {
         check(
             sys::cuMemHostAlloc(
@@ -65,11 +74,7 @@ fn allocate(bytes: usize) -> Result<Block> {
         )?;
         let mut dev: sys::CUdeviceptr = 0;
         let mut ev: sys::CUevent = std::ptr::null_mut();
-        let r = check(
-            sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0),
-            "cuMemHostGetDevicePointer (staging)",
-        )
-        .and_then(|_| {
+        let r = check(sys::cuMemAlloc_v2(&mut dev, cap), "cuMemAlloc (staging)").and_then(|_| {
             check(
                 sys::cuEventCreate(
                     &mut ev,
@@ -79,6 +84,9 @@ fn allocate(bytes: usize) -> Result<Block> {
             )
         });
         if let Err(e) = r {
+            if dev != 0 {
+                sys::cuMemFree_v2(dev);
+            }
             sys::cuMemFreeHost(p);
             return Err(e);
         }
@@ -93,12 +101,25 @@ fn allocate(bytes: usize) -> Result<Block> {
     }
 }
 
-/// A buffer of at least `bytes` usable from context `ctx` (current on this thread).
+fn lease_of(key: u64, index: usize, b: &mut Block) -> Lease {
+    b.leased = true;
+    b.pending = false;
+    Lease {
+        ctx: key,
+        index,
+        host: b.host as *mut u8,
+        dev: b.dev,
+    }
+}
+
+/// A pair of at least `bytes` usable from context `ctx` (current on this thread). May wait for
+/// an event or allocate (`driver::may_block`).
 pub(crate) fn acquire(ctx: sys::CUcontext, bytes: usize) -> Result<Lease> {
-    let mut guard = POOLS.lock().unwrap_or_else(|p| p.into_inner());
+    let key = probe::ctx_key(ctx);
+    let mut guard = lock_cache(&POOLS)?;
     let pool = guard
         .get_or_insert_with(HashMap::new)
-        .entry(ctx as usize)
+        .entry(key)
         .or_default();
     let mut waitable = None;
     for (i, b) in pool.iter_mut().enumerate() {
@@ -106,36 +127,50 @@ pub(crate) fn acquire(ctx: sys::CUcontext, bytes: usize) -> Result<Lease> {
             continue;
         }
         if free_now(b)? {
-            b.leased = true;
-            b.pending = false;
-            return Ok(Lease {
-                ctx: ctx as usize,
-                index: i,
-                host: b.host as *mut u8,
-                dev: b.dev,
-            });
+            return Ok(lease_of(key, i, b));
         }
         waitable.get_or_insert(i);
     }
     if let (Some(i), true) = (waitable, pool.len() >= MAX_BLOCKS) {
+        may_block()?;
         let b = &mut pool[i];
-        // SAFETY: a live event of this context.
-        check(
-            unsafe { sys::cuEventSynchronize(b.event as sys::CUevent) },
-            "cuEventSynchronize (staging)",
-        )?;
+        let event = b.event;
         b.leased = true;
-        b.pending = false;
-        return Ok(Lease {
-            ctx: ctx as usize,
-            index: i,
-            host: b.host as *mut u8,
-            dev: b.dev,
-        });
+        // Wait without holding the pool lock: other threads may use the other buffers.
+        drop(guard);
+        // SAFETY: a live event of this context.
+        let r = check(
+            unsafe { sys::cuEventSynchronize(event as sys::CUevent) },
+            "cuEventSynchronize (staging)",
+        );
+        let mut guard = POOLS.lock().unwrap_or_else(|p| p.into_inner());
+        // Pools and their buffers are never removed.
+        let Some(b) = guard
+            .as_mut()
+            .and_then(|m| m.get_mut(&key))
+            .and_then(|pool| pool.get_mut(i))
+        else {
+            return Err(Error::Cuda(
+                "staging buffer lost while waiting for it".into(),
+            ));
+        };
+        if let Err(e) = r {
+            b.leased = false;
+            return Err(e);
+        }
+        return Ok(lease_of(key, i, b));
     }
+    // Allocate without holding the pool lock (`release` needs it after every launch).
+    may_block()?;
+    drop(guard);
     let b = allocate(bytes)?;
+    let mut guard = POOLS.lock().unwrap_or_else(|p| p.into_inner());
+    let pool = guard
+        .get_or_insert_with(HashMap::new)
+        .entry(key)
+        .or_default();
     let lease = Lease {
-        ctx: ctx as usize,
+        ctx: key,
         index: pool.len(),
         host: b.host as *mut u8,
         dev: b.dev,
@@ -144,8 +179,19 @@ pub(crate) fn acquire(ctx: sys::CUcontext, bytes: usize) -> Result<Lease> {
     Ok(lease)
 }
 
-/// Gives the buffer back. With `stream`, it stays busy until the work enqueued so far on that
-/// stream has finished; without (nothing was launched), it is free at once.
+/// Enqueues the copy of the first `bytes` of the host buffer into the device scratch on
+/// `stream` (from pinned memory: truly asynchronous).
+pub(crate) fn upload(lease: &Lease, bytes: usize, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: both buffers hold at least `bytes`; the host buffer stays untouched until the
+    // event recorded behind the launches (release) has completed.
+    check(
+        unsafe { sys::cuMemcpyHtoDAsync_v2(lease.dev, lease.host as *const c_void, bytes, stream) },
+        "cuMemcpyHtoDAsync (staged indices)",
+    )
+}
+
+/// Gives the pair back. With `stream`, it stays busy until the work enqueued so far on that
+/// stream has finished; without (nothing was enqueued), it is free at once.
 pub(crate) fn release(lease: Lease, stream: Option<sys::CUstream>) -> Result<()> {
     let mut guard = POOLS.lock().unwrap_or_else(|p| p.into_inner());
     let Some(b) = guard

@@ -4,7 +4,10 @@
 use std::mem::offset_of;
 
 use super::emulate::{emulate_with_quota, hkv_params_layout};
-use super::params::{HkvErrorRecord, HkvParams, ABORT_RING, INLINE_PTRS};
+use super::params::{
+    HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCKS_PER_QUOTA, BLOCK_THREADS,
+    INLINE_PTRS,
+};
 use crate::error::Error;
 use crate::plan;
 use crate::transfer::{
@@ -217,6 +220,7 @@ fn params_layout_matches_the_cuda_struct() {
         offset_of!(HkvParams, host_rows),
         offset_of!(HkvParams, dev_rows),
         offset_of!(HkvParams, err),
+        offset_of!(HkvParams, dev_err),
         offset_of!(HkvParams, abort_seq),
         offset_of!(HkvParams, layers),
         offset_of!(HkvParams, layer_begin),
@@ -229,8 +233,13 @@ fn params_layout_matches_the_cuda_struct() {
         offset_of!(HkvParams, host_idx_wide),
         offset_of!(HkvParams, dev_idx_wide),
         std::mem::size_of::<HkvErrorRecord>(),
+        std::mem::size_of::<HkvDeviceRecord>(),
+        offset_of!(HkvErrorRecord, aborted),
+        offset_of!(HkvErrorRecord, ack),
+        offset_of!(HkvDeviceRecord, abort_ring),
         INLINE_PTRS,
         ABORT_RING,
+        BLOCK_THREADS as usize,
     ];
     let got: Vec<usize> = v[..want.len()].iter().map(|&x| x as usize).collect();
     assert_eq!(got, want);
@@ -241,6 +250,27 @@ fn params_layout_matches_the_cuda_struct() {
         "PTX parameter block is not {} bytes",
         want[0]
     );
+}
+
+/// The copy kernel leaves room for the forward pass: 256-thread blocks compiled for 4 blocks per
+/// SM (at most 64 registers per thread, a quarter of the register file per block), and the
+/// quota keeps meaning SGLang's "1024-thread blocks' worth of warps".
+#[test]
+fn kernels_are_compiled_and_launched_as_small_blocks() {
+    let ptx = super::ptx::PTX;
+    for entry in ["hkv_check_indices", "hkv_transfer"] {
+        let at = ptx
+            .find(&format!(".entry {entry}("))
+            .expect("entry in the PTX");
+        let body = &ptx[at..at + ptx[at..].find('{').expect("entry body")];
+        assert!(body.contains(".maxntid 256, 1, 1"), "{entry}: {body}");
+        assert!(body.contains(".minnctapersm 4"), "{entry}: {body}");
+    }
+    assert_eq!((BLOCK_THREADS, BLOCKS_PER_QUOTA), (256, 4));
+    // Quota 2 (SGLang's default): 64 warps at most, like two 1024-thread blocks.
+    assert_eq!(super::params::transfer_grid(1 << 20, 2), 8);
+    assert_eq!(super::params::transfer_grid(3, 2), 1);
+    assert_eq!(super::params::check_grid(1 << 20, 1), 4);
 }
 
 #[test]
