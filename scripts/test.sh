@@ -8,6 +8,20 @@ PY=${PYTHON:-python3}
 echo "== install test dependencies"
 $PY -m pip install -q "maturin>=1.14,<2" torch numpy psutil pytest hypothesis pytest-benchmark ruff
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+# Mooncake Store for the hostkv_rs.l3 tests (tests/test_l3_mooncake.py; they skip, with the reason,
+# where this fails): the wheel, and the two Debian libraries its native code loads (no RDMA needed).
+if ! $PY -c "import ctypes; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('libnuma.so.1')" 2>/dev/null; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y -qq libibverbs1 libnuma1 >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 libnuma1 >/dev/null 2>&1; }; } ||
+      echo "   apt-get could not install libibverbs1 libnuma1: the Mooncake tests will skip"
+  else
+    echo "   no apt-get as root here: libibverbs1 libnuma1 not installed, the Mooncake tests will skip"
+  fi
+fi
+MOONCAKE=mooncake-transfer-engine-non-cuda==0.3.13.post1
+$PY -c "import importlib.metadata as m, sys; sys.exit(m.version('${MOONCAKE%%=*}') != '${MOONCAKE##*=}')" 2>/dev/null ||
+  $PY -m pip install -q "$MOONCAKE" || echo "   pip could not install $MOONCAKE: the Mooncake tests will skip"
 
 echo "== lint"
 cargo fmt --all -- --check
@@ -27,3 +41,8 @@ $PY -m pip install -q --force-reinstall --no-deps target/wheels/hostkv_rs-*.whl
 echo "== pytest"
 # Run from tests/ so `import hostkv_rs` is the installed wheel, not the source tree.
 cd tests && $PY -m pytest -q -p no:cacheprovider
+
+echo "== SGLang releases"
+# SGLang's own construction path, controllers and classes against ours, per release, each in a
+# cached venv of its own (scripts/sglang_venv.sh) that shares this interpreter's torch.
+cd .. && bash scripts/test_sglang.sh

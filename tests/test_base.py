@@ -231,11 +231,11 @@ def _shard(dp, shard_size: int, owned: tuple[int, int]):
     return dp
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("kernel", "layer_first"), ("kernel", "page_first"), ("direct", "layer_first")],
+)
 def test_layer_sharded_mla_holds_its_owned_layers(layout, backend):
-    if (backend, layout) in (("kernel", "page_first_direct"), ("direct", "page_first")):
-        pytest.skip("pair not served by SGLang's MLA pool")
     # 5 device layers over 2 shards: this rank owns layers [3, 5); the host holds ceil(5/2) = 3
     # target layers (the last one unused), as SGLang sizes it.
     dp = _shard(MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, 5), 2, (3, 5))
@@ -256,6 +256,26 @@ def test_layer_sharded_mla_holds_its_owned_layers(layout, backend):
             assert torch.equal(got, expected[i]), f"owned layer {i}"
         else:
             assert not bool(got.any()), f"layer {i} is not this rank's"
+
+
+def test_layer_sharded_mla_backup_refusals_are_sglangs():
+    dp = _shard(MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, 5), 2, (3, 5))
+    idx = torch.arange(16)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "page_first_direct")
+    with pytest.raises(
+        ValueError,
+        match="Layer-sharded direct HiCache backup only supports layer_first layout, got "
+        "page_first_direct",
+    ):
+        host.backup_from_device_all_layer(dp, idx, idx, "direct")
+    with pytest.raises(
+        ValueError, match="Layer-sharded HiCache backup does not support layout: page_first_direct"
+    ):
+        host.backup_from_device_all_layer(dp, idx, idx, "kernel")
+    with pytest.raises(
+        ValueError, match="Layer-sharded HiCache backup does not support IO backend: kernel_ascend"
+    ):
+        host.backup_from_device_all_layer(dp, idx, idx, "kernel_ascend")
 
 
 def test_layer_sharded_mha_skips_layers_it_does_not_own():

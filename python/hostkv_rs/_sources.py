@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # Layouts SGLang has that hostkv_rs does not implement: page_unified (0.5.23) and the Ascend
@@ -97,6 +99,26 @@ def device_type_reason(source) -> str | None:
         return None
     if kind not in ("cpu", "cuda", "meta"):
         return f"device type {kind!r}"
+    return None
+
+
+def sglang_io_backend() -> str | None:
+    """The HiCache io backend the running SGLang server was started with (`--hicache-io-backend`,
+    published in its runtime context), or None outside a server. Host pools are built before
+    any transfer names its backend, so this is how a construction learns it."""
+    context = sys.modules.get("sglang.srt.runtime_context")
+    if context is None:
+        return None
+    try:
+        return getattr(context.get_memory(), "hicache_io_backend", None)
+    except Exception:  # noqa: BLE001 - nothing published (not a server, or a test)
+        return None
+
+
+def io_backend_reason() -> str | None:
+    """kernel_ascend moves bytes with Ascend NPU kernels, which hostkv_rs does not have."""
+    if sglang_io_backend() == "kernel_ascend":
+        return "the kernel_ascend io backend (Ascend NPU) is not implemented by hostkv_rs"
     return None
 
 

@@ -12,11 +12,11 @@ import torch
 from hostkv_rs import _core, _handover, _memory
 from hostkv_rs._device_side import DeviceSide, owned_range
 from hostkv_rs._sources import (
-    SGLANG_ONLY_LAYOUTS,
     arg,
     cat_tables,
     device_source,
     device_type_reason,
+    io_backend_reason,
     is_buffer_info,
     is_mxfp8_device_pool,
     is_mxfp8_scales,
@@ -94,7 +94,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             page_size=page_size,
             layout=layout,
         )
-        refuse_unserved(_layout_reason(layout) or device_type_reason(source))
+        refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if is_buffer_info(source):
             side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
             _required(
@@ -157,10 +157,21 @@ class MHATokenToKVPoolHost(HostKVCache):
         source = arg(args, kwargs, 0, "device_pool")
         if source is None:
             source = kwargs.get("buffer_info")
-        reason = _layout_reason(arg(args, kwargs, 4, "layout"))
+        reason = cls._layout_reason(arg(args, kwargs, 4, "layout"))
         if reason is None and source is not None:
             reason = scales_reason(source) or device_type_reason(source)
-        return reason
+        return reason or io_backend_reason()
+
+    # Layouts SGLang's own class of this kind serves and hostkv_rs does not. page_first_kv_split
+    # is MLA-only in SGLang too (its MHA pools refuse it with the "Unsupported layout" ValueError
+    # ours raise).
+    _sglang_only_layouts = ("page_unified",)
+
+    @classmethod
+    def _layout_reason(cls, layout) -> str | None:
+        if isinstance(layout, str) and layout in cls._sglang_only_layouts:
+            return f"layout {layout!r} is not implemented by hostkv_rs"
+        return None
 
     def _from_device_pool(self, dp, drafts, pool_label: str) -> dict:
         """SGLang 0.5.18-0.5.22: geometry from the device pool, layers from it and its drafts."""
@@ -488,6 +499,9 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
     in SGLang, so code assuming one shared K/V stride fails loudly. Layouts: page_first (kernel)
     and page_first_direct (direct)."""
 
+    # SGLang's asymmetric pool refuses every other layout itself (ValueError, same text as ours).
+    _sglang_only_layouts = ()
+
     def get_ksize_per_token(self):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize
 
@@ -595,12 +609,6 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
             ptrs += [k_base + k_off, v_base + v_off]
             sizes += [k_page, v_page]
         return ptrs, sizes
-
-
-def _layout_reason(layout) -> str | None:
-    if isinstance(layout, str) and layout in SGLANG_ONLY_LAYOUTS:
-        return f"layout {layout!r} is not implemented by hostkv_rs"
-    return None
 
 
 def _sglang_mxfp8_host_cls():

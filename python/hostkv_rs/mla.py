@@ -17,6 +17,7 @@ from hostkv_rs._sources import (
     cat_tables,
     device_source,
     device_type_reason,
+    io_backend_reason,
     is_allocation_only,
     is_buffer_info,
     refuse_unserved,
@@ -51,6 +52,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     _device_plane_names = ("kv_buffer",)
     # load/backup pass both index tensors through maybe_dcp_kernel_indices (SGLang §3.4).
     dcp_aware_transfers = True
+    _layer_shard_enabled = False
 
     def __init__(
         self,
@@ -171,7 +173,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         reason = _layout_reason(arg(args, kwargs, 4, "layout"))
         if reason is None and source is not None:
             reason = device_type_reason(source)
-        return reason
+        return reason or io_backend_reason()
 
     def _from_device_pool(self, dp, drafts) -> dict:
         """SGLang 0.5.18-0.5.22: geometry from the device pool; under CP layer sharding the host
@@ -189,6 +191,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         )
         self.target_layer_num = sharded_host_layer_num(dp)
         self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
+        self._layer_shard_enabled = bool(getattr(dp, "layer_shard_enabled", False))
         start, end = owned_range(dp)
         layers = list(dp.kv_buffer)
         if len(layers) < end:
@@ -356,6 +359,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         if self._is_dummy:
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
+        if self._layer_shard_enabled:
+            _check_sharded_backup(io_backend, self.layout)
         self._backup_planes(device_pool, host_indices, device_indices, io_backend)
 
     # ----------------------------------------------------------------- L3 flat pages
@@ -454,3 +459,16 @@ def _layout_reason(layout) -> str | None:
     if isinstance(layout, str) and layout in SGLANG_ONLY_LAYOUTS:
         return f"layout {layout!r} is not implemented by hostkv_rs"
     return None
+
+
+def _check_sharded_backup(io_backend, layout: str) -> None:
+    """SGLang's refusals for a layer-sharded MLA backup (it copies one owned layer at a time):
+    kernel + layer_first/page_first and direct + layer_first only, with its texts."""
+    if io_backend not in ("kernel", "direct"):
+        raise ValueError(f"Layer-sharded HiCache backup does not support IO backend: {io_backend}")
+    if io_backend == "kernel" and layout not in ("layer_first", "page_first"):
+        raise ValueError(f"Layer-sharded HiCache backup does not support layout: {layout}")
+    if io_backend == "direct" and layout != "layer_first":
+        raise ValueError(
+            f"Layer-sharded direct HiCache backup only supports layer_first layout, got {layout}"
+        )

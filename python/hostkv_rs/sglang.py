@@ -237,12 +237,20 @@ def uninstall() -> dict[str, list[str]]:
     global _release
     with _lock:
         restored: dict[str, list[str]] = {}
+        ours = _replacements()
+        by_name = {name: original for (_, name), original in _patched.items()}
         for (module_name, name), original in list(_patched.items()):
             module = sys.modules.get(module_name)
             if module is not None:
                 setattr(module, name, original)
                 restored.setdefault(module_name, []).append(name)
             del _patched[(module_name, name)]
+        # Modules imported while installed bound ours through the patched defining modules.
+        for module_name, module in sorted(_sglang_modules().items()):
+            for name, original in by_name.items():
+                if getattr(module, name, None) is ours[name]:
+                    setattr(module, name, original)
+                    restored.setdefault(module_name, []).append(name)
         for abc_cls, registry in _registries.items():
             abc_cls._abc_registry_clear()
             abc_cls._abc_caches_clear()
