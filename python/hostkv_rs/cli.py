@@ -39,6 +39,7 @@ examples:
   hostkv-rs demo
   hostkv-rs demo --preset deepseek-v3 --layout page_first_direct --backend direct
   hostkv-rs demo --preset mimo-v2 --pages 128 --page-size 64
+  hostkv-rs demo --l3 mooncake     # + pages to and from a Mooncake Store (loopback master)
 """
 
 _BENCH_EPILOG = """\
@@ -122,6 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="device pool placement"
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    l3 = demo.add_argument_group("L3 store (hostkv_rs[mooncake])")
+    l3.add_argument(
+        "--l3",
+        choices=("mooncake",),
+        help="also save the backed-up pages to a Mooncake Store and load them into a second host "
+        "pool (another client), with GB/s, verifying every byte",
+    )
+    l3.add_argument(
+        "--l3-master",
+        metavar="HOST:PORT",
+        help="a running mooncake_master (default: start one on loopback for the demo)",
+    )
+    l3.add_argument(
+        "--l3-metadata",
+        metavar="URL",
+        help="its metadata server (default: the master's embedded http://HOST:8080/metadata)",
+    )
 
     bench = sub.add_parser(
         "bench",
@@ -204,6 +222,9 @@ def cmd_demo(args) -> int:
             device=_resolve_device(args.device),
             host_ratio=args.host_ratio,
             seed=args.seed,
+            l3=args.l3,
+            l3_master=args.l3_master,
+            l3_metadata=args.l3_metadata,
             size_note=(
                 " (small demo default; --pages/--page-size for more)"
                 if args.pages == DEMO_PAGES and args.page_size == DEMO_PAGE_SIZE
@@ -211,8 +232,9 @@ def cmd_demo(args) -> int:
             ),
         )
         result = run_demo(cfg)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
-        # ValueError covers the pools' own texts ("Unsupported layout: ...") and TransferError
+    except (ValueError, TypeError, NotImplementedError, RuntimeError, ImportError) as exc:
+        # ValueError covers the pools' own texts ("Unsupported layout: ...") and TransferError;
+        # ImportError: --l3 mooncake without the mooncake extra
         return _fail("demo", exc)
     return 0 if result.ok else 1
 

@@ -32,6 +32,11 @@ class DemoConfig:
     seed: int = 0
     # appended to the device-pool line, e.g. to say the page count is a small demo default
     size_note: str = ""
+    # --l3 mooncake: also round-trip the backed-up pages through a Mooncake Store (hostkv_rs.l3);
+    # l3_master None starts a loopback master for the demo
+    l3: str | None = None
+    l3_master: str | None = None
+    l3_metadata: str | None = None
 
 
 @dataclass
@@ -182,6 +187,19 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
         f"{dev_stray} stray bytes elsewhere"
     )
     mismatches = host_bad + host_stray + dev_bad + dev_stray
+    if cfg.l3 == "mooncake":  # --l3 mooncake (hostkv_rs.l3.demo)
+        from hostkv_rs.l3.demo import round_trip
+
+        mismatches += round_trip(
+            host_pool,
+            host_idx,
+            lambda: cls(
+                device_pool, cfg.host_ratio, 0, P, cfg.layout, pin_memory=True, device="cpu"
+            ),
+            say,
+            master=cfg.l3_master,
+            metadata=cfg.l3_metadata,
+        )
     say(
         "  result      : verified OK"
         if mismatches == 0

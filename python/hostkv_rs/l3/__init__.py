@@ -1,0 +1,37 @@
+"""hostkv_rs.l3: host pool pages to and from a distributed KV store (Mooncake Store).
+
+    from hostkv_rs.l3 import MooncakeTier
+
+    tier = MooncakeTier.connect("127.0.0.1:50051", "http://127.0.0.1:8080/metadata")
+    tier.attach(host_pool)                       # registers the pool's host memory once
+    results = tier.save(keys, host_indices)      # one key per page; a PageResult per page
+    results = tier.load(keys, other_indices)     # all(results) when every page came back
+    tier.detach()                                # also done by host_pool.destroy() and GC
+
+Needs the optional extra `hostkv_rs[mooncake]` (mooncake-transfer-engine-non-cuda, plus the
+Debian packages libibverbs1 and libnuma1); the pools and the Rust core never import it.
+`hostkv_rs.l3.master.LoopbackMaster` starts a `mooncake_master` on loopback for tests and demos.
+"""
+
+from hostkv_rs.l3.format import FORMAT_VERSION, PageFormat, host_buffers, page_format
+from hostkv_rs.l3.mooncake import (
+    L3Error,
+    MooncakeTier,
+    PageResult,
+    Status,
+    StoreUnavailable,
+    code_name,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "L3Error",
+    "MooncakeTier",
+    "PageFormat",
+    "PageResult",
+    "Status",
+    "StoreUnavailable",
+    "code_name",
+    "host_buffers",
+    "page_format",
+]

@@ -1,0 +1,503 @@
+"""hostkv_rs.l3: host pool pages to and from a real Mooncake Store on loopback.
+
+The store tests start `mooncake_master` on free 127.0.0.1 ports (one for the session, and their
+own for the full-store and master-stopped cases) and stop each by its pid. Without Mooncake they
+skip with the reason; the format and destroy-hook tests at the top need no store.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+import uuid
+
+import pytest
+import torch
+from hostkv_rs.base import on_destroy
+from hostkv_rs.l3 import PageResult, Status, host_buffers, page_format
+from hostkv_rs.v4 import LogicalHostPool
+from mooncake_support import (
+    DST_PAGES,
+    POOLS,
+    SRC_PAGES,
+    digest,
+    fill,
+    mooncake_unavailable,
+    page_bytes,
+    slots,
+    snapshot,
+    with_pages,
+)
+from reference import make_mha, make_mla
+
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mooncake_support.py")
+MOONCAKE_MISSING = mooncake_unavailable()
+needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
+
+
+# ----------------------------------------------------------------- no store needed
+
+
+def test_tags_tell_layouts_dtypes_geometries_and_shards_apart():
+    tags = {case: page_format(build()).tag for case, build in POOLS.items()}
+    assert len(set(tags.values())) == len(tags), tags
+    same_bytes = [
+        make_mha("page_first", heads=2, head_dim=8)[0],
+        make_mha("page_first", heads=1, head_dim=16)[0],
+        make_mha("page_first", heads=2, head_dim=8, dtype=torch.float16)[0],
+        make_mha("page_first_direct", heads=2, head_dim=8)[0],
+    ]
+    formats = [page_format(p) for p in same_bytes]
+    assert len({f.page_bytes for f in formats}) == 1  # same page size, and yet:
+    assert len({f.tag for f in formats}) == len(formats)
+    pool = same_bytes[0]
+    assert page_format(pool, tp_rank=1, tp_size=2).tag != page_format(pool).tag
+    assert page_format(pool, pp_rank=1, pp_size=2).tag != page_format(pool).tag
+    assert page_format(pool, namespace="m").tag == "m/" + page_format(pool).tag
+    # MLA latents are the same on every TP rank (shared objects, as in SGLang); DCP ranks are not
+    mla = make_mla("layer_first")[0]
+    assert page_format(mla, tp_rank=1, tp_size=2).tag == page_format(mla).tag
+    dcp = [make_mla("layer_first", dcp_size=2, dcp_rank=r)[0] for r in (0, 1)]
+    assert page_format(dcp[0]).tag != page_format(dcp[1]).tag
+    # CP layer sharding: which device layers the host layers are
+    shard = make_mla("layer_first")[0]
+    plain = page_format(shard).tag
+    shard._device_side = types.SimpleNamespace(targets={5: (0, 0), 6: (1, 1), 7: (2, 2)})
+    assert page_format(shard).tag == plain.replace("-pp0of1", "-own5-7-pp0of1")
+
+
+def test_page_format_sizes_follow_the_pools_page_buffers():
+    for case, build in POOLS.items():
+        pool = build()
+        fmt = page_format(pool)
+        ptrs, sizes = pool.get_page_buffer_meta(slots(pool, [1]))
+        assert (fmt.page_bytes, fmt.buffers_per_page) == (sum(sizes), len(ptrs)), case
+        assert fmt.slots_per_page == pool.page_size * getattr(pool, "dcp_size", 1), case
+    # MLA with DCP: one rank-local physical page per logical page (not two)
+    pool = POOLS["mla-dcp2-rank1-layer_first"]()
+    ptrs, _ = pool.get_page_buffer_meta(slots(pool, [1, 2]))
+    assert len(ptrs) == 2 * pool.layer_num
+
+
+def test_pools_without_bytes_have_no_page_format():
+    with pytest.raises(ValueError, match="no KV bytes"):
+        page_format(LogicalHostPool(64, 16))
+    with pytest.raises(ValueError, match="no KV bytes"):
+        page_format(make_mla("layer_first", is_dummy=True)[0])
+    pool = make_mha("page_first")[0]
+    pool.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        page_format(pool)
+
+
+@pytest.mark.parametrize("case", ["mha-page_first", "mla-layer_first", "v4-page_first"])
+def test_destroy_runs_on_destroy_callbacks_once(case):
+    pool = POOLS[case]()
+    calls = []
+    on_destroy(pool, lambda: calls.append(1))
+    on_destroy(pool, lambda: 1 / 0)  # logged, does not stop destroy()
+    on_destroy(pool, lambda: calls.append(2))
+    pool.destroy()
+    pool.destroy()
+    assert calls == [1, 2]
+
+
+def test_host_buffers_are_the_pools_regions():
+    pool = POOLS["mha-asym-page_first"]()
+    assert host_buffers(pool) == [(r.address, r.nbytes) for r in pool._host_regions]
+    v4 = POOLS["v4-layer_first"]()
+    assert host_buffers(v4) == [(v4._region.address, v4._region.nbytes)]
+
+
+# ----------------------------------------------------------------- a real store
+
+
+@pytest.fixture(scope="session")
+def master():
+    from hostkv_rs.l3.master import LoopbackMaster
+
+    m = LoopbackMaster.start()
+    yield m
+    m.stop()
+    m.remove_log()
+
+
+@pytest.fixture(scope="session")
+def clients(master):
+    """Two clients as two servers would have: `a` contributes a 256 MiB segment, `b` none."""
+    from hostkv_rs.l3 import MooncakeTier
+
+    a = MooncakeTier.connect(master.address, master.metadata_server, global_segment_size=256 << 20)
+    b = MooncakeTier.connect(master.address, master.metadata_server, global_segment_size=0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def tiers(clients):
+    a, b = clients
+    yield a, b
+    a.detach()
+    b.detach()
+
+
+def fresh_keys(n: int) -> list[str]:
+    base = uuid.uuid4().hex
+    return [f"{base}-{i}" for i in range(n)]
+
+
+def statuses(results) -> list[str]:
+    assert all(isinstance(r, PageResult) for r in results)
+    return [r.status.value for r in results]
+
+
+@needs_mooncake
+@pytest.mark.parametrize("case", list(POOLS))
+def test_every_pool_round_trips_byte_exact(tiers, case):
+    a, b = tiers
+    src, dst = POOLS[case](), POOLS[case]()
+    fill(src, 1)
+    fill(dst, 2)
+    a.attach(src)
+    b.attach(dst)
+    keys = fresh_keys(len(SRC_PAGES))
+    assert statuses(a.save(keys, slots(src, SRC_PAGES))) == ["stored"] * 3
+    assert statuses(a.save(keys, slots(src, SRC_PAGES))) == ["skipped"] * 3
+    assert b.exists(keys) == [True] * 3
+
+    before = snapshot(dst)
+    missing = "never-saved-" + keys[0]
+    got = b.load(
+        [keys[0], missing, keys[1], keys[2]], slots(dst, [DST_PAGES[0], 3, *DST_PAGES[1:]])
+    )
+    assert statuses(got) == ["loaded", "missing", "loaded", "loaded"]
+    want = {d: page_bytes(src, s) for s, d in zip(SRC_PAGES, DST_PAGES)}
+    assert snapshot(dst) == with_pages(dst, before, want), "bytes outside the loaded pages moved"
+    for s, d in zip(SRC_PAGES, DST_PAGES):
+        assert page_bytes(dst, d) == page_bytes(src, s)
+        if not case.startswith("mha-asym"):  # the asymmetric pool has no flat pages (SGLang)
+            as_bytes = [
+                p.get_data_page(slots(p, [g])[0].item()).view(torch.uint8)
+                for p, g in ((src, s), (dst, d))
+            ]
+            assert torch.equal(*as_bytes)
+
+
+@needs_mooncake
+def test_a_fresh_pool_in_another_process_restores_by_key(tiers, master):
+    a, _ = tiers
+    plan, expected = {}, {}
+    for case, build in POOLS.items():
+        src = build()
+        fill(src, 5)
+        a.attach(src)
+        keys = fresh_keys(len(SRC_PAGES))
+        assert all(a.save(keys, slots(src, SRC_PAGES)))
+        a.detach()
+        plan[case] = keys
+        expected[case] = [digest(page_bytes(src, p)) for p in SRC_PAGES]
+    worker = subprocess.run(
+        [sys.executable, SUPPORT, "restore", master.address, master.metadata_server],
+        input=json.dumps(plan) + "\n",
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == 0, worker.stdout[-2000:] + worker.stderr[-4000:]
+    report = json.loads(worker.stdout.strip().splitlines()[-1])
+    for case in POOLS:
+        assert report[case]["results"] == ["loaded"] * 3, case
+        assert report[case]["digests"] == expected[case], case
+
+
+@needs_mooncake
+@pytest.mark.parametrize(
+    "saver,loader",
+    [
+        ("mha-page_first", "mha-page_first_direct"),  # same bytes per page, another order
+        ("mha-page_first_direct", "mha-page_head"),
+        ("mla-page_first", "mla-page_first_direct"),
+        ("mla-dcp2-rank1-layer_first", "mla-layer_first"),
+        ("v4-page_first", "v4-page_first_direct"),
+    ],
+)
+def test_another_layout_misses_instead_of_loading_wrong_bytes(tiers, saver, loader):
+    a, b = tiers
+    src, dst = POOLS[saver](), POOLS[loader]()
+    fill(src, 1)
+    fill(dst, 2)
+    a.attach(src)
+    b.attach(dst)
+    keys = fresh_keys(2)
+    assert all(a.save(keys, slots(src, [1, 2])))
+    before = snapshot(dst)
+    assert b.exists(keys) == [False, False]
+    assert statuses(b.load(keys, slots(dst, [3, 4]))) == ["missing", "missing"]
+    assert snapshot(dst) == before
+
+
+@needs_mooncake
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"heads": 1, "head_dim": 16},  # same page bytes, other heads
+        {"dtype": torch.float16},  # same page bytes, other dtype
+        {"layers": 4},
+    ],
+)
+def test_another_geometry_or_shard_misses(tiers, other):
+    a, b = tiers
+    src = make_mha("page_first")[0]
+    dst = make_mha("page_first", **other)[0]
+    fill(src, 1)
+    a.attach(src)
+    b.attach(dst)
+    keys = fresh_keys(1)
+    assert all(a.save(keys, slots(src, [1])))
+    assert statuses(b.load(keys, slots(dst, [2]))) == ["missing"]
+
+
+@needs_mooncake
+def test_another_tp_rank_misses(clients, master):
+    from hostkv_rs.l3 import MooncakeTier
+
+    a, _ = clients
+    rank1 = MooncakeTier(a.store, tp_rank=1, tp_size=2)
+    src, dst = POOLS["mha-page_head"](), POOLS["mha-page_head"]()
+    try:
+        a.attach(src)
+        keys = fresh_keys(1)
+        assert all(a.save(keys, slots(src, [1])))
+        a.detach()
+        rank1.attach(dst)
+        assert statuses(rank1.load(keys, slots(dst, [1]))) == ["missing"]
+    finally:
+        a.detach()
+        rank1.detach()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("case", ["mha-page_first", "mha-layer_first", "mla-page_first_direct"])
+def test_an_object_of_the_wrong_size_is_no_hit_and_is_replaced_on_save(tiers, case):
+    a, b = tiers
+    src, dst = POOLS[case](), POOLS[case]()
+    fill(src, 1)
+    fill(dst, 2)
+    a.attach(src)
+    b.attach(dst)
+    short, long_ = fresh_keys(2)
+    page = a.format.page_bytes
+    assert a.store.put(a.key(short), b"x" * (page - 1)) == 0
+    assert a.store.put(a.key(long_), b"y" * (page + 8)) == 0
+    before = snapshot(dst)
+    assert b.exists([short, long_]) == [False, False]
+    got = b.load([short, long_], slots(dst, [3, 4]))
+    assert statuses(got) == ["wrong_size", "wrong_size"]
+    assert snapshot(dst) == before, "a wrong-size object touched the pool"
+    # saving the real pages replaces the bad objects
+    assert statuses(a.save([short, long_], slots(src, [1, 2]))) == ["stored", "stored"]
+    assert all(b.load([short, long_], slots(dst, [3, 4])))
+    assert page_bytes(dst, 3) == page_bytes(src, 1)
+    assert page_bytes(dst, 4) == page_bytes(src, 2)
+
+
+@needs_mooncake
+def test_remove_reports_each_page(tiers):
+    a, b = tiers
+    src, dst = POOLS["mla-layer_first"](), POOLS["mla-layer_first"]()
+    a.attach(src)
+    b.attach(dst)
+    keys = fresh_keys(2)
+    assert all(a.save(keys, slots(src, [1, 2])))
+    assert all(b.load(keys, slots(dst, [1, 2])))  # a read leases the objects for a while
+    assert statuses(a.remove(keys)) == ["busy", "busy"]
+    assert statuses(a.remove([*keys, "nope-" + keys[0]], force=True)) == [
+        "removed",
+        "removed",
+        "missing",
+    ]
+    assert b.exists(keys) == [False, False]
+    assert statuses(b.load(keys, slots(dst, [3, 4]))) == ["missing", "missing"]
+
+
+@needs_mooncake
+def test_a_full_store_reports_full_pages_and_keeps_the_rest_exact():
+    from hostkv_rs.l3 import MooncakeTier
+    from hostkv_rs.l3.master import LoopbackMaster
+
+    def big():  # 2 MiB pages, 17 of them
+        return make_mha("page_first", 64, heads=8, head_dim=128, layers=8, device_pages=8)[0]
+
+    src, dst = big(), big()
+    fill(src, 1)
+    fill(dst, 2)
+    # the client's segment is the whole store: 16 MiB (Mooncake's minimum), < 8 pages
+    with (
+        LoopbackMaster.start() as m,
+        MooncakeTier.connect(m.address, m.metadata_server, global_segment_size=16 << 20) as t,
+    ):
+        t.attach(src)
+        pages = list(range(16))
+        keys = fresh_keys(len(pages))
+        saved = t.save(keys, slots(src, pages))
+        kinds = set(statuses(saved))
+        assert kinds <= {"stored", "full"}, saved
+        assert "full" in kinds and "stored" in kinds, saved
+        assert all(r.code == -200 for r in saved if r.status is Status.FULL)
+        t.detach()
+        t.attach(dst)
+        before = snapshot(dst)
+        got = t.load(keys, slots(dst, pages))
+        loaded = {p: page_bytes(src, p) for p, r in zip(pages, got) if r}
+        for r, s in zip(got, saved):
+            assert r.status in (Status.LOADED, Status.MISSING), got  # evicted at most
+            assert not (r.status is Status.LOADED and s.status is Status.FULL)
+        assert loaded, got
+        assert snapshot(dst) == with_pages(dst, before, loaded)
+
+
+@needs_mooncake
+def test_master_stopped_mid_run_gives_a_clear_error_and_leaves_the_pool_unchanged():
+    from hostkv_rs.l3.master import LoopbackMaster
+
+    m = LoopbackMaster.start()
+    worker = subprocess.Popen(
+        [sys.executable, SUPPORT, "master-stop", m.address, m.metadata_server],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = json.loads(worker.stdout.readline() or "{}")
+        assert first.get("saved") == ["stored"] * 3, first
+        m.stop()  # by its pid, SIGTERM
+        assert not m.running()
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        out, err = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        m.stop()
+        m.remove_log()
+    assert worker.returncode == 0, out[-2000:] + err[-4000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    for op in ("load", "exists", "save"):
+        assert "error" in report[op], (op, report[op])
+        assert "did not answer" in report[op]["error"] and m.address in report[op]["error"]
+    assert report["dst_unchanged"] is True
+
+
+@needs_mooncake
+def test_attach_destroy_attach_at_the_same_addresses_100_times(clients):
+    a, _ = clients
+    first = None
+    reused = 0
+    keys = fresh_keys(1)
+    for i in range(100):
+        pool = make_mha("page_first")[0]
+        address = host_buffers(pool)[0][0]
+        first = address if first is None else first
+        reused += address == first
+        a.attach(pool)
+        results = a.save(keys, slots(pool, [1]))
+        assert statuses(results) == ["stored" if i == 0 else "skipped"]
+        assert all(a.load(keys, slots(pool, [2])))
+        if i % 2:
+            pool.destroy()  # detaches through the destroy hook
+            assert not a.attached
+        del pool  # even iterations: garbage collection detaches
+        gc.collect()
+        assert not a.attached
+    assert reused >= 10, f"the allocator reused the first address only {reused} times"
+
+
+@needs_mooncake
+def test_without_detaching_the_next_pool_at_the_same_addresses_is_refused(clients):
+    """The hazard the tier's detach hooks exist for, shown on the raw client."""
+    a, _ = clients
+    pool = make_mha("page_first")[0]
+    address, nbytes = host_buffers(pool)[0]
+    assert a.store.register_buffer(address, nbytes) == 0
+    del pool
+    gc.collect()
+    again = make_mha("page_first")[0]
+    try:
+        if host_buffers(again)[0][0] != address:
+            pytest.skip("the allocator placed the next pool elsewhere this time")
+        assert a.store.register_buffer(*host_buffers(again)[0]) != 0
+    finally:
+        a.store.unregister_buffer(address)
+    a.attach(again)  # fine once the stale registration is gone
+    a.detach()
+
+
+@needs_mooncake
+def test_attach_refuses_a_second_pool_and_operations_need_one(tiers):
+    a, _ = tiers
+    from hostkv_rs.l3 import L3Error
+
+    with pytest.raises(L3Error, match="no pool is attached"):
+        a.load(["k"], torch.arange(16))
+    a.attach(POOLS["mha-page_first"]())  # a temporary: collected at once, which detaches
+    gc.collect()
+    assert not a.attached
+    pool = POOLS["mha-page_first"]()
+    a.attach(pool)
+    with pytest.raises(L3Error, match="already has a pool attached"):
+        a.attach(POOLS["mla-page_first"]())
+    with pytest.raises(ValueError, match="host indices"):
+        a.save(["k"], torch.arange(8))
+    with pytest.raises(ValueError, match="whole pages"):
+        a.save(["k"], torch.arange(16).flip(0))
+    a.detach()
+    with pytest.raises(ValueError, match="no KV bytes"):
+        a.attach(LogicalHostPool(64, 16))
+
+
+@needs_mooncake
+def test_large_batches_are_split_and_stay_exact(clients):
+    from hostkv_rs.l3 import MooncakeTier
+
+    a, b = clients
+    small_a = MooncakeTier(a.store, max_batch_bytes=1)  # one page per store call
+    src, dst = POOLS["mha-layer_first"](), POOLS["mha-layer_first"]()
+    fill(src, 3)
+    try:
+        small_a.attach(src)
+        b.attach(dst)
+        keys = fresh_keys(4)
+        t0 = time.perf_counter()
+        assert statuses(small_a.save(keys, slots(src, [1, 2, 3, 4]))) == ["stored"] * 4
+        assert all(b.load(keys, slots(dst, [5, 6, 7, 8])))
+        assert time.perf_counter() - t0 < 30
+        for s, d in zip([1, 2, 3, 4], [5, 6, 7, 8]):
+            assert page_bytes(dst, d) == page_bytes(src, s)
+    finally:
+        small_a.detach()
+        b.detach()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "deepseek-v3"])
+def test_demo_l3_mooncake_round_trips_and_verifies_every_byte(capsys, preset):
+    from hostkv_rs import cli
+
+    rc = cli.main(["demo", "--preset", preset, "--l3", "mooncake", "--layers", "3", "--pages", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "l3 master   : mooncake_master on 127.0.0.1:" in out
+    assert "l3 put      : 2 pages" in out and "GB/s" in out
+    verify = next(line for line in out.splitlines() if "l3 verify" in line)
+    assert ", 0 failed page operations" in verify
+    moved = int(verify.split(" of ")[1].split()[0])
+    assert verify.split(":")[1].split()[0] == str(moved) and moved > 0
+    assert out.rstrip().endswith("result      : verified OK")
