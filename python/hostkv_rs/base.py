@@ -180,6 +180,11 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     return slots.clone()
 
 
+def index_list(indices) -> list[int]:
+    """Index values as a list of ints, for the core's page arithmetic."""
+    return as_index_array(indices, _CPU).tolist()
+
+
 def slot_list_text(slots: torch.Tensor, limit: int = 32) -> str:
     """A list of slots for an error message: SGLang's `[a, b, ...]` text, capped at `limit`
     entries (a million-slot free must not build megabytes of text)."""
@@ -796,19 +801,19 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     # ----------------------------------------------------------------- page addressing
 
-    def _page_slot(self, index, page_major: bool) -> int:
-        """First token slot of an L3 data page, checked so the page lies inside the pool.
-        Page-major layouts floor any slot to its page, as SGLang does; token-major layouts need
-        `index + page_size <= size`."""
-        index = as_int("index", index)
-        if page_major:
-            if not 0 <= index < self.size:
-                raise IndexError(f"page index {index} is outside the host pool [0, {self.size})")
-        elif not 0 <= index <= self.size - self.page_size:
-            raise IndexError(
-                f"page starting at slot {index} does not fit in the host pool of {self.size} slots"
-            )
-        return index
+    # The pool's geometry in the core (`_core.PoolSpec`), set by pools that hold bytes.
+    _spec = None
+
+    def _page_view(self, index) -> torch.Tensor:
+        """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):
+        a strided view of the pool's first allocation; a page outside the pool raises
+        PageIndexError before anything is read."""
+        offset, shape, strides = self._spec.page_view(as_int("index", index))
+        base = self._page_base()
+        return torch.as_strided(base, shape, strides, base.storage_offset() + offset)
+
+    def _page_base(self) -> torch.Tensor:
+        return self.kv_buffer
 
     @staticmethod
     def _flat_page_as(data_page, shape) -> torch.Tensor:
@@ -823,27 +828,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if data_page.device.type == "meta":
             raise ValueError("a flat data page on the meta device holds no values")
         return data_page.reshape(shape)
-
-    def _meta_page_starts(self, indices, page_major: bool) -> list[int]:
-        """First slot of each page of `indices` (every page_size-th entry), each checked to name a
-        whole page inside the pool; page-major layouts also need page-aligned starts, because
-        their pointer formulas assume one."""
-        starts = as_index_array(indices, torch.device("cpu")).tolist()
-        if len(starts) % self.page_size != 0:
-            raise AssertionError(
-                f"{len(starts)} indices is not a multiple of the page size {self.page_size}"
-            )
-        starts = starts[:: self.page_size]
-        for t in starts:
-            if not 0 <= t <= self.size - self.page_size:
-                raise ValueError(
-                    f"page starting at slot {t} does not fit in the host pool of {self.size} slots"
-                )
-            if page_major and t % self.page_size != 0:
-                raise ValueError(
-                    f"slot {t} is not the first slot of a page (page size {self.page_size})"
-                )
-        return starts
 
     # ----------------------------------------------------------------- transfer glue
 

@@ -24,18 +24,11 @@ from hostkv_rs._sources import (
     scale_layout_value,
     scales_reason,
 )
-from hostkv_rs.base import HostKVCache, _required, as_int, check_io_pair, ptr_table
+from hostkv_rs.base import HostKVCache, _required, as_int, index_list, ptr_table
 
 logger = logging.getLogger(__name__)
 
-MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # (io_backend -> layouts) SGLang serves for symmetric MHA; kernel_ascend needs an Ascend NPU.
-_SUPPORTED = {
-    "kernel": ("layer_first", "page_first", "page_head"),
-    "direct": ("layer_first", "page_first_direct"),
-}
-_PAGE_MAJOR = ("page_first_direct", "page_head")
-
 _ASYM_FLAT_PAGE_TEXT = (
     "Models with head_dim != v_head_dim do not support the flat-page interface used by HiCache "
     "L3 storage backends {hf3fs, eic, nixl}. Use a backend that does not use this interface "
@@ -287,34 +280,37 @@ class MHATokenToKVPoolHost(HostKVCache):
     def get_ksize_per_token(self):
         return self.get_size_per_token() // 2
 
-    def _buffer_dims(self, head_dim: int, layout: str):
-        L, S, P, Pn, H = self.layer_num, self.size, self.page_size, self.page_num, self.head_num
-        if layout == "layer_first":
-            return (L, S, H, head_dim)
-        if layout == "page_first":
-            return (S, L, H, head_dim)
-        if layout == "page_first_direct":
-            return (Pn, L, P, H, head_dim)
-        if layout == "page_head":
-            return (Pn, H, P, L, head_dim)
-        return None
+    _spec_kind = "mha"
+
+    def _make_spec(self):
+        """The pool's geometry in the core (validates the layout with SGLang's text)."""
+        return _core.PoolSpec(
+            self._spec_kind,
+            self.layout,
+            self.layer_num,
+            self.size,
+            self.page_size,
+            [self.head_dim, self.v_head_dim],
+            self.dtype.itemsize,
+            head_num=self.head_num,
+        )
 
     def init_kv_buffer(self):
-        dims = self._buffer_dims(self.head_dim, self.layout)
-        if dims is None:
-            raise ValueError(f"Unsupported layout: {self.layout}")
-        self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
+        self._spec = spec = self._make_spec()
+        self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
-        half = self.layer_num * self.size * self.token_stride_size
-        # A chunked cudaHostRegister must not split one page-first copy unit.
-        granularity = (
-            self.page_size * self.layout_dim
-            if self.layout in ("page_first", "page_first_direct")
-            else 0
+        region = _memory.alloc_host_region(
+            sum(spec.plane_nbytes), self.pin_memory, self._registration_granularity(0)
         )
-        region = _memory.alloc_host_region(2 * half, self.pin_memory, granularity)
         self._host_regions = [region]
-        return _memory.region_view(region, self.dtype, (2, *dims))
+        return _memory.region_view(region, self.dtype, (2, *spec.shape(0)))
+
+    def _registration_granularity(self, plane: int) -> int:
+        # A chunked cudaHostRegister must not split one page-first copy unit (a page of every
+        # layer); layer_first and page_head have no such unit.
+        if self.layout not in ("page_first", "page_first_direct"):
+            return 0
+        return self._spec.plane_nbytes[plane] // self._spec.page_num
 
     def _plane_item_bytes(self) -> list[int]:
         return [self.token_stride_size, self.token_stride_size]
@@ -362,21 +358,22 @@ class MHATokenToKVPoolHost(HostKVCache):
     def get_hybrid_pool_buffer(self):
         return [self.k_buffer, self.v_buffer]
 
-    def _page_bytes(self, head_dim: int) -> int:
-        return self.page_size * self.layer_num * self.head_num * head_dim * self.dtype.itemsize
-
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if self.kv_buffer is None or self.layout not in _PAGE_MAJOR + ("page_first",):
+        if self.kv_buffer is None or self.layout == "layer_first":
             return False
-        return (
-            self.kv_buffer.data_ptr() % page_size_bytes == 0
-            and self._page_bytes(self.head_dim) % page_size_bytes == 0
+        return all(
+            base % page_size_bytes == 0 and page % page_size_bytes == 0
+            for base, page in zip(self._plane_addrs(), self._page_strides())
         )
+
+    def _page_strides(self) -> list[int]:
+        """Bytes from one page to the next, per plane (page-major layouts)."""
+        return [n // self._spec.page_num for n in self._spec.plane_nbytes]
 
     # ----------------------------------------------------------------- transfers
 
-    def _check_io(self, io_backend: str):
-        check_io_pair(io_backend, self.layout, _SUPPORTED, ascend_layouts=("page_first_direct",))
+    def _check_io(self, io_backend):
+        self._spec.check_pair(io_backend)
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
@@ -392,18 +389,8 @@ class MHATokenToKVPoolHost(HostKVCache):
     # ----------------------------------------------------------------- L3 flat pages
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        if self.layout not in MHA_LAYOUTS:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(index, self.layout in _PAGE_MAJOR)
-        P = self.page_size
-        if self.layout == "layer_first":
-            data_page = self.kv_buffer[:, :, index : index + P]
-        elif self.layout == "page_first":
-            data_page = self.kv_buffer[:, index : index + P]
-        else:
-            page = index // P
-            data_page = self.kv_buffer[:, page : page + 1]
+        data_page = self._page_view(index)
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
@@ -416,81 +403,23 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         """Store one flat page, read with this layout's own element order (see §4.4)."""
-        L, P, H, D = self.layer_num, self.page_size, self.head_num, self.head_dim
-        shapes = {
-            "layer_first": (2, L, P, H, D),
-            "page_first": (2, P, L, H, D),
-            "page_first_direct": (2, 1, L, P, H, D),
-            "page_head": (2, 1, H, P, L, D),
-        }
-        if self.layout not in shapes:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(index, self.layout in _PAGE_MAJOR)
-        page = self._flat_page_as(data_page, shapes[self.layout])
-        if self.layout == "layer_first":
-            self.kv_buffer[:, :, index : index + P] = page
-        elif self.layout == "page_first":
-            self.kv_buffer[:, index : index + P] = page
-        else:
-            self.kv_buffer[:, index // P : index // P + 1] = page
+        view = self._page_view(index)
+        view.copy_(self._flat_page_as(data_page, view.shape))
 
     # ----------------------------------------------------------------- zero-copy metadata
 
     def get_page_buffer_meta(self, indices):
         """(pointers, sizes) per page: layer_first gives k(l), v(l) for every layer l; the page
         layouts give one [k, v] pair covering the whole page."""
-        if self.layout not in MHA_LAYOUTS:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
-        T, L, S, P = self.token_stride_size, self.layer_num, self.size, self.page_size
-        base = self.kv_buffer.data_ptr()
-        v_offset = L * S * T
-        ptrs: list[int] = []
-        if self.layout == "layer_first":
-            for t in starts:
-                for layer in range(L):
-                    k_ptr = base + t * T + layer * S * T
-                    ptrs += [k_ptr, k_ptr + v_offset]
-            size = P * T
-        else:
-            for t in starts:
-                k_ptr = base + t * L * T
-                ptrs += [k_ptr, k_ptr + v_offset]
-            size = L * P * T
-        return ptrs, [size] * len(ptrs)
+        return self._spec.page_meta(self._plane_addrs(), index_list(indices))
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""
-        if self.layout != "page_head":
-            raise AssertionError(
-                f"get_split_heads_page_buffer_meta requires layout='page_head', got {self.layout}"
-            )
         split_factor = as_int("split_factor", split_factor)
-        if split_factor <= 0 or self.head_num % split_factor != 0:
-            raise AssertionError(
-                f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"
-            )
         self._require_bytes()
-        starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
-        L, S, P, H, D, e = (
-            self.layer_num,
-            self.size,
-            self.page_size,
-            self.head_num,
-            self.head_dim,
-            self.dtype.itemsize,
-        )
-        base = self.kv_buffer.data_ptr()
-        v_offset = L * S * H * D * e
-        ptrs: list[int] = []
-        for t in starts:
-            for head in range(0, H, H // split_factor):
-                k_ptr = base + t * L * H * D * e + head * P * L * D * e
-                ptrs += [k_ptr, k_ptr + v_offset]
-        size = L * P * H * D * e // split_factor
-        return ptrs, [size] * len(ptrs)
+        return self._spec.split_heads_meta(self._plane_addrs(), index_list(indices), split_factor)
 
 
 class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
@@ -505,71 +434,29 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
     def get_ksize_per_token(self):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize
 
+    _spec_kind = "mha_asymmetric"
+
     def init_kv_buffer(self):
-        if self.layout not in ("page_first", "page_first_direct"):
-            raise ValueError(
-                f"Unsupported layout for models with head_dim != v_head_dim: {self.layout}; "
-                f"expected 'page_first' or 'page_first_direct'."
-            )
+        # K and V in two regions, each with its own item size (and registration unit).
+        self._spec = spec = self._make_spec()
         buffers, regions = [], []
-        for head_dim in (self.head_dim, self.v_head_dim):
-            dims = self._buffer_dims(head_dim, self.layout)
-            item = self.head_num * head_dim * self.dtype.itemsize
-            nbytes = self.size * self.layer_num * item
+        for plane in (0, 1):
             region = _memory.alloc_host_region(
-                nbytes, self.pin_memory, self.page_size * self.layer_num * item
+                spec.plane_nbytes[plane], self.pin_memory, self._registration_granularity(plane)
             )
             regions.append(region)
-            buffers.append(_memory.region_view(region, self.dtype, dims))
+            buffers.append(_memory.region_view(region, self.dtype, spec.shape(plane)))
         self._host_regions = regions
         return tuple(buffers)
 
-    def _k_token_stride_size(self) -> int:
-        return self.head_num * self.head_dim * self.dtype.itemsize
-
-    def _v_token_stride_size(self) -> int:
-        return self.head_num * self.v_head_dim * self.dtype.itemsize
-
-    def _k_layout_dim(self) -> int:
-        return self._k_token_stride_size() * self.layer_num
-
-    def _v_layout_dim(self) -> int:
-        return self._v_token_stride_size() * self.layer_num
+    def _registration_granularity(self, plane: int) -> int:
+        return self._spec.plane_nbytes[plane] // self._spec.page_num
 
     def _plane_item_bytes(self) -> list[int]:
-        return [self._k_token_stride_size(), self._v_token_stride_size()]
+        return list(self._spec.item_bytes)
 
     def _plane_addrs(self) -> list[int]:
         return [self.k_buffer.data_ptr(), self.v_buffer.data_ptr()]
-
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
-            return False
-        return (
-            self.k_buffer.data_ptr() % page_size_bytes == 0
-            and self.v_buffer.data_ptr() % page_size_bytes == 0
-            and self._page_bytes(self.head_dim) % page_size_bytes == 0
-            and self._page_bytes(self.v_head_dim) % page_size_bytes == 0
-        )
-
-    def _check_io(self, io_backend: str):
-        if io_backend == "kernel":
-            if self.layout != "page_first":
-                raise ValueError(
-                    f"Unsupported layout for models with head_dim != v_head_dim and "
-                    f"io_backend='kernel': {self.layout}; expected 'page_first'."
-                )
-        elif io_backend == "direct":
-            if self.layout != "page_first_direct":
-                raise ValueError(
-                    f"Unsupported layout for models with head_dim != v_head_dim and "
-                    f"io_backend='direct': {self.layout}; expected 'page_first_direct'."
-                )
-        else:
-            raise ValueError(
-                f"Unsupported IO backend for models with head_dim != v_head_dim: {io_backend}; "
-                f"expected 'kernel' or 'direct'."
-            )
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         raise NotImplementedError(_ASYM_FLAT_PAGE_TEXT)
@@ -585,30 +472,6 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
             "get_split_heads_page_buffer_meta requires layout='page_head', which is not "
             "supported for models with head_dim != v_head_dim."
         )
-
-    def get_page_buffer_meta(self, indices):
-        """Per page [k, v], each from its own buffer: K `L*P*H*D*e` bytes, V `L*P*H*Dv*e`."""
-        if self.layout not in ("page_first", "page_first_direct"):
-            raise ValueError(
-                f"Unsupported layout for models with head_dim != v_head_dim: {self.layout}"
-            )
-        self._require_bytes()
-        starts = self._meta_page_starts(indices, self.layout in _PAGE_MAJOR)
-        P = self.page_size
-        k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
-        k_page, v_page = self._page_bytes(self.head_dim), self._page_bytes(self.v_head_dim)
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for t in starts:
-            # page_first addresses by token (t*LD); page_first_direct by page (page*P*LD). Both
-            # name the same byte when t starts a page.
-            if self.layout == "page_first_direct":
-                k_off, v_off = (t // P) * k_page, (t // P) * v_page
-            else:
-                k_off, v_off = t * self._k_layout_dim(), t * self._v_layout_dim()
-            ptrs += [k_base + k_off, v_base + v_off]
-            sizes += [k_page, v_page]
-        return ptrs, sizes
 
 
 def _sglang_mxfp8_host_cls():

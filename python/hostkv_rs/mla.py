@@ -10,7 +10,6 @@ import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs._device_side import DeviceSide, owned_range, sharded_host_layer_num
-from hostkv_rs._indices import as_index_array
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,
     arg,
@@ -22,16 +21,10 @@ from hostkv_rs._sources import (
     is_buffer_info,
     refuse_unserved,
 )
-from hostkv_rs.base import HostKVCache, _required, as_int, check_io_pair, ptr_table
+from hostkv_rs.base import HostKVCache, _required, as_int, index_list, ptr_table
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
-
-MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-_SUPPORTED = {
-    "kernel": ("layer_first", "page_first"),
-    "direct": ("layer_first", "page_first_direct"),
-}
 
 
 class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
@@ -290,45 +283,42 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         return self.get_size_per_token()
 
     def init_kv_buffer(self):
-        L, S, P, Pn, C = self.layer_num, self.size, self.page_size, self.page_num, self.kv_cache_dim
-        if self.layout == "layer_first":
-            dims = (L, S, 1, C)
-        elif self.layout == "page_first":
-            dims = (S, L, 1, C)
-        elif self.layout == "page_first_direct":
-            dims = (Pn, L, P, 1, C)
-        else:
-            raise ValueError(f"Unsupported layout: {self.layout}")
-        self.token_stride_size = C * self.dtype.itemsize
-        self.layout_dim = self.token_stride_size * L
+        self._spec = spec = self._make_spec()
+        self.token_stride_size = spec.item_bytes[0]
+        self.layout_dim = self.token_stride_size * self.layer_num
+        # A chunked cudaHostRegister must not split one page-first copy unit.
         granularity = (
-            P * self.layout_dim if self.layout in ("page_first", "page_first_direct") else 0
+            spec.plane_nbytes[0] // spec.page_num
+            if self.layout in ("page_first", "page_first_direct")
+            else 0
         )
-        region = _memory.alloc_host_region(
-            L * S * self.token_stride_size, self.pin_memory, granularity
-        )
+        region = _memory.alloc_host_region(spec.plane_nbytes[0], self.pin_memory, granularity)
         self._host_regions = [region]
-        return _memory.region_view(region, self.dtype, dims)
+        return _memory.region_view(region, self.dtype, spec.shape(0))
+
+    def _make_spec(self):
+        """The pool's geometry in the core (validates the layout with SGLang's text)."""
+        return _core.PoolSpec(
+            "mla",
+            self.layout,
+            self.layer_num,
+            self.size,
+            self.page_size,
+            [self.kv_cache_dim],
+            self.dtype.itemsize,
+            dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
+        )
 
     def get_contiguous_buf_infos(self):
         """(per-layer host pointers, `kv_buffer[l].nbytes`, `token_stride_size * page_size`) for
-        registering the host pool with a disaggregation transfer engine, as SGLang reports them.
-        Only layer_first has per-layer slabs; for the page layouts SGLang reports the per-layer
-        `data_refs` pointers next to `kv_buffer[l]` (one token or one page), and so do we."""
+        registering the host pool with a disaggregation transfer engine, as SGLang reports them
+        (for the page layouts its per-layer entries are SGLang's: a strided layer view, a page
+        slab)."""
         if self._is_dummy:
             return [], [], []
         self._require_bytes()
-        L = self.layer_num
-        if self.kv_buffer.shape[0] < L:
-            # page_first_direct with fewer pages than layers: SGLang fails building data_refs.
-            raise ValueError(
-                f"get_contiguous_buf_infos: kv_buffer has {self.kv_buffer.shape[0]} entries along "
-                f"dim 0 but the pool has {L} layers (layout {self.layout!r})"
-            )
-        data_ptrs = [ref.data_ptr() for ref in self.data_refs]
-        data_lens = [self.kv_buffer[i].nbytes for i in range(L)]
-        item_lens = [self.token_stride_size * self.page_size] * L
-        return data_ptrs, data_lens, item_lens
+        return self._spec.contiguous_buf_infos(self.kv_buffer.data_ptr())
 
     def get_hybrid_pool_buffer(self):
         return [] if self.kv_buffer is None else [self.kv_buffer]
@@ -336,13 +326,13 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
             return False
-        stride = self.page_size * self.layout_dim
+        stride = self._spec.plane_nbytes[0] // self._spec.page_num
         return self.kv_buffer.data_ptr() % page_size_bytes == 0 and stride % page_size_bytes == 0
 
     # ----------------------------------------------------------------- transfers
 
-    def _check_io(self, io_backend: str):
-        check_io_pair(io_backend, self.layout, _SUPPORTED)
+    def _check_io(self, io_backend):
+        self._spec.check_pair(io_backend)
 
     def _plane_item_bytes(self) -> list[int]:
         return [self.token_stride_size]
@@ -365,39 +355,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     # ----------------------------------------------------------------- L3 flat pages
 
-    def _page_shape(self):
-        L, P, C = self.layer_num, self.page_size, self.kv_cache_dim
-        return {
-            "layer_first": (L, P, 1, C),
-            "page_first": (P, L, 1, C),
-            "page_first_direct": (1, L, P, 1, C),
-        }.get(self.layout)
-
-    def _storage_page_index(self, index) -> int:
-        """The first physical slot of an L3 page. With DCP the caller names the page by its
-        logical (widened) first slot, and this rank's page is `index // dcp_size` (SGLang 0.5.23);
-        otherwise the slot itself."""
-        if self.dcp_size == 1:
-            return index
-        index = as_int("index", index)
-        if index < 0 or index % self.logical_page_size != 0:
-            raise ValueError("DCP L3 page start must be a nonnegative logical page boundary.")
-        if index + self.logical_page_size > self.logical_size:
-            raise IndexError("DCP L3 page is outside the host pool.")
-        return index // self.dcp_size
-
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        if self._page_shape() is None:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(self._storage_page_index(index), self.layout == "page_first_direct")
-        P = self.page_size
-        if self.layout == "layer_first":
-            data_page = self.kv_buffer[:, index : index + P]
-        elif self.layout == "page_first":
-            data_page = self.kv_buffer[index : index + P]
-        else:
-            data_page = self.kv_buffer[index // P : index // P + 1]
+        data_page = self._page_view(index)
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
@@ -409,19 +369,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        shape = self._page_shape()
-        if shape is None:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        index = self._page_slot(self._storage_page_index(index), self.layout == "page_first_direct")
-        page = self._flat_page_as(data_page, shape)
-        P = self.page_size
-        if self.layout == "layer_first":
-            self.kv_buffer[:, index : index + P] = page
-        elif self.layout == "page_first":
-            self.kv_buffer[index : index + P] = page
-        else:
-            self.kv_buffer[index // P : index // P + 1] = page
+        view = self._page_view(index)
+        view.copy_(self._flat_page_as(data_page, view.shape))
 
     # ----------------------------------------------------------------- zero-copy metadata
 
@@ -429,30 +379,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         """(pointers, sizes): layer_first gives one pointer per layer per page; the page layouts
         one pointer per page covering all layers. With DCP, `indices` are logical (widened)
         slots and each logical page maps to this rank's one physical page (SGLang 0.5.23)."""
-        if self.layout not in MLA_LAYOUTS:
-            raise ValueError(f"Unsupported layout: {self.layout}")
         self._require_bytes()
-        if self.dcp_size == 1:
-            starts = self._meta_page_starts(indices, self.layout == "page_first_direct")
-        else:
-            logical = as_index_array(indices, torch.device("cpu")).tolist()
-            if len(logical) % self.logical_page_size != 0:
-                raise AssertionError(
-                    f"{len(logical)} indices is not a multiple of the logical page size "
-                    f"{self.logical_page_size}"
-                )
-            starts = [self._storage_page_index(t) for t in logical[:: self.logical_page_size]]
-        T, L, S, P = self.token_stride_size, self.layer_num, self.size, self.page_size
-        base = self.kv_buffer.data_ptr()
-        ptrs: list[int] = []
-        if self.layout == "layer_first":
-            for t in starts:
-                ptrs += [base + t * T + layer * S * T for layer in range(L)]
-            size = P * T
-        else:
-            ptrs = [base + t * L * T for t in starts]
-            size = L * P * T
-        return ptrs, [size] * len(ptrs)
+        return self._spec.page_meta([self.kv_buffer.data_ptr()], index_list(indices))
 
 
 def _layout_reason(layout) -> str | None:

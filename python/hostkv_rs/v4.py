@@ -26,6 +26,7 @@ from hostkv_rs.base import (
     SlotFreeList,
     as_int,
     get_allocator_from_storage,
+    index_list,
     ptr_table,
     run_backup,
     run_load,
@@ -36,21 +37,10 @@ from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
 
-_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-# (io_backend, layout) pairs SGLang serves for page-aligned V4 transfers (contract §3.5).
-_PAGE_PAIRS = {
-    ("kernel", "layer_first"),
-    ("kernel", "page_first"),
-    ("direct", "layer_first"),
-    ("direct", "page_first_direct"),
-}
 # kernel_ascend moves whole pages one layer at a time through `_host_page_view`, which SGLang
 # builds for these layouts only; with CPU (or CUDA) device buffers we run the same page-row
 # copy on the core's direct path.
 _ASCEND_LAYOUTS = ("layer_first", "page_first_direct")
-# Token-granular transfers go to SGLang's dedicated DSV4 kernel whatever the backend; it needs
-# per-layer host row pointers, which only layer_first has.
-_TOKEN_BACKENDS = ("kernel", "direct", "kernel_ascend")
 # `layer_id` of a backup: every layer.
 _ALL_LAYERS = object()
 # SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK: the staging buffer holds at most this many page rows.
@@ -64,16 +54,16 @@ _WRITE_BACK_STAGING_PAGE_CHUNK = 64
 # (t % 64) * 576, scale at 64 * 576 + (t % 64) * 8. We copy exactly those two segments per token
 # and layer, and refuse other geometries, where SGLang's fixed constants would address bytes
 # outside the rows.
-_C4_PAGE_TOKENS = 64
-_C4_VALUE_BYTES = 576
-_C4_SCALE_BYTES = 8
-_C4_ROW_BYTES = -(-(_C4_VALUE_BYTES + _C4_SCALE_BYTES) * _C4_PAGE_TOKENS // 576) * 576
+# The constants live in the core (rust/src/pool.rs, `c4`).
+_C4_PAGE_TOKENS = _core.C4_PAGE_TOKENS
+_C4_VALUE_BYTES = _core.C4_VALUE_BYTES
+_C4_SCALE_BYTES = _core.C4_SCALE_BYTES
+_C4_ROW_BYTES = _core.C4_ROW_BYTES
 _C4_SCALE_OFFSET = _C4_VALUE_BYTES * _C4_PAGE_TOKENS
 
 
-class PageIndexError(ValueError, IndexError):
-    """A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]`
-    raises for the same call."""
+# A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
+PageIndexError = _core.PageIndexError
 
 
 def _region_view(region, shape, offset: int = 0) -> torch.Tensor:
@@ -164,8 +154,17 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"Requesting {requested_bytes / 1e9:.2f} GB but only have "
                 f"{available_bytes / 1e9:.2f} GB free."
             )
-        if layout not in _LAYOUTS:
-            raise ValueError(f"Unsupported layout: {layout}")
+        # The geometry in the core: refuses another layout with SGLang's text.
+        self._spec = _core.PoolSpec(
+            "v4_paged",
+            layout,
+            self.layer_num,
+            num_host_pages,
+            slot_page_size,
+            [item_bytes],
+            1,
+            name=pool_name,
+        )
         if device != "cpu":
             # SGLang's HostTensorAllocator.allocate asserts the same.
             raise AssertionError(
@@ -181,18 +180,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._base = self._region.address if self._region is not None else 0
 
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
+        self._flat = _region_view(self._region, (self._spec.plane_nbytes[0],))
         self.data_refs = []
         if layout == "layer_first":
-            # One region laid out layer-first, so PoolCore's layer_first plane arithmetic
-            # (l*S*I + t*I) addresses exactly these per-layer views.
-            self.kv_buffer = [
-                _region_view(self._region, (Nh, IB), offset=layer * Nh * IB) for layer in range(L)
-            ]
+            # A list of per-layer (Nh, IB) tensors, as SGLang has; one region laid out
+            # layer-first underneath, the core's arithmetic.
+            self.kv_buffer = list(self._flat.view(self._spec.shape(0)).unbind(0))
             self.data_refs = list(self.kv_buffer)
-        elif layout == "page_first":
-            self.kv_buffer = _region_view(self._region, (Nh, L, IB))
         else:
-            self.kv_buffer = _region_view(self._region, (Nh, L, 1, IB))
+            self.kv_buffer = self._flat.view(self._spec.shape(0))
         logger.info(
             "Allocating %.2f GB host memory for V4 paged pool '%s' "
             "(layers=%d, pages=%d, item_bytes=%d, layout=%s).",
@@ -280,20 +276,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         """Per-layer page-row buffers for PD direct-to-host transfer (layer_first only: the page
         layouts have no per-layer host buffers, SGLang fails there on `data_ptrs = None`)."""
         self._require_live()
-        if self.layout != "layer_first":
-            raise ValueError(
-                f"{self.pool_name} get_contiguous_buf_infos requires layer_first layout, "
-                f"got {self.layout}"
-            )
-        data_ptrs = [ref.data_ptr() for ref in self.data_refs]
-        data_lens = [ref.nbytes for ref in self.data_refs]
-        item_lens = [self.item_bytes] * self.layer_num
-        return data_ptrs, data_lens, item_lens
+        return self._spec.contiguous_buf_infos(self._base)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         if self.layout not in ("page_first", "page_first_direct") or self.kv_buffer is None:
             return False
-        page_bytes = self.layer_num * self.item_bytes
+        page_bytes = self._spec.plane_nbytes[0] // max(self._spec.page_num, 1)
         return (
             self.kv_buffer.data_ptr() % page_size_bytes == 0 and page_bytes % page_size_bytes == 0
         )
@@ -344,10 +332,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if scale_item_bytes <= 0:
             raise ValueError(
                 f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
-            )
-        if self.layout not in _LAYOUTS:
-            raise ValueError(
-                f"{self.pool_name} attach_scale_buffers: unsupported layout {self.layout!r}"
             )
         device_rows = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
 
@@ -431,9 +415,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             f"{dev.numel()} device indices for page size {self.slot_page_size}."
         )
 
-    def _unsupported(self, io_backend) -> ValueError:
-        return ValueError(f"Unsupported V4 paged host layout/backend: {self.layout}/{io_backend}")
-
     def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
         """Validate one transfer (a backup of every layer, or a load of `layer_id`)
         and return the core calls as (core, backend, host_rows, device_rows, device_row_count),
@@ -454,8 +435,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"got {self.gpu_device}"
             )
         if host.numel() % self.slot_page_size != 0:
-            if io_backend not in _TOKEN_BACKENDS or self.layout != "layer_first":
-                raise self._unsupported(io_backend)
+            self._spec.check_token_pair(io_backend)
             return self._token_plan(io_backend, host, dev, self._layers(layer_id))
         if io_backend == "kernel_ascend":
             if self.layout not in _ASCEND_LAYOUTS and (
@@ -466,10 +446,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"page_first_direct layout, got {self.layout!r}"
                 )
             backend = "direct"
-        elif isinstance(io_backend, str) and (io_backend, self.layout) in _PAGE_PAIRS:
-            backend = io_backend
         else:
-            raise self._unsupported(io_backend)
+            backend = self._spec.check_pair(io_backend)
         layers = self._layers(layer_id)
         if not layers:
             return None  # a pool without layers has nothing to back up
@@ -607,22 +585,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
-    def _page_row(self, index) -> int:
-        index = as_int("index", index)
-        row = index // self.slot_page_size
-        if index < 0 or row >= self.num_host_pages:
-            raise PageIndexError(
-                f"{self.pool_name} page index {index} out of range [0, {self.size})"
-            )
-        return row
+    def _page_base(self) -> torch.Tensor:
+        return self._flat
 
     def get_data_page(self, index, flat=True):
         self._require_live()
-        row = self._page_row(index)
-        if self.layout == "layer_first":
-            data_page = torch.stack([buf[row] for buf in self.kv_buffer])
-        else:
-            data_page = self.kv_buffer[row]
+        data_page = self._page_view(index)
+        if self.layout == "layer_first" and not flat:
+            # SGLang stacks the layers' rows: a copy, not a view of the pool.
+            return data_page.clone()
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self):
@@ -635,7 +606,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def set_from_flat_data_page(self, index, data_page):
         self._require_live()
-        row = self._page_row(index)
+        view = self._page_view(index)
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(
                 f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
@@ -648,41 +619,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} set_from_flat_data_page: expected {expected} bytes "
                 f"({self.layer_num} x {self.item_bytes}), got {got}"
             )
-        data = data_page.contiguous().view(self.dtype)
-        if self.layout == "layer_first":
-            data = data.reshape(self.layer_num, self.item_bytes)
-            for buf, layer_bytes in zip(self.kv_buffer, data):
-                buf[row].copy_(layer_bytes)
-        elif self.layout == "page_first":
-            self.kv_buffer[row].copy_(data.reshape(self.layer_num, self.item_bytes))
-        else:
-            self.kv_buffer[row].copy_(data.reshape(self.layer_num, 1, self.item_bytes))
+        view.copy_(data_page.contiguous().view(self.dtype).reshape(view.shape))
 
     def get_page_buffer_meta(self, indices):
         self._require_live()
-        indices = as_index_array(indices, torch.device("cpu")).to(torch.int64)
-        P = self.slot_page_size
-        if indices.numel() % P != 0:
-            raise ValueError(
-                f"{self.pool_name} get_page_buffer_meta needs whole pages: got "
-                f"{indices.numel()} indices for page size {P}"
-            )
-        rows = self._to_page_rows(indices).tolist()
-        for row, first in zip(rows, indices[::P].tolist()):
-            if first < 0 or row >= self.num_host_pages:
-                raise PageIndexError(
-                    f"{self.pool_name} page index {first} out of range [0, {self.size})"
-                )
-        ptr_list = []
-        if self.layout == "layer_first":
-            bases = [ref.data_ptr() for ref in self.data_refs]
-            for row in rows:
-                ptr_list.extend(base + row * self.item_bytes for base in bases)
-            return ptr_list, [self.item_bytes] * len(ptr_list)
-        page_bytes = self.layer_num * self.item_bytes
-        base = self.kv_buffer.data_ptr()
-        ptr_list = [base + row * page_bytes for row in rows]
-        return ptr_list, [page_bytes] * len(ptr_list)
+        return self._spec.page_meta([self._base], index_list(indices))
 
     # ---- teardown -----------------------------------------------------------------------------
 

@@ -11,6 +11,18 @@ pub enum Error {
     /// Raised before any byte moves.
     #[error("{0}")]
     InvalidTransfer(String),
+    /// A bad argument that is not a transfer (Python ValueError).
+    #[error("{0}")]
+    Value(String),
+    /// A page outside the pool (Python `PageIndexError`: a ValueError and an IndexError).
+    #[error("{0}")]
+    PageIndex(String),
+    /// What SGLang refuses with an `assert` (Python AssertionError, raised explicitly).
+    #[error("{0}")]
+    Assertion(String),
+    /// What a pool kind does not offer (Python NotImplementedError).
+    #[error("{0}")]
+    NotImplemented(String),
     /// Geometry whose byte size does not fit in 64 bits, or is otherwise malformed.
     #[error("{0}")]
     Geometry(String),

@@ -6,6 +6,7 @@ pub mod error;
 pub mod host_mem;
 pub mod layout;
 pub mod plan;
+pub mod pool;
 pub mod transfer;
 
 #[cfg(feature = "python")]

@@ -15,6 +15,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::Error;
 use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
 use crate::layout::PlaneLayout;
+use crate::pool::{PoolKind, PoolSpec};
 use crate::transfer::{
     Backend, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
 };
@@ -52,9 +53,43 @@ fn transfer_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     Ok(ty.bind(py))
 }
 
+static PAGE_INDEX_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `PageIndexError(ValueError, IndexError)`: an L3 page outside the pool, which SGLang's
+/// `kv_buffer[row]` reports as an IndexError.
+fn page_index_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    let ty = PAGE_INDEX_ERROR.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "hostkv_rs._core")?;
+        ns.set_item(
+            "__doc__",
+            "A page outside the host pool; nothing was read or written.",
+        )?;
+        let bases = PyTuple::new(
+            py,
+            [
+                py.get_type::<PyValueError>(),
+                py.get_type::<pyo3::exceptions::PyIndexError>(),
+            ],
+        )?;
+        let ty = py
+            .import("builtins")?
+            .getattr("type")?
+            .call1(("PageIndexError", bases, ns))?;
+        Ok(ty.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py))
+}
+
 fn to_py(py: Python<'_>, e: Error) -> PyErr {
     match e {
-        Error::Unsupported(m) | Error::Geometry(m) => PyValueError::new_err(m),
+        Error::Unsupported(m) | Error::Geometry(m) | Error::Value(m) => PyValueError::new_err(m),
+        Error::PageIndex(m) => match page_index_error_type(py) {
+            Ok(ty) => PyErr::from_type(ty.clone(), m),
+            Err(init_failed) => init_failed,
+        },
+        Error::Assertion(m) => pyo3::exceptions::PyAssertionError::new_err(m),
+        Error::NotImplemented(m) => pyo3::exceptions::PyNotImplementedError::new_err(m),
         Error::InvalidTransfer(m) => match transfer_error_type(py) {
             Ok(ty) => PyErr::from_type(ty.clone(), m),
             Err(init_failed) => init_failed,
@@ -570,12 +605,176 @@ fn check_device_errors(py: Python<'_>) -> PyResult<()> {
     cuda::check_device_errors().map_err(|e| to_py(py, e))
 }
 
+/// A host pool's geometry in SGLang's terms, and everything derived from it (`pool::PoolSpec`):
+/// buffer shapes, the (layout, io_backend) check with SGLang's texts, L3 page metadata and views.
+#[pyclass(frozen, module = "hostkv_rs._core", name = "PoolSpec")]
+pub struct PyPoolSpec {
+    spec: PoolSpec,
+}
+
+fn u64s(v: &[u64]) -> Vec<u64> {
+    v.to_vec()
+}
+
+#[pymethods]
+impl PyPoolSpec {
+    #[new]
+    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = 1, dcp_size = 1, dcp_rank = 0, name = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        kind: &str,
+        layout: &str,
+        num_layers: usize,
+        rows: usize,
+        page_size: usize,
+        dims: Vec<usize>,
+        itemsize: usize,
+        head_num: usize,
+        dcp_size: usize,
+        dcp_rank: usize,
+        name: &str,
+    ) -> PyResult<Self> {
+        let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+        let spec = PoolSpec::new(
+            kind, layout, num_layers, rows, page_size, head_num, &dims, itemsize, dcp_size,
+            dcp_rank, name,
+        )
+        .map_err(|e| to_py(py, e))?;
+        Ok(Self { spec })
+    }
+
+    /// Element shape of plane `plane` (SGLang's tensor shape).
+    fn shape(&self, plane: usize) -> PyResult<Vec<u64>> {
+        self.check_plane(plane)?;
+        Ok(self.spec.shape(plane))
+    }
+
+    /// Bytes of one row of one layer, per plane (`token_stride_size`; the V4 row).
+    #[getter]
+    fn item_bytes(&self) -> Vec<u64> {
+        (0..self.spec.planes().len())
+            .map(|p| self.spec.item_bytes(p))
+            .collect()
+    }
+
+    /// Bytes of each plane.
+    #[getter]
+    fn plane_nbytes(&self) -> Vec<u64> {
+        self.spec.planes().iter().map(|p| p.nbytes).collect()
+    }
+
+    #[getter]
+    fn page_num(&self) -> u64 {
+        self.spec.page_num()
+    }
+
+    /// SGLang's (layout, io_backend) check for this pool kind: "kernel" or "direct", or
+    /// ValueError with SGLang's text (whatever `io_backend` is).
+    fn check_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let text = io_backend.cast::<pyo3::types::PyString>().ok();
+        let name = text.map(|t| t.to_cow()).transpose()?;
+        let shown = io_backend.str()?.to_cow()?.into_owned();
+        match self.spec.check_pair(name.as_deref(), &shown) {
+            Ok(crate::transfer::Backend::Kernel) => Ok("kernel"),
+            Ok(crate::transfer::Backend::Direct) => Ok("direct"),
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// DeepSeek V4's token-granular (layout, io_backend) check, with SGLang's text.
+    fn check_token_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<()> {
+        let text = io_backend.cast::<pyo3::types::PyString>().ok();
+        let name = text.map(|t| t.to_cow()).transpose()?;
+        let shown = io_backend.str()?.to_cow()?.into_owned();
+        self.spec
+            .check_token_pair(name.as_deref(), &shown)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// `get_page_buffer_meta`: (pointers, sizes) for the pages `indices` lists (every page's
+    /// first slot; logical slots under DCP), given each plane's host address.
+    fn page_meta(
+        &self,
+        py: Python<'_>,
+        bases: Vec<u64>,
+        indices: Vec<i64>,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        self.check_bases(&bases)?;
+        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        Ok(self.spec.page_meta(&bases, &starts))
+    }
+
+    /// `get_split_heads_page_buffer_meta` (MHA page_head).
+    fn split_heads_meta(
+        &self,
+        py: Python<'_>,
+        bases: Vec<u64>,
+        indices: Vec<i64>,
+        split_factor: u64,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        self.check_bases(&bases)?;
+        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        self.spec
+            .split_heads_meta(&bases, &starts, split_factor)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The page `index` names (`get_data_page`), as (offset, shape, strides) in elements from
+    /// the start of the pool's first allocation.
+    fn page_view(&self, py: Python<'_>, index: i64) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+        let start = self.spec.data_page_start(index).map_err(|e| to_py(py, e))?;
+        let v = self.spec.page_view(start).map_err(|e| to_py(py, e))?;
+        Ok((v.offset, u64s(&v.shape), u64s(&v.strides)))
+    }
+
+    /// `get_contiguous_buf_infos` (MLA, V4) for a pool whose bytes start at `base`.
+    fn contiguous_buf_infos(
+        &self,
+        py: Python<'_>,
+        base: u64,
+    ) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        self.spec
+            .contiguous_buf_infos(base)
+            .map_err(|e| to_py(py, e))
+    }
+}
+
+impl PyPoolSpec {
+    fn check_plane(&self, plane: usize) -> PyResult<()> {
+        if plane >= self.spec.planes().len() {
+            return Err(PyValueError::new_err(format!(
+                "plane {plane} is out of range [0, {})",
+                self.spec.planes().len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_bases(&self, bases: &[u64]) -> PyResult<()> {
+        if bases.len() != self.spec.planes().len() {
+            return Err(PyValueError::new_err(format!(
+                "expected {} plane addresses, got {}",
+                self.spec.planes().len(),
+                bases.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<PyHostRegion>()?;
     m.add_class::<PyPoolCore>()?;
+    m.add_class::<PyPoolSpec>()?;
+    m.add("PageIndexError", page_index_error_type(py)?)?;
+    m.add("C4_PAGE_TOKENS", crate::pool::c4::PAGE_TOKENS)?;
+    m.add("C4_VALUE_BYTES", crate::pool::c4::VALUE_BYTES)?;
+    m.add("C4_SCALE_BYTES", crate::pool::c4::SCALE_BYTES)?;
+    m.add("C4_ROW_BYTES", crate::pool::c4::ROW_BYTES)?;
     m.add("TransferError", transfer_error_type(py)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;

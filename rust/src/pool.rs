@@ -1,0 +1,965 @@
+//! A host pool in SGLang's terms — kind, layout, geometry — and everything Python needs derived
+//! from it: the buffers' shapes, the (layout, io_backend) pairs each kind serves with SGLang's
+//! refusal texts, L3 page metadata and page views, and the index arithmetic of DCP and of the
+//! DeepSeek V4 C4 token rows. The planner and the kernels address bytes through the same
+//! [`PlaneLayout`]s this spec builds.
+
+use crate::error::{Error, Result};
+use crate::layout::PlaneLayout;
+use crate::transfer::{Backend, Layout};
+
+/// Which SGLang host pool this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolKind {
+    /// `MHATokenToKVPoolHost`: K and V planes of `H x D` elements, one allocation.
+    Mha,
+    /// `AsymmetricMHATokenToKVPoolHost`: K `H x D`, V `H x Dv`, two allocations.
+    AsymmetricMha,
+    /// `MLATokenToKVPoolHost`: one latent plane of `C` elements.
+    Mla,
+    /// `DeepSeekV4PagedHostPool`: one plane of `item_bytes`-byte page rows.
+    V4Paged,
+}
+
+impl PoolKind {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "mha" => Ok(Self::Mha),
+            "mha_asymmetric" => Ok(Self::AsymmetricMha),
+            "mla" => Ok(Self::Mla),
+            "v4_paged" => Ok(Self::V4Paged),
+            other => Err(Error::Geometry(format!(
+                "unknown pool kind {other:?}; expected mha, mha_asymmetric, mla or v4_paged"
+            ))),
+        }
+    }
+}
+
+/// The layouts each kind allocates, and SGLang's construction refusal for any other.
+fn parse_layout(kind: PoolKind, layout: &str) -> Result<Layout> {
+    let allowed: &[Layout] = match kind {
+        PoolKind::Mha => &[
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+            Layout::PageHead,
+        ],
+        PoolKind::AsymmetricMha => &[Layout::PageFirst, Layout::PageFirstDirect],
+        PoolKind::Mla | PoolKind::V4Paged => &[
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+        ],
+    };
+    match Layout::parse(layout) {
+        Ok(l) if allowed.contains(&l) => Ok(l),
+        _ if kind == PoolKind::AsymmetricMha => Err(Error::Unsupported(format!(
+            "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \
+             'page_first' or 'page_first_direct'."
+        ))),
+        _ => Err(Error::Unsupported(format!("Unsupported layout: {layout}"))),
+    }
+}
+
+/// What an L3 page index names, checked: its first physical host slot (row for V4).
+pub type PageStart = u64;
+
+/// A strided view of one page, in elements of the pool's dtype, relative to the first element of
+/// the pool's (first) allocation: what `torch.as_strided` takes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageView {
+    pub offset: u64,
+    pub shape: Vec<u64>,
+    pub strides: Vec<u64>,
+}
+
+/// A host pool's geometry, validated once.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    pub kind: PoolKind,
+    pub layout: Layout,
+    /// `L`: host layers (MTP draft layers included).
+    pub layers: u64,
+    /// `S`: token slots (V4: page rows).
+    pub rows: u64,
+    /// `P`: tokens per page (V4: `slot_page_size`, the tokens one page row holds).
+    pub page_size: u64,
+    /// `H` (1 for MLA and V4).
+    pub heads: u64,
+    /// Per plane: elements per head (`D`, `Dv`), `C`, or the V4 row's bytes.
+    pub dims: Vec<u64>,
+    /// Bytes per element (1 for V4).
+    pub itemsize: u64,
+    /// DCP (MLA): slots are logical, `dcp_size` of them share a physical row.
+    pub dcp_size: u64,
+    pub dcp_rank: u64,
+    /// Names the pool in V4's error texts.
+    pub name: String,
+    planes: Vec<PlaneLayout>,
+}
+
+fn overflow(what: &str) -> Error {
+    Error::Geometry(format!(
+        "host pool geometry overflows 64-bit sizes ({what})"
+    ))
+}
+
+impl PoolSpec {
+    /// `dims` holds one entry per plane: MHA `[D, D]`, asymmetric `[D, Dv]`, MLA `[C]`, V4
+    /// `[item_bytes]`. For V4, `rows` counts page rows and the planes are addressed by row
+    /// (page size 1); `page_size` is the slot page that maps tokens to rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kind: PoolKind,
+        layout: &str,
+        layers: usize,
+        rows: usize,
+        page_size: usize,
+        heads: usize,
+        dims: &[usize],
+        itemsize: usize,
+        dcp_size: usize,
+        dcp_rank: usize,
+        name: &str,
+    ) -> Result<Self> {
+        let layout = parse_layout(kind, layout)?;
+        let want = match kind {
+            PoolKind::Mha | PoolKind::AsymmetricMha => 2,
+            PoolKind::Mla | PoolKind::V4Paged => 1,
+        };
+        if dims.len() != want {
+            return Err(Error::Geometry(format!(
+                "a {kind:?} pool has {want} plane(s), got {} dims",
+                dims.len()
+            )));
+        }
+        for (what, v) in [
+            ("page_size", page_size),
+            ("itemsize", itemsize),
+            ("dcp_size", dcp_size),
+        ] {
+            if v == 0 {
+                return Err(Error::Geometry(format!("{what} must be positive, got 0")));
+            }
+        }
+        if dcp_rank >= dcp_size {
+            return Err(Error::Geometry(format!(
+                "dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}"
+            )));
+        }
+        let heads = match kind {
+            PoolKind::Mha | PoolKind::AsymmetricMha => heads,
+            PoolKind::Mla | PoolKind::V4Paged => 1,
+        };
+        if heads == 0 || dims.contains(&0) {
+            return Err(Error::Geometry(format!(
+                "head_num and every head dim must be positive, got head_num={heads}, dims={dims:?}"
+            )));
+        }
+        if kind != PoolKind::V4Paged && rows % page_size != 0 {
+            return Err(Error::Geometry(format!(
+                "the host pool holds whole pages: size={rows} is not a multiple of \
+                 page_size={page_size}"
+            )));
+        }
+        let (plane_rows, plane_page) = if kind == PoolKind::V4Paged {
+            (rows, 1)
+        } else {
+            (rows, page_size)
+        };
+        let mut planes = Vec::with_capacity(dims.len());
+        for &dim in dims {
+            let item = (heads as u64)
+                .checked_mul(dim as u64)
+                .and_then(|x| x.checked_mul(itemsize as u64))
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| overflow("head_num * head_dim * itemsize"))?;
+            let plane_heads = if layout == Layout::PageHead { heads } else { 1 };
+            planes.push(PlaneLayout::new(
+                layout,
+                layers,
+                plane_rows,
+                plane_page,
+                item,
+                plane_heads,
+            )?);
+        }
+        Ok(Self {
+            kind,
+            layout,
+            layers: layers as u64,
+            rows: rows as u64,
+            page_size: page_size as u64,
+            heads: heads as u64,
+            dims: dims.iter().map(|&d| d as u64).collect(),
+            itemsize: itemsize as u64,
+            dcp_size: dcp_size as u64,
+            dcp_rank: dcp_rank as u64,
+            name: name.to_owned(),
+            planes,
+        })
+    }
+
+    pub fn planes(&self) -> &[PlaneLayout] {
+        &self.planes
+    }
+
+    /// Bytes of one row of one layer of `plane` (`token_stride_size`; the V4 row).
+    pub fn item_bytes(&self, plane: usize) -> u64 {
+        self.planes[plane].item
+    }
+
+    /// Elements of one row of one layer of `plane`.
+    fn row_elems(&self, plane: usize) -> u64 {
+        self.heads * self.dims[plane]
+    }
+
+    /// Pages of the pool (V4: page rows).
+    pub fn page_num(&self) -> u64 {
+        if self.kind == PoolKind::V4Paged {
+            self.rows
+        } else {
+            self.rows / self.page_size
+        }
+    }
+
+    /// The element shape of `plane` as SGLang's tensor has it (MHA's `k_buffer` / `v_buffer`;
+    /// V4 layer_first: the per-layer buffers stacked along a leading layer dim).
+    pub fn shape(&self, plane: usize) -> Vec<u64> {
+        let (l, s, p, h, w) = (
+            self.layers,
+            self.rows,
+            self.page_size,
+            self.heads,
+            self.dims[plane],
+        );
+        let pn = self.page_num();
+        match (self.kind, self.layout) {
+            (PoolKind::V4Paged, Layout::LayerFirst) => vec![l, s, w],
+            (PoolKind::V4Paged, Layout::PageFirst) => vec![s, l, w],
+            (PoolKind::V4Paged, _) => vec![s, l, 1, w],
+            (PoolKind::Mla, Layout::LayerFirst) => vec![l, s, 1, w],
+            (PoolKind::Mla, Layout::PageFirst) => vec![s, l, 1, w],
+            (PoolKind::Mla, _) => vec![pn, l, p, 1, w],
+            (_, Layout::LayerFirst) => vec![l, s, h, w],
+            (_, Layout::PageFirst) => vec![s, l, h, w],
+            (_, Layout::PageFirstDirect) => vec![pn, l, p, h, w],
+            (_, Layout::PageHead) => vec![pn, h, p, l, w],
+        }
+    }
+
+    /// Elements of `plane`.
+    pub fn plane_elems(&self, plane: usize) -> u64 {
+        self.planes[plane].nbytes / self.itemsize
+    }
+
+    /// SGLang's (layout, io_backend) check for this kind, with its refusal texts; `io_backend`
+    /// is None when the caller passed something that is not a string (`shown` is its text).
+    pub fn check_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<Backend> {
+        use Layout::*;
+        let layout = self.layout.name();
+        let unsupported = |m: String| Err(Error::Unsupported(m));
+        match self.kind {
+            PoolKind::AsymmetricMha => match io_backend {
+                Some("kernel") if self.layout == PageFirst => Ok(Backend::Kernel),
+                Some("kernel") => unsupported(format!(
+                    "Unsupported layout for models with head_dim != v_head_dim and \
+                     io_backend='kernel': {layout}; expected 'page_first'."
+                )),
+                Some("direct") if self.layout == PageFirstDirect => Ok(Backend::Direct),
+                Some("direct") => unsupported(format!(
+                    "Unsupported layout for models with head_dim != v_head_dim and \
+                     io_backend='direct': {layout}; expected 'page_first_direct'."
+                )),
+                _ => unsupported(format!(
+                    "Unsupported IO backend for models with head_dim != v_head_dim: {shown}; \
+                     expected 'kernel' or 'direct'."
+                )),
+            },
+            PoolKind::V4Paged => match (io_backend, self.layout) {
+                (Some("kernel"), LayerFirst | PageFirst) => Ok(Backend::Kernel),
+                (Some("direct"), LayerFirst | PageFirstDirect) => Ok(Backend::Direct),
+                _ => unsupported(format!(
+                    "Unsupported V4 paged host layout/backend: {layout}/{shown}"
+                )),
+            },
+            PoolKind::Mha | PoolKind::Mla => {
+                let mha = self.kind == PoolKind::Mha;
+                let served = match io_backend {
+                    Some("kernel") => Some((
+                        Backend::Kernel,
+                        matches!(self.layout, LayerFirst | PageFirst)
+                            || (mha && self.layout == PageHead),
+                    )),
+                    Some("direct") => Some((
+                        Backend::Direct,
+                        matches!(self.layout, LayerFirst | PageFirstDirect),
+                    )),
+                    _ => None,
+                };
+                match served {
+                    Some((backend, true)) => Ok(backend),
+                    Some((_, false)) => unsupported(format!("Unsupported layout: {layout}")),
+                    // kernel_ascend needs an Ascend NPU; SGLang checks its layout first (MHA
+                    // serves it on page_first_direct, MLA only on page_first_kv_split).
+                    None if io_backend == Some("kernel_ascend")
+                        && !(mha && self.layout == PageFirstDirect) =>
+                    {
+                        unsupported(format!("Unsupported layout: {layout}"))
+                    }
+                    None => unsupported(format!("Unsupported IO backend: {shown}")),
+                }
+            }
+        }
+    }
+
+    /// DeepSeek V4's token-granular path (a transfer that is not whole slot pages): SGLang's
+    /// dedicated DSV4 kernel needs per-layer host rows, so layer_first with any of its backends.
+    pub fn check_token_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<()> {
+        let backend_ok = matches!(io_backend, Some("kernel" | "direct" | "kernel_ascend"));
+        if self.kind == PoolKind::V4Paged && self.layout == Layout::LayerFirst && backend_ok {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "Unsupported V4 paged host layout/backend: {}/{shown}",
+            self.layout.name()
+        )))
+    }
+
+    // ---- L3 pages --------------------------------------------------------------------------
+
+    /// Layouts whose page pointers assume a page-aligned first slot.
+    fn page_major(&self) -> bool {
+        match self.kind {
+            PoolKind::Mha | PoolKind::AsymmetricMha => {
+                matches!(self.layout, Layout::PageFirstDirect | Layout::PageHead)
+            }
+            PoolKind::Mla => self.layout == Layout::PageFirstDirect,
+            PoolKind::V4Paged => true,
+        }
+    }
+
+    /// Slots (logical, under DCP) that name one page.
+    pub fn logical_page_size(&self) -> u64 {
+        self.page_size * self.dcp_size
+    }
+
+    /// The physical first slot of the page a caller names by `index` (SGLang's `get_data_page`
+    /// argument; V4: the page row). MLA with DCP: `index` is a logical page start and this
+    /// rank's page is `index / dcp_size` (SGLang 0.5.23 `_storage_page_index`).
+    pub fn data_page_start(&self, index: i64) -> Result<PageStart> {
+        if self.kind == PoolKind::V4Paged {
+            let row = index.div_euclid(self.page_size as i64);
+            if index < 0 || row as u64 >= self.rows {
+                return Err(Error::PageIndex(format!(
+                    "{} page index {index} out of range [0, {})",
+                    self.name,
+                    self.rows * self.page_size
+                )));
+            }
+            return Ok(row as u64);
+        }
+        let index = self.storage_page_index(index)?;
+        let (s, p) = (self.rows as i64, self.page_size as i64);
+        if self.page_major() {
+            if !(0..s).contains(&index) {
+                return Err(Error::PageIndex(format!(
+                    "page index {index} is outside the host pool [0, {s})"
+                )));
+            }
+        } else if !(0..=s - p).contains(&index) {
+            return Err(Error::PageIndex(format!(
+                "page starting at slot {index} does not fit in the host pool of {s} slots"
+            )));
+        }
+        Ok(index as u64)
+    }
+
+    /// DCP: a logical page start -> this rank's physical slot (identity without DCP).
+    fn storage_page_index(&self, index: i64) -> Result<i64> {
+        if self.dcp_size == 1 {
+            return Ok(index);
+        }
+        let lp = self.logical_page_size() as i64;
+        if index < 0 || index % lp != 0 {
+            return Err(Error::Value(
+                "DCP L3 page start must be a nonnegative logical page boundary.".into(),
+            ));
+        }
+        let logical = (self.rows * self.dcp_size) as i64;
+        if index.checked_add(lp).is_none_or(|end| end > logical) {
+            return Err(Error::PageIndex(
+                "DCP L3 page is outside the host pool.".into(),
+            ));
+        }
+        Ok(index / self.dcp_size as i64)
+    }
+
+    /// The first physical slot (V4: row) of every page `indices` lists: every `P`-th entry
+    /// (every logical page's first entry under DCP), each checked to name a whole page.
+    pub fn page_starts(&self, indices: &[i64]) -> Result<Vec<PageStart>> {
+        let n = indices.len() as u64;
+        if self.kind == PoolKind::V4Paged {
+            if n % self.page_size != 0 {
+                return Err(Error::Value(format!(
+                    "{} get_page_buffer_meta needs whole pages: got {n} indices for page size {}",
+                    self.name, self.page_size
+                )));
+            }
+            return indices
+                .iter()
+                .step_by(self.page_size as usize)
+                .map(|&i| self.data_page_start(i))
+                .collect();
+        }
+        if self.dcp_size != 1 {
+            let lp = self.logical_page_size();
+            if n % lp != 0 {
+                return Err(Error::Assertion(format!(
+                    "{n} indices is not a multiple of the logical page size {lp}"
+                )));
+            }
+            return indices
+                .iter()
+                .step_by(lp as usize)
+                .map(|&i| self.storage_page_index(i).map(|t| t as u64))
+                .collect();
+        }
+        let p = self.page_size;
+        if n % p != 0 {
+            return Err(Error::Assertion(format!(
+                "{n} indices is not a multiple of the page size {p}"
+            )));
+        }
+        let s = self.rows as i64;
+        let mut out = Vec::with_capacity((n / p) as usize);
+        for &t in indices.iter().step_by(p as usize) {
+            if !(0..=s - p as i64).contains(&t) {
+                return Err(Error::Value(format!(
+                    "page starting at slot {t} does not fit in the host pool of {s} slots"
+                )));
+            }
+            if self.page_major() && t as u64 % p != 0 {
+                return Err(Error::Value(format!(
+                    "slot {t} is not the first slot of a page (page size {p})"
+                )));
+            }
+            out.push(t as u64);
+        }
+        Ok(out)
+    }
+
+    /// SGLang's `get_page_buffer_meta`: per page, (pointer, bytes) entries in SGLang's order.
+    /// `bases` holds each plane's host address.
+    pub fn page_meta(&self, bases: &[u64], starts: &[PageStart]) -> (Vec<u64>, Vec<u64>) {
+        let (l, s, p) = (self.layers, self.rows, self.page_size);
+        let mut ptrs = Vec::new();
+        let mut sizes = Vec::new();
+        let item = |plane: usize| self.item_bytes(plane);
+        match (self.kind, self.layout) {
+            (PoolKind::V4Paged, Layout::LayerFirst) => {
+                for &row in starts {
+                    for layer in 0..l {
+                        ptrs.push(bases[0] + layer * s * item(0) + row * item(0));
+                        sizes.push(item(0));
+                    }
+                }
+            }
+            (PoolKind::V4Paged, _) => {
+                for &row in starts {
+                    ptrs.push(bases[0] + row * l * item(0));
+                    sizes.push(l * item(0));
+                }
+            }
+            (PoolKind::Mla, Layout::LayerFirst) => {
+                for &t in starts {
+                    for layer in 0..l {
+                        ptrs.push(bases[0] + t * item(0) + layer * s * item(0));
+                        sizes.push(p * item(0));
+                    }
+                }
+            }
+            (PoolKind::Mla, _) => {
+                for &t in starts {
+                    ptrs.push(bases[0] + t * l * item(0));
+                    sizes.push(l * p * item(0));
+                }
+            }
+            (_, Layout::LayerFirst) => {
+                for &t in starts {
+                    for layer in 0..l {
+                        for (plane, &base) in bases.iter().enumerate().take(2) {
+                            ptrs.push(base + t * item(plane) + layer * s * item(plane));
+                            sizes.push(p * item(plane));
+                        }
+                    }
+                }
+            }
+            _ => {
+                // Page-major: `t` starts a page, so `t * L * I` is `page * P * L * I`.
+                for &t in starts {
+                    for (plane, &base) in bases.iter().enumerate().take(2) {
+                        ptrs.push(base + t * l * item(plane));
+                        sizes.push(l * p * item(plane));
+                    }
+                }
+            }
+        }
+        (ptrs, sizes)
+    }
+
+    /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page and per group of
+    /// `H / split_factor` heads, a [k, v] pair.
+    pub fn split_heads_meta(
+        &self,
+        bases: &[u64],
+        starts: &[PageStart],
+        split_factor: u64,
+    ) -> Result<(Vec<u64>, Vec<u64>)> {
+        if self.kind != PoolKind::Mha || self.layout != Layout::PageHead {
+            return Err(Error::Assertion(format!(
+                "get_split_heads_page_buffer_meta requires layout='page_head', got {}",
+                self.layout.name()
+            )));
+        }
+        if split_factor == 0 || self.heads % split_factor != 0 {
+            return Err(Error::Assertion(format!(
+                "head_num ({}) must be a multiple of split_factor ({split_factor})",
+                self.heads
+            )));
+        }
+        let (l, p, h, d, e) = (
+            self.layers,
+            self.page_size,
+            self.heads,
+            self.dims[0],
+            self.itemsize,
+        );
+        let group = h / split_factor;
+        let size = l * p * h * d * e / split_factor;
+        let mut ptrs = Vec::new();
+        for &t in starts {
+            for head in (0..h).step_by(group as usize) {
+                let k = bases[0] + t * l * h * d * e + head * p * l * d * e;
+                ptrs.push(k);
+                ptrs.push(bases[1] + (k - bases[0]));
+            }
+        }
+        let sizes = vec![size; ptrs.len()];
+        Ok((ptrs, sizes))
+    }
+
+    /// The view of one L3 page (`get_data_page(index, flat=False)`), from a checked start. MHA
+    /// (both planes in one allocation, V right after K) gets a leading plane dim of 2; V4
+    /// layer_first spans the layers (SGLang stacks a copy there).
+    pub fn page_view(&self, start: PageStart) -> Result<PageView> {
+        let (l, s, p) = (self.layers, self.rows, self.page_size);
+        let pn = self.page_num();
+        let plane_elems = self.plane_elems(0);
+        let w = self.row_elems(0);
+        let page = start / p;
+        let view =
+            match (self.kind, self.layout) {
+                (PoolKind::AsymmetricMha, _) => return Err(Error::NotImplemented(
+                    "Models with head_dim != v_head_dim do not support the flat-page interface \
+                     used by HiCache L3 storage backends {hf3fs, eic, nixl}. Use a backend that \
+                     does not use this interface (e.g. mooncake, simm)."
+                        .into(),
+                )),
+                (PoolKind::V4Paged, Layout::LayerFirst) => PageView {
+                    offset: start * w,
+                    shape: vec![l, w],
+                    strides: vec![s * w, 1],
+                },
+                (PoolKind::V4Paged, Layout::PageFirst) => PageView {
+                    offset: start * l * w,
+                    shape: vec![l, w],
+                    strides: vec![w, 1],
+                },
+                (PoolKind::V4Paged, _) => PageView {
+                    offset: start * l * w,
+                    shape: vec![l, 1, w],
+                    strides: vec![w, w, 1],
+                },
+                (PoolKind::Mla, Layout::LayerFirst) => PageView {
+                    offset: start * w,
+                    shape: vec![l, p, 1, w],
+                    strides: vec![s * w, w, w, 1],
+                },
+                (PoolKind::Mla, Layout::PageFirst) => PageView {
+                    offset: start * l * w,
+                    shape: vec![p, l, 1, w],
+                    strides: vec![l * w, w, w, 1],
+                },
+                (PoolKind::Mla, _) => PageView {
+                    offset: page * l * p * w,
+                    shape: vec![1, l, p, 1, w],
+                    strides: vec![pn * l * p * w, p * w, w, w, 1],
+                },
+                (PoolKind::Mha, layout) => {
+                    let (h, d) = (self.heads, self.dims[0]);
+                    let mut v = match layout {
+                        Layout::LayerFirst => PageView {
+                            offset: start * h * d,
+                            shape: vec![l, p, h, d],
+                            strides: vec![s * h * d, h * d, d, 1],
+                        },
+                        Layout::PageFirst => PageView {
+                            offset: start * l * h * d,
+                            shape: vec![p, l, h, d],
+                            strides: vec![l * h * d, h * d, d, 1],
+                        },
+                        Layout::PageFirstDirect => PageView {
+                            offset: page * l * p * h * d,
+                            shape: vec![1, l, p, h, d],
+                            strides: vec![pn * l * p * h * d, p * h * d, h * d, d, 1],
+                        },
+                        Layout::PageHead => PageView {
+                            offset: page * h * p * l * d,
+                            shape: vec![1, h, p, l, d],
+                            strides: vec![pn * h * p * l * d, p * l * d, l * d, d, 1],
+                        },
+                    };
+                    v.shape.insert(0, 2);
+                    v.strides.insert(0, plane_elems);
+                    v
+                }
+            };
+        Ok(view)
+    }
+
+    /// The shape a flat page is read as (`set_from_flat_data_page`): the page view's.
+    pub fn flat_page_shape(&self) -> Result<Vec<u64>> {
+        Ok(self.page_view(0)?.shape)
+    }
+
+    /// `get_contiguous_buf_infos` (MLA, V4): per-layer (host address, bytes, item bytes) as
+    /// SGLang reports them (for the page layouts its per-layer entries are SGLang's quirks:
+    /// MLA page_first a strided layer view; page_first_direct a page slab).
+    pub fn contiguous_buf_infos(&self, base: u64) -> Result<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        let (l, s, p, t) = (self.layers, self.rows, self.page_size, self.item_bytes(0));
+        match (self.kind, self.layout) {
+            (PoolKind::V4Paged, Layout::LayerFirst) => Ok((
+                (0..l).map(|layer| base + layer * s * t).collect(),
+                vec![s * t; l as usize],
+                vec![t; l as usize],
+            )),
+            (PoolKind::V4Paged, layout) => Err(Error::Value(format!(
+                "{} get_contiguous_buf_infos requires layer_first layout, got {}",
+                self.name,
+                layout.name()
+            ))),
+            (PoolKind::Mla, layout) => {
+                // (stride between the per-layer views, kv_buffer[l]'s bytes, kv_buffer's dim 0)
+                let (ptr, len, dim0) = match layout {
+                    Layout::LayerFirst => (s * t, s * t, l),
+                    // kv_buffer[l] is a token row (L * T bytes); the layer view starts at l * T.
+                    Layout::PageFirst => (t, l * t, s),
+                    // kv_buffer[l] is page l's slab.
+                    _ => (l * p * t, l * p * t, self.page_num()),
+                };
+                if dim0 < l {
+                    // SGLang fails indexing kv_buffer[l] there.
+                    return Err(Error::Value(format!(
+                        "get_contiguous_buf_infos: kv_buffer has {dim0} entries along dim 0 but \
+                         the pool has {l} layers (layout {:?})",
+                        layout.name()
+                    )));
+                }
+                Ok((
+                    (0..l).map(|layer| base + layer * ptr).collect(),
+                    vec![len; l as usize],
+                    vec![t * p; l as usize],
+                ))
+            }
+            _ => Err(Error::Value(
+                "get_contiguous_buf_infos is defined for MLA and DeepSeek V4 pools".into(),
+            )),
+        }
+    }
+}
+
+/// DCP: this rank's physical slots of widened logical slots (`idx[rank::size] / size`), as
+/// SGLang's MLA pool translates both index arrays before a transfer.
+pub fn dcp_rank_slots(indices: &[i64], dcp_size: u64, dcp_rank: u64) -> Result<Vec<i64>> {
+    if dcp_size == 1 {
+        return Ok(indices.to_vec());
+    }
+    if indices.len() as u64 % dcp_size != 0 {
+        return Err(Error::Assertion(format!(
+            "HiCache DCP translation expects runs of whole widened pages; got {} logical slots \
+             with dcp_size={dcp_size}.",
+            indices.len()
+        )));
+    }
+    Ok(indices
+        .iter()
+        .skip(dcp_rank as usize)
+        .step_by(dcp_size as usize)
+        .map(|&t| t.div_euclid(dcp_size as i64))
+        .collect())
+}
+
+/// The DeepSeek V4 C4 page row SGLang's token-granular kernel (`transfer_cache_dsv4_mla`)
+/// assumes whatever the pool says: 64 tokens, each a 576-byte value and an 8-byte scale, the
+/// values first, the row padded to a multiple of 576 bytes.
+pub mod c4 {
+    pub const PAGE_TOKENS: u64 = 64;
+    pub const VALUE_BYTES: u64 = 576;
+    pub const SCALE_BYTES: u64 = 8;
+    /// 37440: ceil((576 + 8) * 64 / 576) * 576.
+    pub const ROW_BYTES: u64 =
+        ((VALUE_BYTES + SCALE_BYTES) * PAGE_TOKENS).div_ceil(VALUE_BYTES) * VALUE_BYTES;
+    pub const VALUES_PER_ROW: u64 = ROW_BYTES / VALUE_BYTES;
+    pub const SCALES_PER_ROW: u64 = ROW_BYTES / SCALE_BYTES;
+    const SCALE_FIRST: u64 = VALUE_BYTES * PAGE_TOKENS / SCALE_BYTES;
+
+    /// Token `t`'s value as a row of 576-byte units.
+    pub fn value_row(t: u64) -> u64 {
+        (t / PAGE_TOKENS) * VALUES_PER_ROW + t % PAGE_TOKENS
+    }
+
+    /// Token `t`'s scale as a row of 8-byte units.
+    pub fn scale_row(t: u64) -> u64 {
+        (t / PAGE_TOKENS) * SCALES_PER_ROW + SCALE_FIRST + t % PAGE_TOKENS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: PoolKind, layout: &str, dims: &[usize]) -> PoolSpec {
+        // 5 layers, 3 pages of 4 tokens, 2 heads, bf16 (V4: 3 rows of slot page 4).
+        PoolSpec::new(kind, layout, 5, 12, 4, 2, dims, 2, 1, 0, "c4").unwrap()
+    }
+
+    #[test]
+    fn construction_refuses_layouts_with_sglangs_text() {
+        let e = PoolSpec::new(
+            PoolKind::Mha,
+            "page_unified",
+            1,
+            4,
+            4,
+            1,
+            &[8, 8],
+            2,
+            1,
+            0,
+            "",
+        )
+        .unwrap_err();
+        assert_eq!(e.to_string(), "Unsupported layout: page_unified");
+        let e = PoolSpec::new(
+            PoolKind::AsymmetricMha,
+            "layer_first",
+            1,
+            4,
+            4,
+            1,
+            &[8, 4],
+            2,
+            1,
+            0,
+            "",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Unsupported layout for models with head_dim != v_head_dim: layer_first; expected \
+             'page_first' or 'page_first_direct'."
+        );
+        let e =
+            PoolSpec::new(PoolKind::Mla, "page_head", 1, 4, 4, 1, &[8], 2, 1, 0, "").unwrap_err();
+        assert_eq!(e.to_string(), "Unsupported layout: page_head");
+    }
+
+    #[test]
+    fn pairs_and_texts_per_kind() {
+        let ok = |k, l: &str, dims: &[usize], b: &str| spec(k, l, dims).check_pair(Some(b), b);
+        for (l, b) in [
+            ("layer_first", "kernel"),
+            ("page_first", "kernel"),
+            ("page_head", "kernel"),
+            ("layer_first", "direct"),
+            ("page_first_direct", "direct"),
+        ] {
+            assert!(ok(PoolKind::Mha, l, &[8, 8], b).is_ok(), "{l} {b}");
+        }
+        let err = |k, l: &str, dims: &[usize], b: Option<&str>, shown: &str| {
+            spec(k, l, dims)
+                .check_pair(b, shown)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            err(
+                PoolKind::Mha,
+                "page_first",
+                &[8, 8],
+                Some("direct"),
+                "direct"
+            ),
+            "Unsupported layout: page_first"
+        );
+        assert_eq!(
+            err(
+                PoolKind::Mha,
+                "page_first_direct",
+                &[8, 8],
+                Some("kernel_ascend"),
+                "kernel_ascend"
+            ),
+            "Unsupported IO backend: kernel_ascend"
+        );
+        assert_eq!(
+            err(
+                PoolKind::Mha,
+                "page_first",
+                &[8, 8],
+                Some("kernel_ascend"),
+                "kernel_ascend"
+            ),
+            "Unsupported layout: page_first"
+        );
+        assert_eq!(
+            err(
+                PoolKind::Mla,
+                "page_first_direct",
+                &[8],
+                Some("kernel_ascend"),
+                "kernel_ascend"
+            ),
+            "Unsupported layout: page_first_direct"
+        );
+        assert_eq!(
+            err(PoolKind::Mla, "layer_first", &[8], None, "['kernel']"),
+            "Unsupported IO backend: ['kernel']"
+        );
+        assert_eq!(
+            err(
+                PoolKind::AsymmetricMha,
+                "page_first",
+                &[8, 4],
+                Some("direct"),
+                "direct"
+            ),
+            "Unsupported layout for models with head_dim != v_head_dim and io_backend='direct': \
+             page_first; expected 'page_first_direct'."
+        );
+        assert_eq!(
+            err(
+                PoolKind::V4Paged,
+                "page_first",
+                &[24],
+                Some("direct"),
+                "direct"
+            ),
+            "Unsupported V4 paged host layout/backend: page_first/direct"
+        );
+    }
+
+    /// Pointers straight from the contract's table (§4.5), written independently of the code.
+    #[test]
+    fn page_meta_matches_the_contract() {
+        let (l, s, p, h, d, e) = (5u64, 12u64, 4u64, 2u64, 8u64, 2u64);
+        let t = h * d * e;
+        let base = 1 << 20;
+        let vo = l * s * t;
+        let m = spec(PoolKind::Mha, "layer_first", &[8, 8]);
+        let starts = m.page_starts(&[4, 5, 6, 7, 0, 1, 2, 3]).unwrap();
+        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &starts);
+        let mut want = vec![];
+        for tok in [4u64, 0] {
+            for layer in 0..l {
+                let k = base + tok * t + layer * s * t;
+                want.extend([k, k + vo]);
+            }
+        }
+        assert_eq!(ptrs, want);
+        assert!(sizes.iter().all(|&z| z == p * t));
+        let m = spec(PoolKind::Mha, "page_head", &[8, 8]);
+        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &[8]);
+        assert_eq!(ptrs, vec![base + 8 * l * t, base + vo + 8 * l * t]);
+        assert_eq!(sizes, vec![l * p * t; 2]);
+        let (ptrs, sizes) = m.split_heads_meta(&[base, base + vo], &[8], 2).unwrap();
+        let k0 = base + 8 * l * h * d * e;
+        let k1 = k0 + p * l * d * e;
+        assert_eq!(ptrs, vec![k0, k0 + vo, k1, k1 + vo]);
+        assert_eq!(sizes, vec![l * p * h * d * e / 2; 4]);
+        let a = spec(PoolKind::AsymmetricMha, "page_first_direct", &[8, 4]);
+        let (ptrs, sizes) = a.page_meta(&[base, 7 << 20], &[4]);
+        assert_eq!(ptrs, vec![base + 4 * l * t, (7 << 20) + 4 * l * (t / 2)]);
+        assert_eq!(sizes, vec![l * p * t, l * p * t / 2]);
+    }
+
+    #[test]
+    fn page_starts_are_checked() {
+        let m = spec(PoolKind::Mha, "page_first_direct", &[8, 8]);
+        assert_eq!(
+            m.page_starts(&[1, 2, 3]).unwrap_err().to_string(),
+            "3 indices is not a multiple of the page size 4"
+        );
+        assert_eq!(
+            m.page_starts(&[2, 3, 4, 5]).unwrap_err().to_string(),
+            "slot 2 is not the first slot of a page (page size 4)"
+        );
+        assert_eq!(
+            m.page_starts(&[12, 13, 14, 15]).unwrap_err().to_string(),
+            "page starting at slot 12 does not fit in the host pool of 12 slots"
+        );
+        let v4 = spec(PoolKind::V4Paged, "layer_first", &[24]);
+        assert_eq!(v4.page_starts(&[8, 9, 10, 11]).unwrap(), vec![2]);
+        assert_eq!(
+            v4.page_starts(&[48, 49, 50, 51]).unwrap_err().to_string(),
+            "c4 page index 48 out of range [0, 48)"
+        );
+    }
+
+    #[test]
+    fn dcp_pages_are_the_rank_local_page() {
+        let m = PoolSpec::new(PoolKind::Mla, "page_first", 3, 8, 4, 1, &[8], 2, 2, 1, "").unwrap();
+        assert_eq!(m.logical_page_size(), 8);
+        assert_eq!(m.data_page_start(8).unwrap(), 4);
+        assert_eq!(
+            m.data_page_start(4).unwrap_err().to_string(),
+            "DCP L3 page start must be a nonnegative logical page boundary."
+        );
+        assert_eq!(
+            m.data_page_start(16).unwrap_err().to_string(),
+            "DCP L3 page is outside the host pool."
+        );
+        assert_eq!(
+            m.page_starts(&(8..16).collect::<Vec<_>>()).unwrap(),
+            vec![4]
+        );
+        assert_eq!(dcp_rank_slots(&[8, 9, 10, 11], 2, 1).unwrap(), vec![4, 5]);
+    }
+
+    #[test]
+    fn page_views_address_the_page() {
+        // MHA page_first: (2, P, L, H, D) with the V plane L*S*H*D elements after K.
+        let m = spec(PoolKind::Mha, "page_first", &[8, 8]);
+        let v = m.page_view(4).unwrap();
+        assert_eq!(v.shape, vec![2, 4, 5, 2, 8]);
+        assert_eq!(v.strides, vec![5 * 12 * 16, 5 * 16, 16, 8, 1]);
+        assert_eq!(v.offset, 4 * 5 * 16);
+        let v = spec(PoolKind::Mla, "page_first_direct", &[8])
+            .page_view(8)
+            .unwrap();
+        assert_eq!(v.shape, vec![1, 5, 4, 1, 8]);
+        assert_eq!(v.offset, 2 * 5 * 4 * 8);
+        assert!(spec(PoolKind::AsymmetricMha, "page_first", &[8, 4])
+            .page_view(0)
+            .is_err());
+    }
+
+    #[test]
+    fn c4_rows_match_sglangs_kernel() {
+        assert_eq!(c4::ROW_BYTES, 37440);
+        assert_eq!(c4::value_row(65), 65 + 1);
+        assert_eq!(c4::scale_row(0), 4608);
+        assert_eq!(c4::scale_row(64 + 3), 4680 + 4608 + 3);
+    }
+}
