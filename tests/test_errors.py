@@ -294,3 +294,110 @@ def test_device_layers_are_the_ones_captured_at_construction():
     host.load_to_device_per_layer(dp, h, d, 0, "kernel")
     assert torch.equal(captured[4:8], host.kv_buffer[0][h])
     assert bool((dp.kv_buffer[0] == 3.0).all())
+
+
+# ---- every refusal names the parameter and the value (hardening) ------------------------------
+
+
+def _dev():
+    return MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "host_size", "error", "text"),
+    [
+        (2.0, float("inf"), ValueError, "host_size must be a finite number of GB"),
+        (2.0, float("nan"), ValueError, "host_size must be a finite number of GB"),
+        (
+            2.0,
+            True,
+            TypeError,
+            "host_size must be a finite number of GB (0: use the ratio), got True",
+        ),
+        (
+            float("inf"),
+            0,
+            ValueError,
+            "host_to_device_ratio must be a finite non-negative number, got inf",
+        ),
+        (
+            float("nan"),
+            0,
+            ValueError,
+            "host_to_device_ratio must be a finite non-negative number, got nan",
+        ),
+        ("2", 0, TypeError, "host_to_device_ratio must be a finite non-negative number, got '2'"),
+        (True, 0, TypeError, "host_to_device_ratio must be a finite non-negative number, got True"),
+        (
+            -1.0,
+            0,
+            ValueError,
+            "host_to_device_ratio must be a finite non-negative number, got -1.0",
+        ),
+        (None, 0, TypeError, "needs host_to_device_ratio (got None)"),
+    ],
+)
+def test_sizing_arguments_are_refused_by_name(ratio, host_size, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        MHATokenToKVPoolHost(_dev(), ratio, host_size, 16, "page_first")
+
+
+def test_bad_index_tensors_are_refused_by_what_they_are():
+    dp = _dev()
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "page_first")
+    h, d = host.alloc(16), torch.arange(16, 32)
+    with Unchanged(host, dp):
+        with pytest.raises(
+            TypeError, match="must be dense \\(strided\\) tensors, got torch.sparse_coo"
+        ):
+            host.load_to_device_per_layer(dp, h.to_sparse(), d, 0, "kernel")
+        big = torch.full((16,), 2**64 - 1, dtype=torch.uint64)
+        with pytest.raises(
+            ValueError, match="index 18446744073709551615 at position 0 does not fit"
+        ):
+            host.load_to_device_per_layer(dp, big, d, 0, "kernel")
+    with pytest.raises(TypeError, match="device_pool"):
+        MHATokenToKVPoolHost(None, 2.0, 0, 16, "page_first")
+
+
+def test_core_arguments_name_the_parameter():
+    from hostkv_rs import _core
+
+    with pytest.raises(
+        ValueError, match=re.escape("nbytes must lie in [0, 2**63), got 18446744073709551616")
+    ):
+        _core.HostRegion(2**64)
+    with pytest.raises(TypeError, match="nbytes must be an integer, got True"):
+        _core.HostRegion(True)
+    with pytest.raises(ValueError, match="pretouch_threads must lie in \\[0, 4096\\].*got -1"):
+        _core.HostRegion(64, pretouch_threads=-1)
+    with pytest.raises(ValueError, match=re.escape("item_bytes must be positive")):
+        _core.PoolCore("layer_first", 1, 4, 1, [0], [1 << 20])
+
+
+def test_v4_device_buffers_must_be_tensors():
+    from hostkv_rs import DeepSeekV4PagedHostPool
+
+    with pytest.raises(
+        TypeError, match=re.escape("c4: device_buffers[0] must be a torch.Tensor, got int")
+    ):
+        DeepSeekV4PagedHostPool("c4", [1, 2], 16, 4, 4)
+
+
+def test_a_destroyed_pool_says_so():
+    host = MHATokenToKVPoolHost(_dev(), 2.0, 0, 16, "page_first")
+    host.destroy()
+    with pytest.raises(RuntimeError, match="has been destroyed: its KV buffers are gone"):
+        host.k_buffer  # noqa: B018
+
+
+def test_page_block_copies_refuse_pages_that_are_not_whole_runs():
+    host, dp = poisoned("mha", "page_first_direct")
+    h = torch.arange(4)
+    with (
+        Unchanged(host, dp),
+        pytest.raises(TransferError, match=re.escape("page 0: device index 6")),
+    ):
+        host.load_to_device_per_layer(dp, h, torch.tensor([7, 6, 5, 4]), 0, "direct")
+    with Unchanged(host, dp), pytest.raises(TransferError, match="does not start a page"):
+        host.backup_from_device_all_layer(dp, torch.arange(1, 5), torch.arange(4, 8), "direct")

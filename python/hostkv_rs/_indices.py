@@ -43,9 +43,23 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         indices = converted
     if indices.device.type == "meta":
         raise ValueError("index tensors on the meta device hold no values")
+    if indices.layout != torch.strided:
+        raise TypeError(f"index tensors must be dense (strided) tensors, got {indices.layout}")
     if indices.dtype not in _ACCEPTED:
         if _not_integer(indices.dtype):
             raise TypeError(f"index tensors must be integer tensors, got {indices.dtype}")
+        if indices.dtype == torch.uint64 and indices.numel():
+            # Past 2**63 - 1 the int64 the core reads would wrap to a negative index.
+            # Same bits as int64: a uint64 past 2**63 - 1 reads negative.
+            as_signed = indices.reshape(-1).contiguous().view(torch.int64)
+            too_big = as_signed < 0
+            if bool(too_big.any()):
+                position = int(too_big.nonzero()[0, 0])
+                value = int(as_signed[position]) + 2**64
+                raise ValueError(
+                    f"index {value} at position {position} does not fit in int64 (indices are "
+                    f"slots in [0, 2**63))"
+                )
         indices = indices.to(torch.int64)
     if device is not None and indices.device != device:
         indices = indices.to(device)

@@ -37,7 +37,8 @@ def device_source(device_pool, buffer_info):
     source = device_pool if device_pool is not None else buffer_info
     if source is None:
         raise TypeError(
-            "a host pool needs a device pool (SGLang <= 0.5.22) or a buffer info (SGLang 0.5.23)"
+            "device_pool must be a device pool (SGLang <= 0.5.22) or a buffer info (SGLang "
+            "0.5.23), got None"
         )
     return source
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import math
+import numbers
 import operator
 import threading
 import weakref
@@ -76,6 +78,16 @@ def as_int(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def finite_number(name: str, value, allowed: str) -> float:
+    """A real number argument: TypeError for anything else (a bool included), ValueError for NaN
+    or an infinity; both name the parameter, the value and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value) -> int:
@@ -359,7 +371,7 @@ class DeviceLayerCache:
 def _required(form: str, **values) -> None:
     missing = [name for name, value in values.items() if value is None]
     if missing:
-        raise TypeError(f"{form} needs the keyword argument(s): {', '.join(missing)}")
+        raise TypeError(f"{form} needs {', '.join(missing)} (got None)")
 
 
 def on_destroy(pool, callback) -> None:
@@ -621,15 +633,21 @@ class HostKVCache(SlotFreeList, abc.ABC):
                     f"{capacity} for page_size={self.page_size}"
                 )
             return capacity, capacity // self.page_size
+        host_size = finite_number(
+            "host_size", host_size, "a finite number of GB (0: use the ratio)"
+        )
         if host_size > 0:
             size = int(host_size * 1e9 // self.size_per_token)
             size = sync_fixed_hicache_size(size, host_size)
         else:
-            if host_to_device_ratio < 0:
+            ratio = finite_number(
+                "host_to_device_ratio", host_to_device_ratio, "a finite non-negative number"
+            )
+            if ratio < 0:
                 raise ValueError(
-                    f"host_to_device_ratio must not be negative, got {host_to_device_ratio}"
+                    f"host_to_device_ratio must be a finite non-negative number, got {ratio!r}"
                 )
-            size = int(self.device_capacity_tokens * host_to_device_ratio)
+            size = int(self.device_capacity_tokens * ratio)
         page_num = size // self.page_size + 1
         return page_num * self.page_size, page_num
 
@@ -971,6 +989,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
         for region in getattr(self, "_host_regions", ()):
             region.unregister_cuda()
         self.kv_buffer = None
+
+    def _live_buffer(self):
+        """`kv_buffer`, or a clear error once `destroy()` has released it."""
+        buffer = getattr(self, "kv_buffer", None)
+        if buffer is None:
+            state = "has been destroyed" if getattr(self, "_destroyed", False) else "holds no bytes"
+            raise RuntimeError(f"{type(self).__name__} {state}: its KV buffers are gone")
+        return buffer
 
     def _require_bytes(self):
         if getattr(self, "kv_buffer", None) is None:

@@ -349,11 +349,11 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     @property
     def k_buffer(self):
-        return self.kv_buffer[0]
+        return self._live_buffer()[0]
 
     @property
     def v_buffer(self):
-        return self.kv_buffer[1]
+        return self._live_buffer()[1]
 
     def get_hybrid_pool_buffer(self):
         return [self.k_buffer, self.v_buffer]

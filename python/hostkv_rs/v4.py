@@ -106,6 +106,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         page_aligned_only: bool = False,
     ):
         self.pool_name = pool_name
+        device_buffers = list(device_buffers)
+        for i, buf in enumerate(device_buffers):
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(
+                    f"{pool_name}: device_buffers[{i}] must be a torch.Tensor, got "
+                    f"{type(buf).__name__}"
+                )
         # SGLang 0.5.20+: pools whose rows are not the C4 page refuse token-granular transfers.
         self.page_aligned_only = bool(page_aligned_only)
         device_buffers = list(device_buffers)

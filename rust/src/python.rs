@@ -105,6 +105,30 @@ fn transfer_err(py: Python<'_>, msg: String) -> PyErr {
     to_py(py, Error::InvalidTransfer(msg))
 }
 
+/// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
+/// naming the parameter, the value and the range otherwise (never a bare OverflowError).
+fn int_in(value: &Bound<'_, PyAny>, name: &str, lo: u128, hi: u128, range: &str) -> PyResult<u128> {
+    let is_bool = value.is_instance_of::<pyo3::types::PyBool>();
+    let as_int = if is_bool {
+        None
+    } else {
+        value.call_method0("__index__").ok()
+    };
+    let Some(int) = as_int else {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{name} must be an integer, got {}",
+            value.repr()?
+        )));
+    };
+    match int.extract::<i128>() {
+        Ok(v) if v >= lo as i128 && (v as u128) <= hi => Ok(v as u128),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must lie in {range}, got {}",
+            int.repr()?
+        ))),
+    }
+}
+
 #[pyclass(frozen, module = "hostkv_rs._core", name = "HostRegion")]
 pub struct PyHostRegion {
     inner: host_mem::HostRegion,
@@ -113,25 +137,29 @@ pub struct PyHostRegion {
 #[pymethods]
 impl PyHostRegion {
     #[new]
-    #[pyo3(signature = (nbytes, *, hugepage = "", hugepage_mode = "prefer", numa_node = None, pretouch_threads = 0))]
+    #[pyo3(signature = (nbytes, *, hugepage = "", hugepage_mode = "prefer", numa_node = None, pretouch_threads = None))]
     fn new(
         py: Python<'_>,
-        nbytes: i64,
+        nbytes: &Bound<'_, PyAny>,
         hugepage: &str,
         hugepage_mode: &str,
-        numa_node: Option<i64>,
-        pretouch_threads: usize,
+        numa_node: Option<&Bound<'_, PyAny>>,
+        pretouch_threads: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        if nbytes < 0 {
-            return Err(PyValueError::new_err(format!(
-                "nbytes must be non-negative, got {nbytes}"
-            )));
-        }
-        let numa_node = match numa_node {
-            Some(n) if !(0..=u32::MAX as i64).contains(&n) => {
-                return Err(PyValueError::new_err(format!("invalid NUMA node {n}")));
-            }
-            other => other.map(|n| n as u32),
+        let nbytes = int_in(nbytes, "nbytes", 0, i64::MAX as u128, "[0, 2**63)")? as usize;
+        let numa_node = numa_node
+            .map(|n| int_in(n, "numa_node", 0, u32::MAX as u128, "[0, 2**32)"))
+            .transpose()?
+            .map(|n| n as u32);
+        let pretouch_threads = match pretouch_threads {
+            None => 0,
+            Some(v) => int_in(
+                v,
+                "pretouch_threads",
+                0,
+                4096,
+                "[0, 4096] (0 picks one per 4 MiB, up to the CPU count)",
+            )? as usize,
         };
         let opts = RegionOptions {
             hugepage: HugePage::parse(hugepage).map_err(|e| to_py(py, e))?,
@@ -139,8 +167,6 @@ impl PyHostRegion {
             numa_node,
             pretouch_threads,
         };
-        let nbytes =
-            usize::try_from(nbytes).map_err(|_| PyValueError::new_err("nbytes too large"))?;
         // Pre-faulting a large region takes seconds; let other Python threads run.
         let region = py
             .detach(|| host_mem::HostRegion::new(nbytes, opts))
@@ -411,6 +437,11 @@ impl PyPoolCore {
                 "a host pool has 1 or 2 planes: got {} item sizes and {} plane addresses",
                 item_bytes.len(),
                 plane_addrs.len()
+            )));
+        }
+        if item_bytes.contains(&0) {
+            return Err(PyValueError::new_err(format!(
+                "item_bytes must be positive (bytes of one row of one layer), got {item_bytes:?}"
             )));
         }
         let mut planes = Vec::with_capacity(item_bytes.len());
