@@ -401,3 +401,50 @@ def test_page_block_copies_refuse_pages_that_are_not_whole_runs():
         host.load_to_device_per_layer(dp, h, torch.tensor([7, 6, 5, 4]), 0, "direct")
     with Unchanged(host, dp), pytest.raises(TransferError, match="does not start a page"):
         host.backup_from_device_all_layer(dp, torch.arange(1, 5), torch.arange(4, 8), "direct")
+
+
+# ---- a tensor's storage must hold what its shape claims (hardening) ---------------------------
+
+
+def _shrink(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.untyped_storage().resize_(64)
+    return tensor
+
+
+@pytest.mark.parametrize("op", ["load", "backup"])
+def test_a_device_layer_with_a_shrunk_storage_is_refused(op):
+    host, dp = poisoned("mla", "layer_first")
+    idx = torch.arange(4)
+    host_before = snapshot_host(host)
+    _shrink(dp.kv_buffer[0])
+    with pytest.raises(ValueError, match="storage holds 64 bytes, fewer than its shape"):
+        if op == "load":
+            host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
+        else:
+            host.backup_from_device_all_layer(dp, idx, idx + 4, "kernel")
+    assert_host_equal(host, host_before, "host after a refused transfer")
+
+
+def test_an_index_tensor_with_a_shrunk_storage_is_refused():
+    host, dp = poisoned("mha", "page_first")
+    h = _shrink(torch.arange(4096)[:16])  # 64 bytes hold 8 of its 16 int64 values
+    with Unchanged(host, dp), pytest.raises(ValueError, match="index tensor: the tensor's storage"):
+        host.load_to_device_per_layer(dp, h, torch.arange(8, 24), 0, "kernel")
+
+
+def test_a_flat_page_with_a_shrunk_storage_is_refused():
+    host, _ = poisoned("mla", "page_first")
+    page = _shrink(torch.zeros(host.get_dummy_flat_data_page().numel(), dtype=host.dtype))
+    before = snapshot_host(host)
+    with pytest.raises(ValueError, match="flat data page: the tensor's storage holds 64 bytes"):
+        host.set_from_flat_data_page(0, page)
+    assert_host_equal(host, before, "host after a refused page write")
+
+
+def test_a_v4_device_buffer_with_a_shrunk_storage_is_refused():
+    from hostkv_rs import DeepSeekV4PagedHostPool
+
+    dev = [torch.zeros(8, 128, dtype=torch.uint8) for _ in range(2)]
+    _shrink(dev[1])
+    with pytest.raises(ValueError, match="c4: device buffer 1: the tensor's storage holds 64"):
+        DeepSeekV4PagedHostPool("c4", dev, 128, 4, 2)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from hostkv_rs import _core
+from hostkv_rs._indices import check_storage
 
 
 class LayerIndexError(_core.TransferError, IndexError):
@@ -68,6 +69,7 @@ def check_device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], w
                 raise ValueError(f"{where}: expected a tensor with a token dimension")
             if not tensor.is_contiguous():
                 raise ValueError(f"{where}: device layer tensors must be contiguous")
+            check_storage(tensor, where)
             row_bytes = tensor.element_size()
             for extent in tensor.shape[1:]:
                 row_bytes *= extent

@@ -11,6 +11,26 @@ def _not_integer(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
 
 
+def storage_holds(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s storage really holds the elements its shape claims (a storage shrunk
+    with `untyped_storage().resize_()` does not, and reading or writing through the tensor's
+    address would then leave the allocation)."""
+    if tensor.numel() == 0:
+        return True
+    last = tensor.storage_offset()
+    for extent, stride in zip(tensor.shape, tensor.stride()):
+        last += (extent - 1) * stride
+    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+
+
+def check_storage(tensor: torch.Tensor, what: str) -> None:
+    if not storage_holds(tensor):
+        raise ValueError(
+            f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "
+            f"fewer than its shape {tuple(tensor.shape)} (offset {tensor.storage_offset()}) needs"
+        )
+
+
 def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     """Return a contiguous 1-D int32/int64 tensor holding `indices`, on `device` when given.
 
@@ -27,6 +47,7 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         and not indices.is_meta
         and (device is None or (indices.is_cpu and device.type == "cpu"))
     ):
+        check_storage(indices, "index tensor")
         return indices  # already what the core reads: the per-call fast path
     if indices is None:
         raise TypeError("index tensors must be integer tensors, got None")
@@ -43,6 +64,8 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         indices = converted
     if indices.device.type == "meta":
         raise ValueError("index tensors on the meta device hold no values")
+    if indices.layout == torch.strided:
+        check_storage(indices, "index tensor")
     if indices.layout != torch.strided:
         raise TypeError(f"index tensors must be dense (strided) tensors, got {indices.layout}")
     if indices.dtype not in _ACCEPTED:

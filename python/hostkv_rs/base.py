@@ -30,7 +30,7 @@ from hostkv_rs._device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs._indices import as_index_array, index_arg
+from hostkv_rs._indices import as_index_array, check_storage, index_arg
 
 logger = logging.getLogger(__name__)
 
@@ -845,6 +845,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
         if data_page.device.type == "meta":
             raise ValueError("a flat data page on the meta device holds no values")
+        check_storage(data_page, "flat data page")
         return data_page.reshape(shape)
 
     # ----------------------------------------------------------------- transfer glue

@@ -18,7 +18,7 @@ import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
-from hostkv_rs._indices import as_index_array
+from hostkv_rs._indices import as_index_array, check_storage
 from hostkv_rs.base import (
     DeviceLayers,
     HostKVCache,
@@ -251,6 +251,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"{self.pool_name}: {what} {i} is on {buf.device}, expected {self.gpu_device}"
                 )
             nbytes = buf.numel() * buf.element_size()
+            check_storage(buf, f"{self.pool_name}: {what} {i}")
             if not buf.is_contiguous() or nbytes % row_bytes != 0:
                 raise ValueError(
                     f"{self.pool_name}: {what} {i} must be contiguous rows of "
@@ -619,6 +620,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
                 f"got {type(data_page).__name__}"
             )
+        check_storage(data_page, f"{self.pool_name} set_from_flat_data_page")
         expected = self.layer_num * self.item_bytes
         got = data_page.numel() * data_page.element_size()
         if got != expected:
