@@ -265,13 +265,47 @@ def test_device_pool_geometry_mismatch():
     other_heads = MHATokenToKVPool(16, 4, torch.bfloat16, 1, 8, LAYERS)
     fewer_layers = MHATokenToKVPool(16, 4, torch.bfloat16, 2, 8, LAYERS - 1)
     idx = torch.arange(4)
-    for dp in (other_dtype, other_heads):
-        with Unchanged(host, dp), pytest.raises(ValueError, match="item size"):
+    for dp, text in (
+        (
+            other_dtype,
+            (
+                "device pool store_dtype=torch.float32 differs from the host pool's "
+                "dtype=torch.bfloat16"
+            ),
+        ),
+        (other_heads, "head split (1, 8) (heads, head_dim) differs from the host pool's (2, 8)"),
+    ):
+        with Unchanged(host, dp), pytest.raises(ValueError, match=re.escape(text)):
             host.backup_from_device_all_layer(dp, idx, idx + 4, "kernel")
-        with Unchanged(host, dp), pytest.raises(ValueError, match="item size"):
+        with Unchanged(host, dp), pytest.raises(ValueError, match=re.escape(text)):
             host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
     with Unchanged(host, fewer_layers), pytest.raises(TransferError, match="layers"):
         host.backup_from_device_all_layer(fewer_layers, idx, idx + 4, "kernel")
+
+
+@pytest.mark.parametrize("what", ["dtype", "head split"])
+def test_same_bytes_is_not_the_same_data(what):
+    # A device pool whose rows have the host's byte size but hold other data: fp16 instead of
+    # bf16, or 4 heads of 8 instead of 2 heads of 16.
+    dp = MHATokenToKVPool(16, 4, torch.bfloat16, 2, 16, LAYERS)
+    host = MHATokenToKVPoolHost(dp, 2.0, 0, 4, "page_first")
+    if what == "dtype":
+        other = MHATokenToKVPool(16, 4, torch.float16, 2, 16, LAYERS)
+        text = "store_dtype=torch.float16 differs from the host pool's dtype=torch.bfloat16"
+    else:
+        other = MHATokenToKVPool(16, 4, torch.bfloat16, 4, 8, LAYERS)
+        text = "head_dim=8 differs from the host pool's head_dim=16"
+    idx = torch.arange(4)
+    with Unchanged(host, other), pytest.raises(ValueError, match=re.escape(text)):
+        host.load_to_device_per_layer(other, idx, idx + 4, 0, "kernel")
+    with Unchanged(host, other), pytest.raises(ValueError, match=re.escape(text)):
+        host.backup_from_device_all_layer(other, idx, idx + 4, "kernel")
+    # Tensors alone (no pool attributes to compare): the dtype and the head split of the rows.
+    bare = type("Bare", (), {})()
+    bare.k_buffer, bare.v_buffer = other.k_buffer, other.v_buffer
+    tensor_text = "dtype torch.float16 differs" if what == "dtype" else "head split (4, 8)"
+    with Unchanged(host, other), pytest.raises(ValueError, match=re.escape(tensor_text)):
+        host.load_to_device_per_layer(bare, idx, idx + 4, 0, "kernel")
 
 
 def test_non_contiguous_device_layer_is_refused():

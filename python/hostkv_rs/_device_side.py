@@ -37,12 +37,17 @@ class DeviceLayers(NamedTuple):
     device: torch.device
 
 
-def check_device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
+def check_device_layers(
+    planes: Sequence[Sequence], item_bytes: Sequence[int], what: str, like: Sequence = ()
+):
     """Check per-plane lists of device layer tensors; returns `(ptrs, rows, device)`.
 
     Every tensor must be a dense layer-first array whose rows are exactly the host item size of
-    its plane; all must sit on one CPU or CUDA device. `rows` is the smallest dim 0, so the
-    core's bounds check covers every layer. Pointers are plane-major.
+    its plane; all must sit on one CPU or CUDA device. `like`, per plane, is the host's
+    `(dtype, (heads, head_dim))`: a tensor of another dtype, or a (rows, heads, dim) tensor with
+    another head split, is refused even when its rows have the same byte size (same bytes are
+    not the same data). `rows` is the smallest dim 0, so the core's bounds check covers every
+    layer. Pointers are plane-major.
     """
     ptrs: list[int] = []
     rows: int | None = None
@@ -73,6 +78,17 @@ def check_device_layers(planes: Sequence[Sequence], item_bytes: Sequence[int], w
             row_bytes = tensor.element_size()
             for extent in tensor.shape[1:]:
                 row_bytes *= extent
+            if plane < len(like):
+                dtype, split = like[plane]
+                if tensor.dtype != dtype:
+                    raise ValueError(
+                        f"{where}: dtype {tensor.dtype} differs from the host pool's {dtype}"
+                    )
+                if split is not None and tensor.dim() == 3 and tuple(tensor.shape[1:]) != split:
+                    raise ValueError(
+                        f"{where}: head split {tuple(tensor.shape[1:])} (heads, head_dim) "
+                        f"differs from the host pool's {split}"
+                    )
             if row_bytes != want:
                 raise ValueError(
                     f"{where}: device rows are {row_bytes} bytes but the host pool's item size is "
@@ -98,8 +114,10 @@ class DeviceSide:
         device_layer_num: int,
         target_layer_num: int,
         what: str = "device pool",
+        like: Sequence = (),
     ):
         self.planes = tuple(tuple(plane) for plane in planes)
+        self.like = tuple(like)
         self.item_bytes = tuple(item_bytes)
         owned = tuple(owned_slots)
         count = len(self.planes[0]) if self.planes else 0
@@ -131,7 +149,7 @@ class DeviceSide:
         count = len(self.planes[0]) if self.planes else 0
         if count:
             self.ptrs, self.rows, self.device = check_device_layers(
-                self.planes, self.item_bytes, self._what
+                self.planes, self.item_bytes, self._what, self.like
             )
         else:
             self.ptrs, self.rows, self.device = [], 0, torch.device("cpu")

@@ -345,9 +345,9 @@ class DeviceLayerCache:
     def __init__(self):
         self._entries: dict = {}
 
-    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str):
+    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str, like=()):
         tensors = [t for plane in planes for t in plane]
-        key = (tuple(map(id, tensors)), tuple(item_bytes))
+        key = (tuple(map(id, tensors)), tuple(item_bytes), tuple(like))
         entry = self._entries.get(key)
         if entry is not None:
             refs, shapes, checked = entry
@@ -357,7 +357,7 @@ class DeviceLayerCache:
                 for ref, t, ptr, shape in zip(refs, tensors, ptrs, shapes)
             ):
                 return checked
-        checked = check_device_layers(planes, item_bytes, what)
+        checked = check_device_layers(planes, item_bytes, what, like)
         if len(self._entries) >= self._LIMIT:
             self._entries.clear()
         self._entries[key] = (
@@ -871,11 +871,32 @@ class HostKVCache(SlotFreeList, abc.ABC):
             return False
         return all(hasattr(device_pool, name) for name in self._device_plane_names)
 
+    def _device_rows_like(self) -> list:
+        """Per plane, the `(dtype, (heads, head_dim))` device rows must have (see
+        `check_device_layers`)."""
+        return []
+
+    # Device pool attributes a foreign pool must agree on: (ours, theirs) attribute names.
+    _device_pool_geometry: tuple = ()
+
+    def _check_device_pool(self, device_pool) -> None:
+        """A device pool handed to a transfer must describe the same data as this pool, not only
+        rows of the same byte size; each attribute it exposes is compared and named."""
+        for ours, theirs in self._device_pool_geometry:
+            value = getattr(device_pool, theirs, None)
+            if value is not None and value != getattr(self, ours):
+                raise ValueError(
+                    f"device pool {theirs}={value} differs from the host pool's "
+                    f"{ours}={getattr(self, ours)}"
+                )
+
     def _foreign_layers(self, planes) -> DeviceLayers:
         cache = self.__dict__.get("_device_layer_cache")
         if cache is None:
             cache = self._device_layer_cache = DeviceLayerCache()
-        ptrs, rows, device = cache.lookup(planes, self._plane_item_bytes(), "device pool")
+        ptrs, rows, device = cache.lookup(
+            planes, self._plane_item_bytes(), "device pool", self._device_rows_like()
+        )
         return DeviceLayers(ptrs, rows, device)
 
     def _load_target(self, device_pool, layer_id, is_draft):
@@ -886,6 +907,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if found is None or not self._foreign(device_pool):
             return found
         host_layer, _ = found
+        self._check_device_pool(device_pool)
         # SGLang <= 0.5.21: the given pool's layer (layer 0 of a draft pool).
         device_layer = 0 if is_draft else layer_key(layer_id)
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
@@ -913,6 +935,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if not self._foreign(device_pool) or self.mtp_draft_device_pools:
             # With packed drafts SGLang reads its packed tables and ignores the given pool.
             return side.backup()
+        self._check_device_pool(device_pool)
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
         calls = []
         for slot, (host_layer, _) in sorted(side.targets.items(), key=lambda kv: kv[1]):

@@ -124,6 +124,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             side["owned"],
             side["device_layer_num"],
             self.target_layer_num,
+            like=self._device_rows_like(),
         )
         self._transfer_device = self._device_side.device
         self.device_k_buffers, self.device_v_buffers = side["all_layers"]
@@ -314,6 +315,18 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def _plane_item_bytes(self) -> list[int]:
         return [self.token_stride_size, self.token_stride_size]
+
+    _device_pool_geometry = (
+        ("dtype", "store_dtype"),
+        ("head_dim", "head_dim"),
+        ("v_head_dim", "v_head_dim"),
+    )
+
+    def _device_rows_like(self) -> list:
+        return [
+            (self.dtype, (self.head_num, self.head_dim)),
+            (self.dtype, (self.head_num, self.v_head_dim)),
+        ]
 
     def _plane_addrs(self) -> list[int]:
         base = self.kv_buffer.data_ptr()

@@ -132,6 +132,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             side["owned"],
             side["device_layer_num"],
             self.target_layer_num,
+            like=self._device_rows_like(),
         )
         self._transfer_device = self._device_side.device
         self.device_kv_buffers = side["all_layers"]
@@ -336,6 +337,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     def _plane_item_bytes(self) -> list[int]:
         return [self.token_stride_size]
+
+    _device_pool_geometry = (("dtype", "store_dtype"), ("kv_cache_dim", "kv_cache_dim"))
+
+    def _device_rows_like(self) -> list:
+        return [(self.dtype, (1, self.kv_cache_dim))]
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
