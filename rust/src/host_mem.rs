@@ -139,9 +139,13 @@ pub struct HostRegion {
     registered: Mutex<Vec<(u64, usize)>>,
 }
 
-// SAFETY: the region is plain memory owned by this value; Rust never hands out references into
-// it, and the registration list is behind a mutex. Readers and writers synchronise in Python.
+// SAFETY: the only non-Send field is the raw pointer to the mapping this value owns (unmapped
+// once, by `Drop`); no Rust reference into it is ever handed out, so moving the owner to another
+// thread moves nothing that is tied to this one.
 unsafe impl Send for HostRegion {}
+// SAFETY: shared access reads plain fields and the registration list behind its mutex; the
+// mapped bytes are reached only through raw pointers (the engines, Python's buffer), whose users
+// synchronise among themselves.
 unsafe impl Sync for HostRegion {}
 
 fn errno_text() -> String {
@@ -172,9 +176,12 @@ fn map(len: usize, extra: libc::c_int) -> std::result::Result<*mut u8, String> {
     }
 }
 
-fn unmap(ptr: *mut u8, len: usize) {
+/// # Safety
+/// `[ptr, ptr+len)` is (part of) a mapping this module created, that nothing uses any more and
+/// nobody else unmaps.
+unsafe fn unmap(ptr: *mut u8, len: usize) {
     if len > 0 {
-        // SAFETY: `ptr..ptr+len` is a mapping this module created and nobody else unmaps.
+        // SAFETY: the caller's promise: our own mapping, unused from now on.
         unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
     }
 }
@@ -237,8 +244,12 @@ fn map_private(len: usize, thp: bool) -> std::result::Result<(*mut u8, bool), St
         // `over` is mapped, so rounding inside it cannot overflow.
         let start = (raw as usize).div_ceil(MB2) * MB2;
         let head = start - raw as usize;
-        unmap(raw, head);
-        unmap((start + len) as *mut u8, over - head - len);
+        // SAFETY: the slack before and after the aligned `len` bytes, inside the `over` bytes
+        // just mapped and not handed out.
+        unsafe {
+            unmap(raw, head);
+            unmap((start + len) as *mut u8, over - head - len);
+        }
         start as *mut u8
     } else {
         raw
@@ -321,7 +332,11 @@ fn auto_threads(len: usize) -> usize {
 /// `threads - 1` helpers. Uses `MADV_POPULATE_WRITE` where the kernel has it
 /// (it reports ENOMEM instead of raising SIGBUS), else one zero write per page; never both on the
 /// same range.
-fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()> {
+///
+/// # Safety
+/// `[ptr, ptr+len)` is a writable mapping of this module's whose content is still all zeros
+/// (the fallback writes zeros into it, from several threads) and that nothing else uses yet.
+unsafe fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
@@ -355,7 +370,9 @@ fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Result<()>
             // already zero, so this changes no content).
             let mut off = 0;
             while off < n {
-                // SAFETY: `start+off` lies inside our writable mapping.
+                // SAFETY: `start+off` lies inside the caller's writable, unused, zero mapping
+                // (`off < n`, chunk inside `[ptr, ptr+len)`); each chunk is one thread's, and
+                // writing the zero it already holds changes nothing.
                 unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
                 off += BASE_PAGE.min(page);
             }
@@ -432,7 +449,9 @@ impl HostRegion {
         } else {
             opts.pretouch_threads
         };
-        pretouch(ptr, map_len, tier.page_bytes(), threads)?;
+        // SAFETY: the fresh mapping of `map_len` bytes made above: writable, all zeros, owned by
+        // `region` and not handed out yet.
+        unsafe { pretouch(ptr, map_len, tier.page_bytes(), threads)? };
         Ok(region)
     }
 
@@ -543,7 +562,13 @@ impl HostRegion {
             set_dontfork(self.ptr, self.map_len, true)
                 .map_err(|e| Error::HostMemory(format!("madvise(MADV_DONTFORK): {e}")))?;
         }
-        match crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit) {
+        // SAFETY: `[addr, addr+nbytes)` is this region's own mapping, registered once (the lock
+        // is held and `ranges` was empty). It stays mapped until `unregister_cuda` succeeds: the
+        // drop unmaps only after a successful unregistration and leaks the mapping otherwise.
+        let registered = unsafe {
+            crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit)
+        };
+        match registered {
             Ok(registered) => *ranges = registered,
             Err(e) => {
                 if self.private {
@@ -595,7 +620,9 @@ impl Drop for HostRegion {
             // unmapping an absent range could hit something the child mapped there since.
             return;
         }
-        unmap(self.ptr, self.map_len);
+        // SAFETY: this region's own mapping (`map_len` bytes, none for an empty region), now
+        // unpinned; the region is being dropped, so nothing uses it any more.
+        unsafe { unmap(self.ptr, self.map_len) };
     }
 }
 
@@ -622,6 +649,7 @@ mod tests {
     fn resident_kb(addr: u64, len: usize) -> u64 {
         let pages = len.div_ceil(4096);
         let mut vec = vec![0u8; pages];
+        // SAFETY: mincore only looks the range up and writes one byte per page into `vec`.
         let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, vec.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
         vec.iter().filter(|&&v| v & 1 != 0).count() as u64 * 4
@@ -648,6 +676,7 @@ mod tests {
         assert!(a <= r.addr() && r.addr() + r.mapped_len() as u64 <= b);
         // Pre-touched: every page resident before anyone wrote to it.
         assert_eq!(resident_kb(r.addr(), r.mapped_len()), 16);
+        // SAFETY: the region's `n` mapped bytes, alive while `r` is and written by nobody.
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
         assert!(bytes.iter().all(|&b| b == 0));
     }
@@ -664,6 +693,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(resident_kb(r.addr(), n), (n / 1024) as u64);
+        // SAFETY: the region's `n` mapped bytes, alive while `r` is and written by nobody.
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
         assert!(bytes.iter().all(|&b| b == 0));
     }
@@ -676,12 +706,15 @@ mod tests {
         for (start, len) in [(p as usize, 4 * 4096), (p as usize + 4 * 4096, 5 * 4096)] {
             let mut off = 0;
             while off < len {
+                // SAFETY: inside the fresh `n`-byte mapping `p` (zeros; writing one changes
+                // nothing).
                 unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
                 off += BASE_PAGE;
             }
         }
         assert_eq!(resident_kb(p as u64, n), 36);
-        unmap(p, n);
+        // SAFETY: the test's own mapping, no longer used.
+        unsafe { unmap(p, n) };
     }
 
     #[test]
@@ -739,6 +772,7 @@ mod tests {
             }
             Tier::Huge1G => panic!("asked for 2MB"),
         }
+        // SAFETY: the region's `n` mapped bytes, alive while `r` is and written by nobody.
         let bytes = unsafe { std::slice::from_raw_parts(r.as_ptr(), n) };
         assert!(bytes.iter().all(|&b| b == 0));
     }
@@ -772,7 +806,8 @@ mod tests {
         if anon_thp_possible() {
             assert!(advised);
         }
-        unmap(p, len);
+        // SAFETY: the test's own mapping, no longer used.
+        unsafe { unmap(p, len) };
     }
 
     /// True iff `VmFlags` of the mapping at `addr` has `flag` (two letters, see proc(5)).
@@ -819,9 +854,11 @@ mod tests {
         assert!(pid >= 0);
         if pid == 0 {
             let ok = child();
+            // SAFETY: ends the child at once (no destructors, no atexit handlers).
             unsafe { libc::_exit(if ok { 0 } else { 1 }) };
         }
         let mut status = 0;
+        // SAFETY: waits for our own child with a valid status pointer.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
     }
@@ -829,32 +866,41 @@ mod tests {
     #[test]
     fn forked_child_gets_a_private_copy_of_an_unpinned_region() {
         let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
+        // SAFETY: the first byte of the live region, used by nobody else.
         unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
         assert!(in_forked_child(|| {
+            // SAFETY: as above, in the child's copy-on-write copy of the region.
             let seen = unsafe { std::ptr::read_volatile(r.as_ptr()) };
+            // SAFETY: as above.
             unsafe { std::ptr::write_volatile(r.as_ptr(), 9) };
             // The child's drop must not unmap or unregister anything of the parent's. A bitwise copy:
             // the child exits with _exit, so the original is never dropped there.
+            // SAFETY: the copy is the only one dropped in this process (see above).
             drop(unsafe { std::ptr::read(&r) });
             seen == 7
         }));
+        // SAFETY: as above, in the parent.
         assert_eq!(unsafe { std::ptr::read_volatile(r.as_ptr()) }, 7);
     }
 
     #[test]
     fn forked_child_does_not_have_a_dontfork_range() {
         let r = HostRegion::new(3 << 20, RegionOptions::default()).unwrap();
+        // SAFETY: the first byte of the live region, used by nobody else.
         unsafe { std::ptr::write_volatile(r.as_ptr(), 7) };
         set_dontfork(r.as_ptr(), r.map_len, true).unwrap();
         assert!(in_forked_child(|| {
             let mut vec = [0u8; 1];
             // ENOMEM: the range is not mapped in the child.
             let absent =
+                // SAFETY: mincore only looks the range up and writes one byte into `vec`.
                 unsafe { libc::mincore(r.as_ptr() as *mut libc::c_void, 4096, vec.as_mut_ptr()) }
                     != 0;
-            drop(unsafe { std::ptr::read(&r) }); // see the test above
+            // SAFETY: see the test above.
+            drop(unsafe { std::ptr::read(&r) });
             absent
         }));
+        // SAFETY: as above, in the parent.
         assert_eq!(unsafe { std::ptr::read_volatile(r.as_ptr()) }, 7);
     }
 

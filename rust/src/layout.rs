@@ -139,6 +139,26 @@ impl PlaneLayout {
         Ok(self.offset_unchecked(row, layer, head))
     }
 
+    /// Bytes from one head's segment to the next head's segment of the same (row, layer):
+    /// `P * L * (I / H)` for `page_head`, where head `h` lives at `offset(row, layer, 0) + h *
+    /// head_stride()`; the segment is the whole item (`H = 1`) in every other layout.
+    #[inline(always)]
+    pub fn head_stride(&self) -> u64 {
+        self.page_size * self.layers * self.segment
+    }
+
+    /// Bytes from (row, layer, head) to (row, layer + 1, head): `S * I` for layer_first, `I` for
+    /// page_first, `P * I` for page_first_direct and `I / H` for page_head.
+    #[inline(always)]
+    pub fn layer_stride(&self) -> u64 {
+        match self.layout {
+            Layout::LayerFirst => self.rows * self.item,
+            Layout::PageFirst => self.item,
+            Layout::PageFirstDirect => self.page_size * self.item,
+            Layout::PageHead => self.segment,
+        }
+    }
+
     /// Byte offset of the first row of host page `page` in layer `layer` for `page_first_direct`:
     /// a block of `P * I` contiguous bytes.
     #[inline(always)]
@@ -239,6 +259,29 @@ mod tests {
             (2, 6, 3, 656, 8),
         ] {
             check_tiling(Layout::PageHead, l, s, p, i, h);
+        }
+    }
+
+    #[test]
+    fn head_and_layer_strides_step_between_segments() {
+        for layout in [
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+            Layout::PageHead,
+        ] {
+            let g = pl(layout, 7, 12, 4, 12, 3);
+            for (t, l) in [(0, 0), (5, 3), (11, 6)] {
+                for h in 0..g.heads {
+                    let at = g.offset(t, l, h).unwrap();
+                    assert_eq!(at, g.offset(t, l, 0).unwrap() + h * g.head_stride());
+                    assert_eq!(
+                        at,
+                        g.offset(t, 0, h).unwrap() + l * g.layer_stride(),
+                        "{layout:?}"
+                    );
+                }
+            }
         }
     }
 

@@ -1,14 +1,25 @@
-//! `TransferRequest` -> validated list of byte copies (the CPU engine's input).
+//! `TransferRequest` -> validated, compact [`Plan`]: the strategy, the geometry and a view of the
+//! caller's index arrays. A plan holds no per-copy records: its size does not grow with the
+//! transfer. The engines walk the indices again when they copy (the CPU engine in `cpu.rs`, the
+//! CUDA copy engine through [`Plan::for_each_copy`]) and compute every copy on the fly.
 //!
-//! Everything is checked before a plan is returned, so an engine that runs a plan can never write
-//! outside a pool, and a refused request has moved nothing. The same checks are available without
-//! building a plan ([`validate`]) for engines that do their own addressing (CUDA, emulation).
+//! Everything is checked before a plan is returned (one pass over each index array, plus one over
+//! the page starts for page-block copies), so an engine that runs a plan can never write outside
+//! a pool, and a refused request has moved nothing. The walk re-checks each index it reads against
+//! the pool bounds, so an index array that changes under a running transfer (which
+//! [`TransferRequest::new`] forbids) stops the transfer with an error instead of leaving the
+//! pools. The same checks are available without building a plan ([`validate`]) for engines that
+//! do their own addressing (CUDA kernels, emulation).
+
+use std::marker::PhantomData;
+use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::layout::PlaneLayout;
-use crate::transfer::{Backend, IndexArray, IndexWidth, Layout, Op, TransferRequest};
+use crate::transfer::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
 
-/// Copy `len` bytes from address `src` to address `dst`.
+/// Copy `len` bytes from address `src` to address `dst`. Plain data: nothing dereferences a
+/// `CopyOp` except the engines, for copies a [`Plan`] produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopyOp {
     pub src: u64,
@@ -55,11 +66,9 @@ pub struct Checked {
 
 impl Checked {
     #[inline]
-    fn plane(&self, p: usize) -> &PlaneLayout {
+    fn plane(&self, p: usize) -> PlaneLayout {
         // `planes[..nplanes]` are all `Some` by construction.
-        self.planes[p]
-            .as_ref()
-            .expect("plane checked in check_structure")
+        self.planes[p].expect("plane checked in check_structure")
     }
 }
 
@@ -69,7 +78,8 @@ fn invalid(msg: String) -> Error {
 
 /// Checks that need no index values: geometry, pointer counts, layer id, lengths, page multiple.
 pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
-    let g = &req.geom;
+    let g = req.geom();
+    let device = req.device();
     let nplanes = g.item_bytes.len();
     if nplanes == 0 || nplanes > 2 || g.plane_base.len() != nplanes {
         return Err(Error::Geometry(format!(
@@ -99,8 +109,8 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         }
         *slot = Some(pl);
     }
-    let strategy = strategy(g.layout, req.backend)?;
-    let (first_layer, layer_count) = match req.op {
+    let strategy = strategy(g.layout, req.backend())?;
+    let (first_layer, layer_count) = match req.op() {
         Op::Backup => (0, g.layers as u64),
         Op::BackupLayer { host_layer } | Op::Load { host_layer } => {
             if host_layer >= g.layers {
@@ -113,14 +123,14 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         }
     };
     let want_ptrs = nplanes as u64 * layer_count;
-    if req.device.layer_ptrs.len() as u64 != want_ptrs {
+    if device.layer_ptrs.len() as u64 != want_ptrs {
         return Err(invalid(format!(
             "expected {want_ptrs} device layer pointers ({nplanes} plane(s) x {layer_count} \
              layer(s)), got {}",
-            req.device.layer_ptrs.len()
+            device.layer_ptrs.len()
         )));
     }
-    let (h, d) = (&req.host_idx, &req.dev_idx);
+    let (h, d) = (req.host_idx(), req.dev_idx());
     if h.len != d.len {
         return Err(invalid(
             "Source and destination indices must have the same length".into(),
@@ -136,13 +146,13 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     }
     if len > 0 {
         for (p, &item) in g.item_bytes.iter().enumerate() {
-            let span = (req.device.rows as u64).checked_mul(item as u64);
-            let ptrs = &req.device.layer_ptrs[p * layer_count as usize..][..layer_count as usize];
+            let span = (device.rows as u64).checked_mul(item as u64);
+            let ptrs = &device.layer_ptrs[p * layer_count as usize..][..layer_count as usize];
             for &ptr in ptrs {
                 if ptr == 0 || span.and_then(|s| ptr.checked_add(s)).is_none() {
                     return Err(invalid(format!(
                         "device layer pointer {ptr:#x} cannot address {} rows of {item} bytes",
-                        req.device.rows
+                        device.rows
                     )));
                 }
             }
@@ -170,104 +180,127 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     })
 }
 
-/// Reads and bounds-checks one index array: every value in `[0, bound)`.
-fn read_indices(which: &str, idx: &IndexArray, bound: u64) -> Result<Vec<u64>> {
-    if idx.on_device {
-        return Err(invalid(format!(
-            "{which} indices are in GPU memory; the CPU engine needs CPU index tensors"
-        )));
-    }
-    let mut out = Vec::with_capacity(idx.len);
-    // SAFETY: the caller guarantees `len` contiguous elements of `width` at `ptr` (checked
-    // non-null), alive for the call. Reads are unaligned-safe because nothing promised alignment.
-    unsafe {
-        match idx.width {
-            IndexWidth::I32 => {
-                let base = idx.ptr as *const i32;
-                for i in 0..idx.len {
-                    out.push(base.add(i).read_unaligned() as i64);
-                }
-            }
-            IndexWidth::I64 => {
-                let base = idx.ptr as *const i64;
-                for i in 0..idx.len {
-                    out.push(base.add(i).read_unaligned());
-                }
-            }
+/// A read-only view of `len` int32 or int64 indices in memory that stays readable and unchanged
+/// for `'a`. Reads are unaligned (nothing promised alignment) and bounds-checked against `len`.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexView<'a> {
+    addr: u64,
+    len: usize,
+    width: IndexWidth,
+    _bytes: PhantomData<&'a [u8]>,
+}
+
+impl<'a> IndexView<'a> {
+    /// The indices encoded in `bytes` (native endianness); a partial trailing element is ignored.
+    pub fn from_bytes(bytes: &'a [u8], width: IndexWidth) -> Self {
+        Self {
+            addr: bytes.as_ptr() as u64,
+            len: bytes.len() / width.bytes(),
+            width,
+            _bytes: PhantomData,
         }
     }
-    // Validate in a second pass so the hot read loop stays branch-light.
-    let mut bad = None;
-    for (i, &v) in out.iter().enumerate() {
+
+    /// The host-resident array `idx` describes.
+    ///
+    /// # Safety
+    /// `idx.len * idx.width.bytes()` bytes at `idx.ptr` are readable CPU memory that nobody
+    /// writes for `'a` (what [`TransferRequest::new`] requires of its host-resident arrays, for
+    /// as long as the request is borrowed).
+    unsafe fn from_array(idx: &IndexArray) -> Self {
+        Self {
+            addr: idx.ptr,
+            len: idx.len,
+            width: idx.width,
+            _bytes: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn width(&self) -> IndexWidth {
+        self.width
+    }
+
+    /// Element `i` (an int32 is sign-extended). Panics when `i >= len`.
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> i64 {
+        assert!(i < self.len, "index position {i} past {}", self.len);
+        match self.width {
+            // SAFETY: `i < len`, and the view's `len` elements are readable for `'a` (a borrowed
+            // slice in `from_bytes`, the caller's promise in `from_array`); unaligned reads need
+            // no alignment.
+            IndexWidth::I32 => unsafe { (self.addr as *const i32).add(i).read_unaligned() as i64 },
+            // SAFETY: as above, for 8-byte elements.
+            IndexWidth::I64 => unsafe { (self.addr as *const i64).add(i).read_unaligned() },
+        }
+    }
+
+    fn span(&self) -> (u64, u64) {
+        (
+            self.addr,
+            self.addr + (self.len * self.width.bytes()) as u64,
+        )
+    }
+}
+
+/// The first value of `view` outside `[0, bound)`, as the error the pools raise.
+fn check_range(which: &str, view: &IndexView<'_>, bound: u64) -> Result<()> {
+    for i in 0..view.len() {
+        let v = view.get(i);
         if v < 0 || v as u64 >= bound {
-            bad = Some((i, v));
-            break;
+            return Err(invalid(if v < 0 {
+                format!("{which} index {v} at position {i} is negative")
+            } else {
+                format!("{which} index {v} at position {i} is out of range [0, {bound})")
+            }));
         }
     }
-    if let Some((i, v)) = bad {
-        return Err(invalid(if v < 0 {
-            format!("{which} index {v} at position {i} is negative")
-        } else {
-            format!("{which} index {v} at position {i} is out of range [0, {bound})")
-        }));
-    }
-    // All values are non-negative: reinterpreting the vector as u64 keeps every value.
-    Ok(out.into_iter().map(|v| v as u64).collect())
-}
-
-/// The validated index values of a request (host slots, device rows).
-pub struct Indices {
-    pub host: Vec<u64>,
-    pub dev: Vec<u64>,
-}
-
-fn read_all(req: &TransferRequest, c: &Checked) -> Result<Indices> {
-    let host = read_indices("host", &req.host_idx, req.geom.rows as u64)?;
-    let dev = read_indices("device", &req.dev_idx, req.device.rows as u64)?;
-    if c.strategy == Strategy::PageBlocks {
-        let p = req.geom.page_size as u64;
-        for (k, &d) in dev.iter().step_by(p as usize).enumerate() {
-            if d + p > req.device.rows as u64 {
-                return Err(invalid(format!(
-                    "device page starting at index {d} (position {}) needs rows [{d}, {}) but the \
-                     device pool has {} rows",
-                    k as u64 * p,
-                    d + p,
-                    req.device.rows
-                )));
-            }
-        }
-        check_page_runs(&host, &dev, p)?;
-    }
-    Ok(Indices { host, dev })
+    Ok(())
 }
 
 /// A page-block copy moves whole pages: `P` host slots starting at a page boundary and `P`
 /// consecutive device rows, found from the first index of each page. Refuse any page whose
-/// indices say otherwise, or the copy would move rows that were not listed.
-fn check_page_runs(host: &[u64], dev: &[u64], p: u64) -> Result<()> {
-    for (k, (h, d)) in host
-        .chunks(p as usize)
-        .zip(dev.chunks(p as usize))
-        .enumerate()
-    {
-        let first = k as u64 * p;
-        if h[0] % p != 0 {
+/// indices say otherwise, or the copy would move rows that were not listed. Both views are
+/// already range-checked.
+fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u64) -> Result<()> {
+    let pu = p as u64;
+    let pages = host.len() / p;
+    for k in 0..pages {
+        let d = dev.get(k * p) as u64;
+        if d + pu > dev_rows {
             return Err(invalid(format!(
-                "page {k}: host index {} at position {first} does not start a page (page size \
-                 {p}); page-block copies move whole host pages",
-                h[0]
+                "device page starting at index {d} (position {}) needs rows [{d}, {}) but the \
+                 device pool has {dev_rows} rows",
+                k * p,
+                d + pu,
             )));
         }
-        for (side, run) in [("host", h), ("device", d)] {
-            if let Some(j) = (1..run.len()).find(|&j| run[j] != run[0] + j as u64) {
+    }
+    for k in 0..pages {
+        let first = k * p;
+        let h0 = host.get(first);
+        if h0 as u64 % pu != 0 {
+            return Err(invalid(format!(
+                "page {k}: host index {h0} at position {first} does not start a page (page size \
+                 {p}); page-block copies move whole host pages"
+            )));
+        }
+        for (side, view) in [("host", host), ("device", dev)] {
+            let v0 = view.get(first);
+            if let Some(j) = (1..p).find(|&j| view.get(first + j) != v0 + j as i64) {
                 return Err(invalid(format!(
-                    "page {k}: {side} index {} at position {} breaks the run {}..{} (page-block \
+                    "page {k}: {side} index {} at position {} breaks the run {v0}..{} (page-block \
                      copies move {p} consecutive rows per page)",
-                    run[j],
-                    first + j as u64,
-                    run[0],
-                    run[0] + p
+                    view.get(first + j),
+                    first + j,
+                    v0 + p as i64
                 )));
             }
         }
@@ -275,162 +308,538 @@ fn check_page_runs(host: &[u64], dev: &[u64], p: u64) -> Result<()> {
     Ok(())
 }
 
-/// Runs every check, reading host-resident indices; device-resident indices are left to the
-/// kernel (which checks them itself). Nothing is copied.
+fn gpu_indices_refused() -> Error {
+    invalid("indices are in GPU memory; the CPU engine needs CPU index tensors".into())
+}
+
+/// Runs every check, reading host-resident indices; `on_device` indices are left to the kernel
+/// (which checks them itself). Nothing is copied and nothing is kept.
 pub fn validate(req: &TransferRequest) -> Result<Checked> {
     let c = check_structure(req)?;
-    if c.len > 0 && !req.host_idx.on_device && !req.dev_idx.on_device {
-        read_all(req, &c)?;
-    } else if c.len > 0 {
-        // Mixed residency: check the side we can read.
-        if !req.host_idx.on_device {
-            read_indices("host", &req.host_idx, req.geom.rows as u64)?;
-        }
-        if !req.dev_idx.on_device {
-            read_indices("device", &req.dev_idx, req.device.rows as u64)?;
-        }
+    if c.len == 0 {
+        return Ok(c);
+    }
+    let hv = index_view(req, Side::Host).ok();
+    let dv = index_view(req, Side::Device).ok();
+    if let Some(hv) = &hv {
+        check_range("host", hv, req.geom().rows as u64)?;
+    }
+    if let Some(dv) = &dv {
+        check_range("device", dv, req.device().rows as u64)?;
+    }
+    if let (Some(hv), Some(dv), Strategy::PageBlocks) = (&hv, &dv, c.strategy) {
+        check_pages(hv, dv, req.geom().page_size, req.device().rows as u64)?;
     }
     Ok(c)
 }
 
-/// Appends ops, merging one into the previous when both sides continue it exactly (the bytes
-/// moved are the same; fewer, longer copies are faster).
-struct OpSink {
-    ops: Vec<CopyOp>,
+/// Which index array of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Host,
+    Device,
 }
 
-impl OpSink {
-    #[inline(always)]
-    fn push(&mut self, src: u64, dst: u64, len: u64) {
-        if let Some(last) = self.ops.last_mut() {
-            if last.src + last.len == src && last.dst + last.len == dst {
-                last.len += len;
-                return;
-            }
-        }
-        self.ops.push(CopyOp { src, dst, len });
+/// A view of `req`'s host-resident index array `side`, borrowing the request; refused for an
+/// `on_device` array (GPU memory, or read only by the kernels).
+pub fn index_view(req: &TransferRequest, side: Side) -> Result<IndexView<'_>> {
+    let idx = match side {
+        Side::Host => req.host_idx(),
+        Side::Device => req.dev_idx(),
+    };
+    if idx.on_device {
+        return Err(gpu_indices_refused());
     }
+    // SAFETY: a host-resident array of the request: `TransferRequest::new` makes its bytes
+    // readable CPU memory that stays unchanged while the request lives, and the view borrows the
+    // request.
+    Ok(unsafe { IndexView::from_array(idx) })
 }
 
-/// Validates `req` and returns the copies that carry it out on the CPU. Backup copies device ->
-/// host for every layer; load copies one host layer into one device layer.
-pub fn build(req: &TransferRequest) -> Result<Vec<CopyOp>> {
+/// Validates `req` (everything [`validate`] checks, host-resident indices required) and returns
+/// its plan. Backup copies device -> host for every layer; load copies one host layer into one
+/// device layer. The plan borrows the request: the caller's arrays are read again when it runs.
+pub fn build(req: &TransferRequest) -> Result<Plan<'_>> {
     let c = check_structure(req)?;
-    if req.host_idx.on_device || req.dev_idx.on_device {
-        return Err(invalid(
-            "indices are in GPU memory; the CPU engine needs CPU index tensors".into(),
-        ));
+    if req.host_idx().on_device || req.dev_idx().on_device {
+        return Err(gpu_indices_refused());
     }
-    if c.len == 0 {
-        return Ok(Vec::new());
-    }
-    let idx = read_all(req, &c)?;
-    let backup = req.op.to_host();
-    let ptrs = &req.device.layer_ptrs;
-    let lc = c.layer_count as usize;
+    let hv = index_view(req, Side::Host)?;
+    let dv = index_view(req, Side::Device)?;
+    finish(req, c, hv, dv)
+}
 
-    let sink = match c.strategy {
-        Strategy::PerItem => {
-            let heads = c.plane(0).heads;
-            let cap = (c.nplanes * lc)
-                .saturating_mul(c.len)
-                .saturating_mul(heads as usize);
-            let mut sink = OpSink {
-                ops: Vec::with_capacity(cap.min(1 << 20)),
-            };
-            for p in 0..c.nplanes {
-                let pl = *c.plane(p);
-                let base = req.geom.plane_base[p];
-                for k in 0..lc {
-                    let layer = c.first_layer + k as u64;
-                    let dev_base = ptrs[p * lc + k];
-                    for (&t, &d) in idx.host.iter().zip(&idx.dev) {
-                        for h in 0..heads {
-                            let host = base + pl.offset_unchecked(t, layer, h);
-                            let dev = dev_base + d * pl.item + h * pl.segment;
-                            if backup {
-                                sink.push(dev, host, pl.segment);
-                            } else {
-                                sink.push(host, dev, pl.segment);
+/// [`build`] with index values from elsewhere (the CUDA direct backend's host copies of
+/// GPU-resident arrays): `host` and `dev` stand for the request's arrays and must have their
+/// lengths.
+pub(crate) fn build_with<'a>(
+    req: &'a TransferRequest,
+    host: IndexView<'a>,
+    dev: IndexView<'a>,
+) -> Result<Plan<'a>> {
+    let c = check_structure(req)?;
+    if host.len() != c.len || dev.len() != c.len {
+        return Err(invalid(format!(
+            "index copies of {} and {} elements stand for arrays of {}",
+            host.len(),
+            dev.len(),
+            c.len
+        )));
+    }
+    finish(req, c, host, dev)
+}
+
+fn finish<'a>(
+    req: &'a TransferRequest,
+    c: Checked,
+    host: IndexView<'a>,
+    dev: IndexView<'a>,
+) -> Result<Plan<'a>> {
+    let g = req.geom();
+    let device = req.device();
+    let (host_rows, dev_rows) = (g.rows as u64, device.rows as u64);
+    if c.len > 0 {
+        check_range("host", &host, host_rows)?;
+        check_range("device", &dev, dev_rows)?;
+        if c.strategy == Strategy::PageBlocks {
+            check_pages(&host, &dev, g.page_size, dev_rows)?;
+        }
+    }
+    let planes = [c.plane(0), c.plane(c.nplanes - 1)];
+    let plane_base = [g.plane_base[0], g.plane_base[c.nplanes - 1]];
+    let layer_count = c.layer_count as usize;
+    let per_index: u64 = planes[..c.nplanes].iter().map(|pl| pl.item).sum();
+    // Saturating: repeated indices may name more bytes than the pools hold (never realistic;
+    // the count only sizes work).
+    let bytes = (c.len as u64)
+        .saturating_mul(c.layer_count)
+        .saturating_mul(per_index);
+    let mut plan = Plan {
+        strategy: c.strategy,
+        to_host: req.op().to_host(),
+        memory: device.memory,
+        nplanes: c.nplanes,
+        planes,
+        plane_base,
+        layer_ptrs: &device.layer_ptrs,
+        first_layer: c.first_layer,
+        layer_count,
+        len: c.len,
+        page: g.page_size,
+        host,
+        dev,
+        host_rows,
+        dev_rows,
+        bytes,
+        disjoint: true,
+    };
+    plan.disjoint = plan.spans_disjoint();
+    Ok(plan)
+}
+
+/// A validated transfer, ready to run: strategy, geometry, the device layer table and views of the
+/// index arrays, all borrowed from the request (and whatever backs the views). Its size is fixed
+/// (no allocation): copies are computed while walking the indices.
+///
+/// Work is split into *units*: one index position for [`Strategy::PerItem`] and
+/// [`Strategy::Runs`] (a run stops at the end of a unit range), one `(page, plane, layer)` block
+/// for [`Strategy::PageBlocks`]. Any partition of `0..units()` into ranges, each run once, moves
+/// exactly the transfer's bytes.
+#[derive(Debug)]
+pub struct Plan<'a> {
+    strategy: Strategy,
+    to_host: bool,
+    memory: DeviceMemory,
+    nplanes: usize,
+    /// `planes[..nplanes]` are the request's planes (the second repeats the first for one plane).
+    planes: [PlaneLayout; 2],
+    plane_base: [u64; 2],
+    layer_ptrs: &'a [u64],
+    first_layer: u64,
+    layer_count: usize,
+    len: usize,
+    page: usize,
+    host: IndexView<'a>,
+    dev: IndexView<'a>,
+    host_rows: u64,
+    dev_rows: u64,
+    bytes: u64,
+    disjoint: bool,
+}
+
+impl<'a> Plan<'a> {
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// Index positions (the length of each index array).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes the transfer moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// True when bytes move device -> host (the host planes are written).
+    pub fn to_host(&self) -> bool {
+        self.to_host
+    }
+
+    /// What the device layer pointers address (the CPU engine runs only host memory).
+    pub fn device_memory(&self) -> DeviceMemory {
+        self.memory
+    }
+
+    /// Work units (see the type's doc).
+    pub fn units(&self) -> usize {
+        match self.strategy {
+            Strategy::PerItem | Strategy::Runs => self.len,
+            Strategy::PageBlocks => self.len / self.page * self.nplanes * self.layer_count,
+        }
+    }
+
+    /// Bytes of the smallest copy the plan makes before merging neighbours: a head segment, an
+    /// item, or a page block. Engines use it to judge per-copy overhead.
+    pub fn min_piece(&self) -> u64 {
+        let pl = &self.planes[..self.nplanes];
+        let min = |f: fn(&PlaneLayout) -> u64| pl.iter().map(f).min().unwrap_or(0);
+        match self.strategy {
+            Strategy::PerItem => min(|p| p.segment),
+            Strategy::Runs => min(|p| p.item),
+            Strategy::PageBlocks => min(|p| p.item * p.page_size),
+        }
+    }
+
+    /// True when the walk writes the host side in address order, piece after piece: a per-item
+    /// backup of several layers where the layers of a row are adjacent (page_first, page_head;
+    /// see `walk_items`).
+    pub fn writes_host_in_order(&self) -> bool {
+        self.strategy == Strategy::PerItem
+            && self.to_host
+            && self.layer_count > 1
+            && self.layers_adjacent()
+    }
+
+    fn layers_adjacent(&self) -> bool {
+        matches!(self.planes[0].layout, Layout::PageFirst | Layout::PageHead)
+    }
+
+    /// True when no byte the transfer writes is also read or written by another part of it
+    /// (sources, other destinations, the index arrays): copies may then run in any order, on
+    /// any thread, with `memcpy`. False only for a request whose pools overlap.
+    pub fn disjoint(&self) -> bool {
+        self.disjoint
+    }
+
+    /// The host planes' byte ranges.
+    fn host_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.nplanes).map(|p| {
+            (
+                self.plane_base[p],
+                self.plane_base[p] + self.planes[p].nbytes,
+            )
+        })
+    }
+
+    /// The device layers' byte ranges (`rows * item` from each pointer).
+    fn dev_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.layer_ptrs.iter().enumerate().map(|(k, &ptr)| {
+            let item = self.planes[k / self.layer_count].item;
+            (ptr, ptr + self.dev_rows * item)
+        })
+    }
+
+    /// Whether the ranges the transfer writes (whole host planes for a backup, whole device
+    /// layers for a load) meet each other, the ranges it reads, or the index arrays. A few
+    /// ranges (at most 2 destinations, 2 x layers sources), never per index, and no allocation.
+    fn spans_disjoint(&self) -> bool {
+        if self.len == 0 {
+            return true;
+        }
+        let meets = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
+        let idx = [self.host.span(), self.dev.span()];
+        let (dst_host, dst_dev) = (self.to_host, !self.to_host);
+        let dst = || {
+            self.host_spans()
+                .filter(move |_| dst_host)
+                .chain(self.dev_spans().filter(move |_| dst_dev))
+        };
+        let src = || {
+            self.host_spans()
+                .filter(move |_| !dst_host)
+                .chain(self.dev_spans().filter(move |_| !dst_dev))
+        };
+        dst().enumerate().all(|(i, a)| {
+            dst().skip(i + 1).all(|b| !meets(a, b))
+                && src().all(|b| !meets(a, b))
+                && idx.iter().all(|&b| !meets(a, b))
+        })
+    }
+
+    /// Calls `f` with every copy of the units `units` (coalesced where both sides continue the
+    /// previous copy exactly), in order; stops at the first error `f` returns. Each copy lies
+    /// inside one host plane and one device layer of the request, and its host side inside the
+    /// pages the indices name. Panics if `units` is not inside `0..units()`.
+    pub fn for_each_copy(
+        &self,
+        units: Range<usize>,
+        mut f: impl FnMut(CopyOp) -> Result<()>,
+    ) -> Result<()> {
+        let mut failed = None;
+        let done = self.walk(units, &mut |op| match f(op) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        });
+        match failed {
+            Some(e) => Err(e),
+            None => done,
+        }
+    }
+
+    /// The walk behind every engine: calls `emit` with each (coalesced) copy of `units` until it
+    /// returns false. Every copy lies inside one host plane of the request and one of its device
+    /// layers: all offsets come from validated geometry and from index values re-checked as they
+    /// are read (an index found out of range now, although validation accepted it, stops the
+    /// walk with an error: its array changed during the call).
+    pub(crate) fn walk(
+        &self,
+        units: Range<usize>,
+        emit: &mut impl FnMut(CopyOp) -> bool,
+    ) -> Result<()> {
+        assert!(
+            units.start <= units.end && units.end <= self.units(),
+            "units {units:?} outside 0..{}",
+            self.units()
+        );
+        let mut sink = Coalesce {
+            cur: CopyOp {
+                src: 0,
+                dst: 0,
+                len: 0,
+            },
+            emit,
+            stopped: false,
+        };
+        let r = match self.strategy {
+            Strategy::PerItem => self.walk_items(units, &mut sink),
+            Strategy::Runs => self.walk_runs(units, &mut sink),
+            Strategy::PageBlocks => self.walk_pages(units, &mut sink),
+        };
+        sink.flush();
+        r
+    }
+
+    #[inline(always)]
+    fn host_at(&self, i: usize) -> Result<u64> {
+        let v = self.host.get(i);
+        if v < 0 || v as u64 >= self.host_rows {
+            return Err(changed("host", v, i));
+        }
+        Ok(v as u64)
+    }
+
+    #[inline(always)]
+    fn dev_at(&self, i: usize) -> Result<u64> {
+        let v = self.dev.get(i);
+        if v < 0 || v as u64 >= self.dev_rows {
+            return Err(changed("device", v, i));
+        }
+        Ok(v as u64)
+    }
+
+    #[inline(always)]
+    fn dev_base(&self, p: usize, k: usize) -> u64 {
+        self.layer_ptrs[p * self.layer_count + k]
+    }
+
+    /// Per item. Backups write many layers of each row, so the walk follows the host layout:
+    /// where the layers of a row are adjacent (page_first, page_head: layer stride `I` or
+    /// `I / H`) it goes plane, index, head, layer, writing each (row, head) in address order;
+    /// where they are far apart (layer_first, page_first_direct) it goes plane, layer, index,
+    /// head, so that consecutive indices continue one another and coalesce. Measured on 512 MiB
+    /// backups: 4-7x faster than layer-major for page_first / page_head with 16-128-byte
+    /// pieces, and 1.5x slower than layer-major for the other two. A load (one layer) walks the
+    /// same either way.
+    fn walk_items<F: FnMut(CopyOp) -> bool>(
+        &self,
+        units: Range<usize>,
+        sink: &mut Coalesce<'_, F>,
+    ) -> Result<()> {
+        let layers_adjacent = self.layers_adjacent();
+        for p in 0..self.nplanes {
+            let pl = &self.planes[p];
+            let base = self.plane_base[p];
+            let (item, seg) = (pl.item, pl.segment);
+            let (head_stride, layer_stride) = (pl.head_stride(), pl.layer_stride());
+            if layers_adjacent {
+                for j in units.clone() {
+                    let (t, d) = (self.host_at(j)?, self.dev_at(j)?);
+                    // t < S, d < device rows, every layer in [0, L), every head in [0, H): each
+                    // piece lies in the plane (checked geometry) and in its device layer.
+                    let host0 = base + pl.offset_unchecked(t, self.first_layer, 0);
+                    let dev0 = d * item;
+                    for h in 0..pl.heads {
+                        for k in 0..self.layer_count {
+                            let host = host0 + h * head_stride + k as u64 * layer_stride;
+                            let dev = self.dev_base(p, k) + dev0 + h * seg;
+                            if !sink.push(self.to_host, host, dev, seg) {
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+            } else {
+                for k in 0..self.layer_count {
+                    let layer = self.first_layer + k as u64;
+                    let dev_base = self.dev_base(p, k);
+                    for j in units.clone() {
+                        let (t, d) = (self.host_at(j)?, self.dev_at(j)?);
+                        // As above.
+                        let host = base + pl.offset_unchecked(t, layer, 0);
+                        let dev = dev_base + d * item;
+                        for h in 0..pl.heads {
+                            if !sink.push(self.to_host, host + h * head_stride, dev + h * seg, seg)
+                            {
+                                return Ok(());
                             }
                         }
                     }
                 }
             }
-            sink
         }
-        Strategy::Runs => {
-            let runs = runs(&idx.host, &idx.dev);
-            let mut sink = OpSink {
-                ops: Vec::with_capacity(c.nplanes * lc * runs.len()),
-            };
-            for p in 0..c.nplanes {
-                let pl = *c.plane(p);
-                let base = req.geom.plane_base[p];
-                for k in 0..lc {
-                    let layer = c.first_layer + k as u64;
-                    let dev_base = ptrs[p * lc + k];
-                    for &(t, d, n) in &runs {
-                        let host = base + pl.offset_unchecked(t, layer, 0);
-                        let dev = dev_base + d * pl.item;
-                        if backup {
-                            sink.push(dev, host, n * pl.item);
-                        } else {
-                            sink.push(host, dev, n * pl.item);
-                        }
-                    }
-                }
-            }
-            sink
-        }
-        Strategy::PageBlocks => {
-            let ps = req.geom.page_size;
-            let pages = c.len / ps;
-            let mut sink = OpSink {
-                ops: Vec::with_capacity(c.nplanes * lc * pages),
-            };
-            for p in 0..c.nplanes {
-                let pl = *c.plane(p);
-                let base = req.geom.plane_base[p];
-                let block = pl.page_size * pl.item;
-                for k in 0..lc {
-                    let layer = c.first_layer + k as u64;
-                    let dev_base = ptrs[p * lc + k];
-                    for i in 0..pages {
-                        let t = idx.host[i * ps];
-                        let d = idx.dev[i * ps];
-                        let host = base + pl.page_block_offset(t / pl.page_size, layer);
-                        let dev = dev_base + d * pl.item;
-                        if backup {
-                            sink.push(dev, host, block);
-                        } else {
-                            sink.push(host, dev, block);
-                        }
-                    }
-                }
-            }
-            sink
-        }
-    };
-    Ok(sink.ops)
-}
-
-/// Maximal runs `(host_start, dev_start, count)` where both streams step by +1.
-fn runs(host: &[u64], dev: &[u64]) -> Vec<(u64, u64, u64)> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < host.len() {
-        let mut j = i + 1;
-        while j < host.len() && host[j] == host[j - 1] + 1 && dev[j] == dev[j - 1] + 1 {
-            j += 1;
-        }
-        out.push((host[i], dev[i], (j - i) as u64));
-        i = j;
+        Ok(())
     }
-    out
+
+    fn walk_runs<F: FnMut(CopyOp) -> bool>(
+        &self,
+        units: Range<usize>,
+        sink: &mut Coalesce<'_, F>,
+    ) -> Result<()> {
+        let mut i = units.start;
+        while i < units.end {
+            let (t0, d0) = (self.host_at(i)?, self.dev_at(i)?);
+            let mut j = i + 1;
+            while j < units.end {
+                let step = (j - i) as u64;
+                let (t, d) = (t0 + step, d0 + step);
+                // Equal to an in-range successor on both sides, so itself in range.
+                if self.host.get(j) == t as i64
+                    && self.dev.get(j) == d as i64
+                    && t < self.host_rows
+                    && d < self.dev_rows
+                {
+                    j += 1;
+                } else {
+                    break;
+                }
+            }
+            let n = (j - i) as u64;
+            for p in 0..self.nplanes {
+                let pl = &self.planes[p];
+                for k in 0..self.layer_count {
+                    let layer = self.first_layer + k as u64;
+                    // layer_first: rows t0..t0+n of a layer are contiguous in both pools.
+                    let host = self.plane_base[p] + pl.offset_unchecked(t0, layer, 0);
+                    let dev = self.dev_base(p, k) + d0 * pl.item;
+                    if !sink.push(self.to_host, host, dev, n * pl.item) {
+                        return Ok(());
+                    }
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+
+    fn walk_pages<F: FnMut(CopyOp) -> bool>(
+        &self,
+        units: Range<usize>,
+        sink: &mut Coalesce<'_, F>,
+    ) -> Result<()> {
+        let per_page = self.nplanes * self.layer_count;
+        let p = self.page as u64;
+        let mut cached = usize::MAX;
+        let (mut t, mut d) = (0u64, 0u64);
+        for u in units {
+            let page = u / per_page;
+            let (plane, k) = ((u % per_page) / self.layer_count, u % self.layer_count);
+            if page != cached {
+                let first = page * self.page;
+                (t, d) = (self.host_at(first)?, self.dev_at(first)?);
+                // Validated whole pages: re-checked so that a changed array cannot move the
+                // block out of either pool.
+                if t % p != 0 || t + p > self.host_rows {
+                    return Err(changed("host", t as i64, first));
+                }
+                if d + p > self.dev_rows {
+                    return Err(changed("device", d as i64, first));
+                }
+                cached = page;
+            }
+            let pl = &self.planes[plane];
+            let layer = self.first_layer + k as u64;
+            let host = self.plane_base[plane] + pl.page_block_offset(t / p, layer);
+            let dev = self.dev_base(plane, k) + d * pl.item;
+            if !sink.push(self.to_host, host, dev, p * pl.item) {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
 }
 
-/// Bytes a plan moves.
+fn changed(which: &str, v: i64, i: usize) -> Error {
+    invalid(format!(
+        "{which} index {v} at position {i} changed while the transfer ran (index arrays must \
+         stay unchanged for the call); the transfer stopped part-way"
+    ))
+}
+
+/// Merges a copy into the previous one when both sides continue it exactly (the bytes moved are
+/// the same; fewer, longer copies are faster), and hands the others on.
+pub(crate) struct Coalesce<'e, F: FnMut(CopyOp) -> bool> {
+    cur: CopyOp,
+    emit: &'e mut F,
+    stopped: bool,
+}
+
+impl<F: FnMut(CopyOp) -> bool> Coalesce<'_, F> {
+    /// One copy between `host` and `dev` (direction `to_host`); false once `emit` said stop.
+    #[inline(always)]
+    fn push(&mut self, to_host: bool, host: u64, dev: u64, len: u64) -> bool {
+        let (src, dst) = if to_host { (dev, host) } else { (host, dev) };
+        let c = &mut self.cur;
+        if c.len != 0 && c.src + c.len == src && c.dst + c.len == dst {
+            c.len += len;
+            return true;
+        }
+        let prev = std::mem::replace(c, CopyOp { src, dst, len });
+        if prev.len != 0 && !(self.emit)(prev) {
+            self.stopped = true;
+            self.cur.len = 0;
+            return false;
+        }
+        true
+    }
+
+    fn flush(&mut self) {
+        if self.cur.len != 0 && !self.stopped {
+            (self.emit)(self.cur);
+        }
+        self.cur.len = 0;
+    }
+}
+
+/// Bytes a list of copies moves.
 pub fn total_bytes(ops: &[CopyOp]) -> u64 {
     ops.iter().map(|o| o.len).sum()
 }
@@ -439,6 +848,42 @@ pub fn total_bytes(ops: &[CopyOp]) -> u64 {
 mod tests {
     use super::*;
     use crate::transfer::{DeviceSide, HostGeometry};
+
+    type Parts = (
+        HostGeometry,
+        Backend,
+        Op,
+        DeviceSide,
+        IndexArray,
+        IndexArray,
+    );
+
+    trait CloneParts {
+        fn clone_parts(&self) -> Parts;
+    }
+
+    impl CloneParts for Parts {
+        fn clone_parts(&self) -> Parts {
+            (
+                self.0.clone(),
+                self.1,
+                self.2,
+                self.3.clone(),
+                self.4,
+                self.5,
+            )
+        }
+    }
+
+    /// A request over buffers the test owns.
+    ///
+    /// # Safety
+    /// As for `TransferRequest::new`: the addresses in `geom`, `device` and the index arrays
+    /// name live test buffers of the sizes they state, alive and untouched while it is used.
+    unsafe fn req_from((geom, backend, op, device, host_idx, dev_idx): Parts) -> TransferRequest {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { TransferRequest::new(geom, backend, op, device, host_idx, dev_idx) }
+    }
 
     /// xorshift: deterministic test data without a dependency.
     struct Rng(u64);
@@ -460,6 +905,17 @@ mod tests {
         fn bytes(&mut self, n: usize) -> Vec<u8> {
             (0..n).map(|_| self.next() as u8).collect()
         }
+    }
+
+    /// Every copy of a plan, in walk order.
+    fn copies(plan: &Plan<'_>) -> Vec<CopyOp> {
+        let mut v = Vec::new();
+        plan.for_each_copy(0..plan.units(), |op| {
+            v.push(op);
+            Ok(())
+        })
+        .unwrap();
+        v
     }
 
     #[derive(Clone, Debug)]
@@ -527,38 +983,42 @@ mod tests {
                 .iter_mut()
                 .flat_map(|layers| layers.iter_mut().map(|l| l.as_mut_ptr() as u64))
                 .collect();
-            let req = TransferRequest {
-                geom: HostGeometry {
-                    layout: self.layout,
-                    layers: self.layers,
-                    rows: self.rows,
-                    page_size: self.page,
-                    heads: self.heads,
-                    item_bytes: self.items.clone(),
-                    plane_base: world
-                        .host
-                        .iter_mut()
-                        .map(|h| h.as_mut_ptr() as u64)
-                        .collect(),
-                },
-                backend: self.backend,
-                op: self.op,
-                device: DeviceSide {
-                    layer_ptrs,
-                    rows: self.dev_rows,
-                },
-                host_idx: IndexArray {
-                    ptr: hb.as_ptr() as u64,
-                    len: self.host_idx.len(),
-                    width: self.width,
-                    on_device: false,
-                },
-                dev_idx: IndexArray {
-                    ptr: db.as_ptr() as u64,
-                    len: self.dev_idx.len(),
-                    width: self.width,
-                    on_device: false,
-                },
+            let geom = HostGeometry {
+                layout: self.layout,
+                layers: self.layers,
+                rows: self.rows,
+                page_size: self.page,
+                heads: self.heads,
+                item_bytes: self.items.clone(),
+                plane_base: world
+                    .host
+                    .iter_mut()
+                    .map(|h| h.as_mut_ptr() as u64)
+                    .collect(),
+            };
+            let device = DeviceSide {
+                layer_ptrs,
+                rows: self.dev_rows,
+                memory: DeviceMemory::Host,
+            };
+            let host_idx = IndexArray {
+                ptr: hb.as_ptr() as u64,
+                len: self.host_idx.len(),
+                width: self.width,
+                on_device: false,
+            };
+            let dev_idx = IndexArray {
+                ptr: db.as_ptr() as u64,
+                len: self.dev_idx.len(),
+                width: self.width,
+                on_device: false,
+            };
+            // SAFETY: every address names a buffer of `world` (planes of L*S*I bytes, device
+            // layers of dev_rows*I bytes) or the returned index vectors, of the sizes stated; the
+            // caller keeps them alive and unchanged while the request is used, and the request's
+            // own vectors are not among them.
+            let req = unsafe {
+                TransferRequest::new(geom, self.backend, self.op, device, host_idx, dev_idx)
             };
             (req, hb, db)
         }
@@ -629,8 +1089,9 @@ mod tests {
 
         fn run_plan(&self, w: &mut World) -> Result<Vec<CopyOp>> {
             let (req, _hb, _db) = self.request(w);
-            let ops = build(&req)?;
-            unsafe { crate::cpu::execute(&ops) };
+            let plan = build(&req)?;
+            let ops = copies(&plan);
+            crate::cpu::execute(&plan)?;
             Ok(ops)
         }
 
@@ -958,40 +1419,70 @@ mod tests {
         let c = ok_case();
         let mut rng = Rng(1);
         let mut w = c.world(&mut rng);
-        let (mut req, _hb, _db) = c.request(&mut w);
-        req.device.layer_ptrs.pop();
+        let (req, _hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.3.layer_ptrs.pop();
+        // SAFETY: the same live buffers, one pointer fewer (refused before any use).
+        let req = unsafe { req_from(parts) };
         let e = build(&req).unwrap_err();
         assert!(
             e.to_string().contains("expected 6 device layer pointers"),
             "{e}"
         );
 
-        let (mut req, _hb, _db) = c.request(&mut w);
-        req.dev_idx.on_device = true;
+        let (req, hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.5.on_device = true;
+        // SAFETY: the same live buffers; "GPU-resident" host memory is allowed for
+        // `DeviceMemory::Host`.
+        let req = unsafe { req_from(parts.clone_parts()) };
         let e = build(&req).unwrap_err();
         assert!(e.to_string().contains("GPU memory"), "{e}");
         // The CUDA path can still validate the host side alone.
         validate(&req).unwrap();
-        req.host_idx.len = 3;
-        assert!(validate(&req).is_err());
+        parts.4.len = 3;
+        // SAFETY: a shorter view of the same live host index buffer `hb`.
+        let req = unsafe { req_from(parts) };
+        assert!(hb.len() >= 3 * 8 && validate(&req).is_err());
 
-        let (mut req, _hb, _db) = c.request(&mut w);
-        req.host_idx.ptr = 0;
+        let (req, _hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.4.ptr = 0;
+        // SAFETY: a null index array is refused before any use; the rest is live.
+        let req = unsafe { req_from(parts) };
         assert!(build(&req)
             .unwrap_err()
             .to_string()
             .contains("null address"));
 
-        let (mut req, _hb, _db) = c.request(&mut w);
-        req.device.layer_ptrs[0] = 0;
+        let (req, _hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.3.layer_ptrs[0] = 0;
+        // SAFETY: a null layer pointer is refused before any use; the rest is live.
+        let req = unsafe { req_from(parts) };
         assert!(build(&req)
             .unwrap_err()
             .to_string()
             .contains("device layer pointer"));
 
-        let (mut req, _hb, _db) = c.request(&mut w);
-        req.geom.plane_base.pop();
+        let (req, _hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.0.plane_base.pop();
+        // SAFETY: a missing plane base is refused before any use; the rest is live.
+        let req = unsafe { req_from(parts) };
         assert!(matches!(build(&req).unwrap_err(), Error::Geometry(_)));
+
+        // A request over CUDA memory plans (the direct backend streams its copies) but the CPU
+        // engine refuses it.
+        let (req, _hb, _db) = c.request(&mut w);
+        let mut parts = req.into_parts();
+        parts.3.memory = DeviceMemory::Cuda;
+        // SAFETY: host buffers standing in for device memory; nothing on the CPU may touch
+        // them through this request, and the engine must refuse it.
+        let req = unsafe { req_from(parts) };
+        let plan = build(&req).unwrap();
+        let e = crate::cpu::execute(&plan).unwrap_err();
+        assert!(e.to_string().contains("CUDA device memory"), "{e}");
     }
 
     #[test]
@@ -1003,5 +1494,583 @@ mod tests {
         // Structure is still checked for an empty transfer.
         c.op = Op::Load { host_layer: 9 };
         expect_err(&c, "host layer 9");
+    }
+
+    /// Runs `c` four ways on identical worlds and compares each with the reference byte for
+    /// byte: `cpu::execute`, `cpu::execute_serial`, `cpu::execute_chunked` with `chunk` units per
+    /// chunk (so chunks cut through runs and pages on the worker pool), and the copies of
+    /// `for_each_copy` (the CUDA direct backend's producer) applied one by one, taken in chunks
+    /// of `chunk` units.
+    fn check_every_engine(c: &Case, seed: u64, chunk: usize) {
+        let mut rng = Rng(seed | 1);
+        let mut want = c.world(&mut rng);
+        let before = (want.host.clone(), want.dev.clone());
+        c.reference(&mut want);
+        for way in 0..4 {
+            let mut rng = Rng(seed | 1);
+            let mut got = c.world(&mut rng);
+            let (req, _hb, _db) = c.request(&mut got);
+            let plan = build(&req).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            assert_eq!(
+                plan.bytes(),
+                (c.host_idx.len() * c.items.iter().sum::<usize>() * c.device_layers()) as u64
+            );
+            match way {
+                0 => crate::cpu::execute(&plan).unwrap(),
+                1 => crate::cpu::execute_serial(&plan).unwrap(),
+                2 => crate::cpu::execute_chunked(&plan, chunk).unwrap(),
+                _ => {
+                    let mut lo = 0;
+                    while lo < plan.units() {
+                        let hi = (lo + chunk).min(plan.units());
+                        plan.for_each_copy(lo..hi, |op| {
+                            // SAFETY: the plan's copies lie inside the world's buffers, which
+                            // are distinct allocations (no overlap).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    op.src as *const u8,
+                                    op.dst as *mut u8,
+                                    op.len as usize,
+                                )
+                            };
+                            Ok(())
+                        })
+                        .unwrap();
+                        lo = hi;
+                    }
+                }
+            }
+            assert!(got.host == want.host, "way {way}: host bytes differ: {c:?}");
+            assert!(got.dev == want.dev, "way {way}: device bytes differ: {c:?}");
+        }
+        if !c.host_idx.is_empty() {
+            assert!(
+                (want.host.clone(), want.dev.clone()) != before,
+                "{c:?}: the reference moved nothing"
+            );
+        }
+    }
+
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+
+    /// A random transfer: any (layout, backend) pair, page sizes including non-powers of two,
+    /// 1/3/16/656-byte items (one or two planes), 1..=61 layers, heads dividing the items,
+    /// int32/int64, backup / one-layer backup / load, indices that are whole shuffled pages
+    /// (runs), single shuffled tokens, or nothing.
+    fn random_case(rng: &mut Rng) -> Case {
+        const PAIRS_ALL: [(Layout, Backend); 6] = PAIRS;
+        let (layout, backend) = PAIRS_ALL[rng.below(6) as usize];
+        let layers = 1 + rng.below(61) as usize;
+        let page = [1usize, 2, 3, 4, 5, 7, 8, 16][rng.below(8) as usize];
+        let sizes = [1usize, 3, 16, 656];
+        let nplanes = 1 + rng.below(2) as usize;
+        let items: Vec<usize> = (0..nplanes).map(|_| sizes[rng.below(4) as usize]).collect();
+        let heads = if layout == Layout::PageHead {
+            let g = items.iter().fold(0, |a, &b| gcd(a, b));
+            let divisors: Vec<usize> = (1..=g).filter(|d| g % d == 0).collect();
+            divisors[rng.below(divisors.len() as u64) as usize]
+        } else {
+            1
+        };
+        // Keep each plane under ~256 KiB (debug builds walk every byte of the reference).
+        let max_item = *items.iter().max().unwrap();
+        let max_pages = ((256 << 10) / (layers * max_item * page)).clamp(1, 6);
+        let rows = page * (1 + rng.below(max_pages as u64) as usize);
+        let dev_rows = page * (1 + rng.below(max_pages as u64) as usize);
+        let npages_max = rows.min(dev_rows) / page;
+        let (host_idx, dev_idx) = match rng.below(5) {
+            0 => (vec![], vec![]),
+            1 | 2 if backend == Backend::Kernel => {
+                // Single tokens, distinct on each side, shuffled.
+                let n = 1 + rng.below(rows.min(dev_rows) as u64) as usize;
+                let mut h: Vec<i64> = (0..rows as i64).collect();
+                let mut d: Vec<i64> = (0..dev_rows as i64).collect();
+                rng.shuffle(&mut h);
+                rng.shuffle(&mut d);
+                (h[..n].to_vec(), d[..n].to_vec())
+            }
+            _ => {
+                let npages = 1 + rng.below(npages_max as u64) as usize;
+                paged_indices(rng, rows, dev_rows, page, npages)
+            }
+        };
+        let host_layer = rng.below(layers as u64) as usize;
+        Case {
+            layout,
+            backend,
+            layers,
+            rows,
+            page,
+            heads,
+            items,
+            dev_rows,
+            host_idx,
+            dev_idx,
+            width: if rng.below(2) == 0 {
+                IndexWidth::I32
+            } else {
+                IndexWidth::I64
+            },
+            op: match rng.below(3) {
+                0 => Op::Backup,
+                1 => Op::BackupLayer { host_layer },
+                _ => Op::Load { host_layer },
+            },
+        }
+    }
+
+    /// Property test: the compact plan, run by every engine and split every way, moves exactly
+    /// the bytes the contract's formulas say, for random geometries.
+    #[test]
+    fn random_geometries_match_the_reference_on_every_engine() {
+        let mut rng = Rng(0x5151_2024_0013);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..400 {
+            let c = random_case(&mut rng);
+            let units = match (c.layout, c.backend) {
+                (Layout::PageFirstDirect, Backend::Direct) => {
+                    c.host_idx.len() / c.page * c.items.len() * c.device_layers()
+                }
+                _ => c.host_idx.len(),
+            };
+            let chunk = 1 + rng.below(units.max(1) as u64) as usize;
+            check_every_engine(&c, rng.next(), chunk);
+            seen.insert((
+                c.layout,
+                c.backend,
+                c.width == IndexWidth::I32,
+                c.op.to_host(),
+            ));
+        }
+        // Every pair, with both widths and both directions.
+        assert_eq!(seen.len(), 6 * 2 * 2, "{seen:?}");
+        // Direct + page_first / page_head have no plan: refused before anything moves.
+        for layout in [Layout::PageFirst, Layout::PageHead] {
+            let mut c = base_case(layout, Backend::Direct, vec![16]);
+            c.host_idx = vec![0, 1, 2, 3];
+            c.dev_idx = vec![4, 5, 6, 7];
+            let e = expect_err(&c, "Unsupported layout");
+            assert!(matches!(e, Error::Unsupported(_)));
+        }
+    }
+
+    /// A changed index array (forbidden by `TransferRequest::new`, done here between
+    /// validation and the copy, on this thread) stops the walk with an error instead of
+    /// leaving the pools.
+    #[test]
+    fn an_index_changed_after_validation_is_caught_by_the_walk() {
+        for (layout, backend) in PAIRS {
+            let mut c = base_case(layout, backend, vec![8, 4]);
+            c.host_idx = vec![4, 5, 6, 7];
+            c.dev_idx = vec![0, 1, 2, 3];
+            let mut rng = Rng(9);
+            let mut w = c.world(&mut rng);
+            let (req, mut hb, _db) = c.request(&mut w);
+            let plan = build(&req).unwrap();
+            // Position 0 now names row 16 of a 16-row pool.
+            hb[..8].copy_from_slice(&16i64.to_ne_bytes());
+            let e = crate::cpu::execute(&plan).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("host index 16 at position 0 changed while the transfer ran"),
+                "{layout:?} {backend:?}: {e}"
+            );
+            let e = plan.for_each_copy(0..plan.units(), |_| Ok(())).unwrap_err();
+            assert!(e.to_string().contains("changed"), "{e}");
+        }
+    }
+
+    /// A sink error stops the walk at once and comes back unchanged.
+    #[test]
+    fn for_each_copy_stops_at_the_first_sink_error() {
+        let mut c = base_case(Layout::PageFirst, Backend::Kernel, vec![8]);
+        c.host_idx = vec![1, 3, 5, 7];
+        c.dev_idx = vec![0, 2, 4, 6];
+        let mut rng = Rng(4);
+        let mut w = c.world(&mut rng);
+        let (req, _hb, _db) = c.request(&mut w);
+        let plan = build(&req).unwrap();
+        let mut calls = 0;
+        let e = plan
+            .for_each_copy(0..plan.units(), |_| {
+                calls += 1;
+                if calls == 3 {
+                    Err(Error::Cuda("stop".into()))
+                } else {
+                    Ok(())
+                }
+            })
+            .unwrap_err();
+        assert_eq!((e.to_string().as_str(), calls), ("stop", 3));
+    }
+}
+
+/// A global allocator that counts live heap bytes and their peak, for the footprint test. Only
+/// the lib's unit-test binary has it.
+#[cfg(test)]
+mod counting_alloc {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicIsize, Ordering};
+
+    static LIVE: AtomicIsize = AtomicIsize::new(0);
+    static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+    pub struct Counting;
+
+    fn grew(by: isize) {
+        let now = LIVE.fetch_add(by, Ordering::Relaxed) + by;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+
+    // SAFETY: every call is forwarded to `System` with the caller's arguments; the counters are
+    // atomics and allocate nothing.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            grew(layout.size() as isize);
+            // SAFETY: the caller's contract for `alloc`, passed on.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            grew(layout.size() as isize);
+            // SAFETY: as above.
+            unsafe { System.alloc_zeroed(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+            // SAFETY: as above.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            grew(new_size as isize - layout.size() as isize);
+            // SAFETY: as above.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// Starts a measurement: the peak becomes the bytes live now, which are returned.
+    pub fn start() -> isize {
+        let now = LIVE.load(Ordering::Relaxed);
+        PEAK.store(now, Ordering::Relaxed);
+        now
+    }
+
+    /// Highest live heap bytes since `start`.
+    pub fn peak() -> isize {
+        PEAK.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod footprint_tests {
+    use super::counting_alloc;
+    use super::*;
+    use crate::transfer::{DeviceSide, HostGeometry};
+
+    /// One transfer over freshly allocated pools: `(layout, backend, layers, rows, page, heads,
+    /// item bytes per plane, op)`, host rows `from` -> device rows `to` (or back for a backup).
+    struct Pools {
+        host: Vec<Vec<u8>>,
+        dev: Vec<Vec<u8>>,
+        from: Vec<i32>,
+        to: Vec<i64>,
+        req: Option<TransferRequest>,
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pools(
+        layout: Layout,
+        backend: Backend,
+        layers: usize,
+        rows: usize,
+        page: usize,
+        heads: usize,
+        items: &[usize],
+        op: Op,
+        from: Vec<i32>,
+        to: Vec<i64>,
+    ) -> Pools {
+        let dev_layers = if op == Op::Backup { layers } else { 1 };
+        let mut p = Pools {
+            host: items
+                .iter()
+                .map(|&i| vec![1u8; layers * rows * i])
+                .collect(),
+            dev: items
+                .iter()
+                .flat_map(|&i| (0..dev_layers).map(move |_| vec![2u8; rows * i]))
+                .collect(),
+            from,
+            to,
+            req: None,
+        };
+        let geom = HostGeometry {
+            layout,
+            layers,
+            rows,
+            page_size: page,
+            heads,
+            item_bytes: items.to_vec(),
+            plane_base: p.host.iter_mut().map(|h| h.as_mut_ptr() as u64).collect(),
+        };
+        let device = DeviceSide {
+            layer_ptrs: p.dev.iter_mut().map(|d| d.as_mut_ptr() as u64).collect(),
+            rows,
+            memory: DeviceMemory::Host,
+        };
+        let host_idx = IndexArray {
+            ptr: p.from.as_ptr() as u64,
+            len: p.from.len(),
+            width: IndexWidth::I32,
+            on_device: false,
+        };
+        let dev_idx = IndexArray {
+            ptr: p.to.as_ptr() as u64,
+            len: p.to.len(),
+            width: IndexWidth::I64,
+            on_device: false,
+        };
+        // SAFETY: planes of L*S*I bytes, device layers of S*I bytes and the two index vectors,
+        // all owned by `p` (their heap buffers do not move with `p`), alive and untouched while
+        // the request (dropped first, see `Drop`) exists.
+        p.req = Some(unsafe { TransferRequest::new(geom, backend, op, device, host_idx, dev_idx) });
+        p
+    }
+
+    impl Drop for Pools {
+        fn drop(&mut self) {
+            self.req = None;
+        }
+    }
+
+    /// Peak extra heap bytes of `plan::build` + `cpu::execute` for the request (run twice, the
+    /// second measured: the first starts the worker pool), and the bytes it moves.
+    fn measure(p: &Pools) -> (isize, u64) {
+        let req = p.req.as_ref().unwrap();
+        crate::cpu::execute(&build(req).unwrap()).unwrap();
+        let base = counting_alloc::start();
+        let plan = build(req).unwrap();
+        crate::cpu::execute(&plan).unwrap();
+        (counting_alloc::peak() - base, plan.bytes())
+    }
+
+    /// Runs `f` in a forked child (the only thread there, so the global counter sees this
+    /// transfer alone) and fails if it panicked.
+    fn in_child(f: impl FnOnce()) {
+        // SAFETY: the child runs `f` (allocation works after fork with glibc) and exits with
+        // `_exit`, never returning into the test harness.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_ok();
+            // SAFETY: ends the child without running the parent's atexit handlers twice.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the measuring child failed ({status}); run with --nocapture for its message"
+        );
+    }
+
+    /// Whole pages in a shuffled order, tokens ascending within a page.
+    fn shuffled_pages(rows: usize, page: usize) -> Vec<i32> {
+        let pages = rows / page;
+        let step = (pages / 2 + 1) | 1;
+        (0..pages)
+            .flat_map(|k| {
+                let hp = (k * step) % pages;
+                (0..page).map(move |r| (hp * page + r) as i32)
+            })
+            .collect()
+    }
+
+    /// Issue 13: a page_head backup with 16-byte head segments made one 24-byte record per
+    /// segment (1.5x the bytes moved). The plan now holds none: the extra heap of a transfer is
+    /// the parallel job record at most, far under 1% of what it moves, for every strategy and
+    /// down to 1-byte items; a small (serial) transfer allocates nothing at all.
+    #[test]
+    fn a_transfer_allocates_under_one_percent_of_what_it_moves() {
+        in_child(|| {
+            let rows = 4096;
+            let to: Vec<i64> = (0..rows as i64).collect();
+            let cases = [
+                // The issue's case: 8 heads x 16 bytes, 32 layers, K and V: 32 MiB.
+                pools(
+                    Layout::PageHead,
+                    Backend::Kernel,
+                    32,
+                    rows,
+                    64,
+                    8,
+                    &[128, 128],
+                    Op::Backup,
+                    shuffled_pages(rows, 64),
+                    to.clone(),
+                ),
+                // 1-byte items, 61 layers: one copy per byte.
+                pools(
+                    Layout::PageFirst,
+                    Backend::Kernel,
+                    61,
+                    80_000,
+                    1,
+                    1,
+                    &[1],
+                    Op::Backup,
+                    shuffled_pages(80_000, 1),
+                    (0..80_000).collect(),
+                ),
+                // Direct runs of one row each (3-byte rows), every layer.
+                pools(
+                    Layout::LayerFirst,
+                    Backend::Direct,
+                    61,
+                    rows,
+                    1,
+                    1,
+                    &[3, 16],
+                    Op::Backup,
+                    shuffled_pages(rows, 1),
+                    to.clone(),
+                ),
+                // Page blocks of 3 rows of 656 bytes.
+                pools(
+                    Layout::PageFirstDirect,
+                    Backend::Direct,
+                    7,
+                    3 * 1000,
+                    3,
+                    1,
+                    &[656],
+                    Op::Backup,
+                    shuffled_pages(3 * 1000, 3),
+                    (0..3000).collect(),
+                ),
+            ];
+            for (k, p) in cases.iter().enumerate() {
+                let (extra, bytes) = measure(p);
+                eprintln!("case {k}: {bytes} bytes moved, {extra} bytes of heap at peak");
+                // Large enough for every thread of the pool (`cpu::threads_for`).
+                assert!(bytes >= 4 << 20, "case {k} should run in parallel");
+                assert!(
+                    (extra as u64) * 100 < bytes,
+                    "case {k}: {extra} extra bytes for {bytes} moved"
+                );
+                assert!(extra < 4096, "case {k}: {extra} extra bytes");
+            }
+            // One index, one 1-byte item, one layer: no allocation at all.
+            let tiny = pools(
+                Layout::LayerFirst,
+                Backend::Kernel,
+                1,
+                8,
+                1,
+                1,
+                &[1],
+                Op::Load { host_layer: 0 },
+                vec![5],
+                vec![2],
+            );
+            assert_eq!(measure(&tiny), (0, 1));
+        });
+    }
+
+    /// `(VmRSS, VmHWM)` of this process in KiB.
+    fn rss_kib() -> (i64, i64) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(-1)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// Resets this process's peak RSS (VmHWM) to its current RSS (Linux `clear_refs` 5).
+    fn reset_peak_rss() {
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    }
+
+    /// Issue 13's measurement at full size: a 512 MiB page_head backup with 16-byte head
+    /// segments (8 heads, 32 layers, K and V, host pages shuffled). Prints the time of
+    /// `plan::build` + `cpu::execute` and the growth of peak RSS and of the heap. Needs ~1.1 GiB:
+    /// `cargo test --release --lib issue_13_page_head_backup_512_mib -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement (1.1 GiB, seconds): run it with --ignored --nocapture"]
+    fn issue_13_page_head_backup_512_mib() {
+        let (layers, page, heads, seg, rows) = (32usize, 64usize, 8usize, 16usize, 65_536usize);
+        let pages = rows / page;
+        let from: Vec<i32> = (0..pages)
+            .flat_map(|k| {
+                let hp = (k * 389) % pages;
+                (0..page).map(move |r| (hp * page + r) as i32)
+            })
+            .collect();
+        let p = pools(
+            Layout::PageHead,
+            Backend::Kernel,
+            layers,
+            rows,
+            page,
+            heads,
+            &[heads * seg, heads * seg],
+            Op::Backup,
+            from,
+            (0..rows as i64).collect(),
+        );
+        let req = p.req.as_ref().unwrap();
+        for (name, serial) in [("cpu::execute", false), ("cpu::execute_serial", true)] {
+            let mut best = f64::MAX;
+            for round in 0..3 {
+                reset_peak_rss();
+                let (rss, _) = rss_kib();
+                let heap = counting_alloc::start();
+                let t = std::time::Instant::now();
+                let plan = build(req).unwrap();
+                if serial {
+                    crate::cpu::execute_serial(&plan).unwrap();
+                } else {
+                    crate::cpu::execute(&plan).unwrap();
+                }
+                let secs = t.elapsed().as_secs_f64();
+                let heap_peak = counting_alloc::peak() - heap;
+                let rss_peak = rss_kib().1 - rss;
+                best = best.min(secs);
+                eprintln!(
+                    "{name} round {round}: {} MiB moved in {secs:.3} s; peak RSS +{} KiB, heap \
+                     peak +{} B",
+                    plan.bytes() >> 20,
+                    rss_peak,
+                    heap_peak
+                );
+            }
+            eprintln!("{name}: best {best:.3} s");
+        }
+        // Page_head backup copies every (token, head, layer) segment: spot-check one.
+        let item = heads * seg;
+        let t = p.from[100] as usize;
+        let (l, h) = (7usize, 3usize);
+        let at = (t / page) * page * layers * item
+            + h * page * layers * seg
+            + (t % page) * layers * seg
+            + l * seg;
+        assert_eq!(
+            p.host[1][at..at + seg],
+            p.dev[layers + l][100 * item + h * seg..][..seg]
+        );
     }
 }

@@ -5,8 +5,10 @@
 //! own item size (bytes of one row, one layer). The device side is always layer-first: per plane and
 //! layer one base pointer, rows of exactly `item_bytes` bytes.
 //!
-//! `plan.rs` validates a request and turns it into copy operations for the CPU engine;
-//! `cuda/` turns the same request into kernel launches or copy-engine batches.
+//! `plan.rs` validates a request into a compact [`crate::plan::Plan`] that the CPU engine runs
+//! (and the CUDA direct backend streams into copy batches); `cuda/` turns the same request into
+//! kernel launches or copy-engine batches. Only [`TransferRequest::new`], which is `unsafe`,
+//! turns raw addresses into something safe code dereferences.
 
 use crate::error::{Error, Result};
 
@@ -97,16 +99,22 @@ impl IndexWidth {
 }
 
 /// A contiguous array of token (or page-row) indices owned by the caller for the whole call.
+/// Plain data, like [`HostGeometry`].
 #[derive(Clone, Copy, Debug)]
 pub struct IndexArray {
     pub ptr: u64,
     pub len: usize,
     pub width: IndexWidth,
-    /// True when `ptr` is GPU memory: it cannot be read on the host, so the kernel checks bounds.
+    /// True when `ptr` is device-side memory: GPU memory in a [`DeviceMemory::Cuda`] request
+    /// (the host cannot read it, so the kernel checks bounds); in a [`DeviceMemory::Host`]
+    /// request, host memory that only the emulated kernels read. The CPU engine refuses it.
     pub on_device: bool,
 }
 
 /// Host pool geometry: shared by all planes except the item size and the base address.
+///
+/// Plain data: the addresses in `plane_base` are only ever dereferenced through a
+/// [`TransferRequest`], whose constructor is `unsafe`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostGeometry {
     pub layout: Layout,
@@ -122,7 +130,22 @@ pub struct HostGeometry {
     pub plane_base: Vec<u64>,
 }
 
+/// Where the device side of a request lives: which engines may dereference its device layer
+/// pointers and its `on_device` index arrays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceMemory {
+    /// Host memory (tests, the CPU engine, the kernel emulation): every address of the request
+    /// is readable and writable by the CPU. `on_device` index arrays are host memory too, read
+    /// only by the (emulated) kernels.
+    Host,
+    /// CUDA device memory (`cuda::execute`): device layer pointers and `on_device` index arrays
+    /// are GPU addresses; the CPU never dereferences them.
+    Cuda,
+}
+
 /// The device pool as the engines see it: layer-first rows of `item_bytes` per plane.
+///
+/// Plain data, like [`HostGeometry`].
 #[derive(Clone, Debug)]
 pub struct DeviceSide {
     /// Plane-major base pointers: plane `p`, layer `l` at `p * layers + l`, where `layers` is the
@@ -130,14 +153,121 @@ pub struct DeviceSide {
     pub layer_ptrs: Vec<u64>,
     /// Rows addressable in each device layer (bounds for device indices).
     pub rows: usize,
+    /// What `layer_ptrs` (and `on_device` index arrays) address.
+    pub memory: DeviceMemory,
 }
 
-#[derive(Clone, Debug)]
+/// One transfer: host pool geometry and addresses, device layer pointers, index arrays, and what
+/// to do. It carries raw addresses that safe code (`plan::build`, `cpu::execute`,
+/// `cuda::execute`, `cuda::emulate`) dereferences, so it can only be made with the `unsafe`
+/// [`TransferRequest::new`]; its fields are read-only afterwards. Not `Clone`: the promise made
+/// at construction covers this one value.
+#[derive(Debug)]
 pub struct TransferRequest {
-    pub geom: HostGeometry,
-    pub backend: Backend,
-    pub op: Op,
-    pub device: DeviceSide,
-    pub host_idx: IndexArray,
-    pub dev_idx: IndexArray,
+    geom: HostGeometry,
+    backend: Backend,
+    op: Op,
+    device: DeviceSide,
+    host_idx: IndexArray,
+    dev_idx: IndexArray,
+}
+
+impl TransferRequest {
+    /// A request over caller-owned memory. Counts, lengths, layer ids, index values and address
+    /// arithmetic are all checked later (`plan::validate` / `plan::build`), before any byte moves;
+    /// what cannot be checked is the memory itself, which the caller vouches for here.
+    ///
+    /// # Safety
+    ///
+    /// From this call until the request is dropped, and until every CUDA operation enqueued with
+    /// it (`cuda::execute`) has finished on its stream:
+    ///
+    /// 1. **Host planes.** For each plane `p`, the `geom.layers * geom.rows * geom.item_bytes[p]`
+    ///    bytes at `geom.plane_base[p]` are one live allocation, readable and writable from the
+    ///    CPU (and, for `cuda::execute`, registered with CUDA or otherwise addressable by it).
+    /// 2. **Device layers.** Each pointer `k` of `device.layer_ptrs` belongs to plane
+    ///    `p = k / (device.layer_ptrs.len() / nplanes)` (plane-major) and addresses
+    ///    `device.rows * geom.item_bytes[p]` live bytes, readable and writable: CPU memory when
+    ///    `device.memory` is [`DeviceMemory::Host`], memory of one CUDA device when it is
+    ///    [`DeviceMemory::Cuda`]. (A pointer count the op does not expect is refused before use.)
+    /// 3. **Index arrays.** Each of `host_idx` / `dev_idx` with `len > 0` addresses
+    ///    `len * width.bytes()` live bytes: CPU memory unless `on_device` is set with
+    ///    [`DeviceMemory::Cuda`] (then GPU memory of the device that holds the layer pointers).
+    ///    Nobody writes them, and they do not overlap the bytes the transfer writes: the engines
+    ///    read them more than once (validation, then the copy) and rely on seeing the same values.
+    /// 4. **No Rust aliasing.** None of these bytes is a Rust object that safe code may access
+    ///    during the call (for example this request's own vectors): they are reached only through
+    ///    the raw addresses.
+    /// 5. **Writes.** Nothing else reads or writes the bytes the transfer writes while it runs.
+    ///    Several positions may name the same destination row (SGLang allows it): the engines
+    ///    may then copy into that row from two threads (or GPU warps) at once, and which
+    ///    source's bytes land there is unspecified.
+    ///
+    /// A request that fails the structural checks (`plan::check_structure`: null or overflowing
+    /// addresses, pointer counts the op does not expect, lengths that differ, bad geometry) is
+    /// refused before any of its addresses is used, so those addresses need not be valid.
+    /// Overlap between the source and destination bytes of one request is allowed: the CPU
+    /// engine then runs on one thread with `memmove` semantics per copy.
+    pub unsafe fn new(
+        geom: HostGeometry,
+        backend: Backend,
+        op: Op,
+        device: DeviceSide,
+        host_idx: IndexArray,
+        dev_idx: IndexArray,
+    ) -> Self {
+        Self {
+            geom,
+            backend,
+            op,
+            device,
+            host_idx,
+            dev_idx,
+        }
+    }
+
+    pub fn geom(&self) -> &HostGeometry {
+        &self.geom
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    pub fn device(&self) -> &DeviceSide {
+        &self.device
+    }
+
+    pub fn host_idx(&self) -> &IndexArray {
+        &self.host_idx
+    }
+
+    pub fn dev_idx(&self) -> &IndexArray {
+        &self.dev_idx
+    }
+
+    /// The plain data back (safe: the parts dereference nothing by themselves).
+    pub fn into_parts(
+        self,
+    ) -> (
+        HostGeometry,
+        Backend,
+        Op,
+        DeviceSide,
+        IndexArray,
+        IndexArray,
+    ) {
+        (
+            self.geom,
+            self.backend,
+            self.op,
+            self.device,
+            self.host_idx,
+            self.dev_idx,
+        )
+    }
 }

@@ -99,8 +99,13 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
 /// # Safety
 /// `F` must be the symbol's real C signature.
 pub(crate) unsafe fn symbol<F: Copy>(name: &[u8]) -> Option<F> {
-    let lib = sys::culib();
-    lib.get::<F>(name).ok().map(|s| *s)
+    // SAFETY: `culib` loads (once) the driver library the probe found present; `get` reads the
+    // symbol as `F`, which the caller guarantees is its real signature. The library is never
+    // unloaded, so the copied function pointer stays valid.
+    unsafe {
+        let lib = sys::culib();
+        lib.get::<F>(name).ok().map(|s| *s)
+    }
 }
 
 pub(crate) fn as_stream(stream: u64) -> sys::CUstream {

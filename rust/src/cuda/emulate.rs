@@ -9,7 +9,7 @@ use super::errword;
 use super::params::{self, HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
-use crate::transfer::TransferRequest;
+use crate::transfer::{DeviceMemory, TransferRequest};
 
 extern "C" {
     fn hkv_emu_launch(
@@ -26,8 +26,12 @@ const KERNEL_CHECK: c_int = 0;
 const KERNEL_TRANSFER: c_int = 1;
 
 fn launch(kernel: c_int, p: &HkvParams, grid: u32) -> Result<()> {
-    // SAFETY: `p` describes memory the caller guarantees (pools and index arrays alive for the
-    // call); the emulated kernels bound-check indices and write only inside the pools.
+    // SAFETY: `p` was marshalled from a request over `DeviceMemory::Host` (checked by
+    // `emulate_with_quota`) that passed `plan::check_structure`: by `TransferRequest::new`, its
+    // planes, device layers and index arrays (also `on_device` ones) are live CPU memory of the
+    // sizes in `p`. `dev_table` and the error records point at this call's own allocations,
+    // alive until it returns. The kernels check every index against `host_rows` / `dev_rows`
+    // before they address a row, so they touch nothing else.
     let rc = unsafe { hkv_emu_launch(kernel, p, grid, BLOCK_THREADS) };
     if rc != 0 {
         return Err(Error::Cuda(format!(
@@ -40,16 +44,18 @@ fn launch(kernel: c_int, p: &HkvParams, grid: u32) -> Result<()> {
 /// `cuda::emulate` with an explicit block quota (tests vary it without touching the
 /// environment).
 pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()> {
+    if req.device().memory != DeviceMemory::Host {
+        return Err(Error::Unsupported(
+            "the kernel emulation runs on the CPU and cannot reach CUDA device memory".into(),
+        ));
+    }
     let c = plan::validate(req)?;
     if c.len == 0 {
         return Ok(());
     }
     if c.strategy != Strategy::PerItem {
         // The direct backend has no kernel: on a GPU its plan goes to the copy engine as is.
-        let ops = plan::build(req)?;
-        // SAFETY: `plan::build` checked every range against both pools.
-        unsafe { crate::cpu::execute(&ops) };
-        return Ok(());
+        return crate::cpu::execute(&plan::build(req)?);
     }
     let mut m = params::marshal(req, &c)?;
     if let Some(table) = &m.table {
@@ -65,7 +71,7 @@ pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()
     m.params.err = &mut *record as *mut HkvErrorRecord as u64;
     m.params.dev_err = &mut *dev_record as *mut HkvDeviceRecord as u64;
     m.params.abort_seq = 1;
-    if req.host_idx.on_device || req.dev_idx.on_device {
+    if req.host_idx().on_device || req.dev_idx().on_device {
         launch(
             KERNEL_CHECK,
             &m.params,

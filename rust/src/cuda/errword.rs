@@ -103,8 +103,9 @@ fn allocate() -> Result<Record> {
         e
     };
     let mut host_dev: sys::CUdeviceptr = 0;
-    // SAFETY: `p` is a live cuMemHostAlloc(DEVICEMAP) allocation.
     check(
+        // SAFETY: `p` is a live cuMemHostAlloc(DEVICEMAP) allocation made in the current
+        // context; `host_dev` is a valid out-pointer; flags must be 0.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut host_dev, p, 0) },
         "cuMemHostGetDevicePointer (error record)",
     )
@@ -141,18 +142,31 @@ pub(crate) fn take() -> Result<()> {
 /// # Safety
 /// `host` points at a live, 8-byte aligned record that kernels may be writing concurrently.
 pub(crate) unsafe fn consume(host: *mut HkvErrorRecord, reported: &mut u64) -> Option<String> {
-    let cell = |p: *const u64| &*(p as *const AtomicU64);
-    let flag = cell(std::ptr::addr_of!((*host).flag));
-    let ack = cell(std::ptr::addr_of!((*host).ack));
-    let aborted = cell(std::ptr::addr_of!((*host).aborted));
+    // SAFETY: the caller's promise: `host` is a live, 8-byte aligned record for this call. Its
+    // `u64` fields are shared with kernels, so they are only read or written here through
+    // `AtomicU64` (same size and alignment as `u64`) or volatile reads, never through `&u64`.
+    let (flag, ack, aborted) = unsafe {
+        let cell = |p: *const u64| &*(p as *const AtomicU64);
+        (
+            cell(std::ptr::addr_of!((*host).flag)),
+            cell(std::ptr::addr_of!((*host).ack)),
+            cell(std::ptr::addr_of!((*host).aborted)),
+        )
+    };
     // `flag` is read with acquire ordering, so the fields a kernel wrote before publishing the
     // record (fields, system fence, then flag) are read whole.
     let published = flag.load(Ordering::Acquire);
     let acked = ack.load(Ordering::Relaxed);
     if published > acked {
-        let side = std::ptr::addr_of!((*host).side).read_volatile();
-        let value = std::ptr::addr_of!((*host).value).read_volatile();
-        let bound = std::ptr::addr_of!((*host).bound).read_volatile();
+        // SAFETY: fields of the live record (the caller's promise), read volatile: the kernel
+        // wrote them before publishing `flag`, which was read with acquire ordering.
+        let (side, value, bound) = unsafe {
+            (
+                std::ptr::addr_of!((*host).side).read_volatile(),
+                std::ptr::addr_of!((*host).value).read_volatile(),
+                std::ptr::addr_of!((*host).bound).read_volatile(),
+            )
+        };
         let count = aborted.load(Ordering::Acquire);
         // The publisher counts itself after publishing: at least one refusal is this record.
         let refused = count.saturating_sub(*reported).max(1);
@@ -183,34 +197,37 @@ mod tests {
             aborted: 0,
             ack: 0,
         });
-        let p: *mut HkvErrorRecord = &mut *rec;
+        // The record is ours alone here (no kernel writes it): `consume` through a unique
+        // reference.
+        fn take(rec: &mut HkvErrorRecord, reported: &mut u64) -> Option<String> {
+            // SAFETY: `rec` is a live, aligned record that nothing else accesses during the call.
+            unsafe { consume(rec, reported) }
+        }
         let mut reported = 0;
-        assert!(unsafe { consume(p, &mut reported) }.is_none());
+        assert!(take(&mut rec, &mut reported).is_none());
         // Published (generation 1) and counted; a second launch was refused before the host
         // read anything.
-        unsafe {
-            (*p).flag = 1;
-            (*p).aborted = 2;
-        }
-        let msg = unsafe { consume(p, &mut reported) }.unwrap();
+        rec.flag = 1;
+        rec.aborted = 2;
+        let msg = take(&mut rec, &mut reported).unwrap();
         assert!(
             msg.starts_with("device index 77 ") && msg.contains("[0, 10)"),
             "{msg}"
         );
         assert!(msg.contains("2 CUDA transfers were refused"), "{msg}");
-        assert_eq!((unsafe { (*p).ack }, reported), (1, 2));
-        assert!(unsafe { consume(p, &mut reported) }.is_none());
+        assert_eq!((rec.ack, reported), (1, 2));
+        assert!(take(&mut rec, &mut reported).is_none());
         // A launch refused while no record could be claimed is still reported, without details.
-        unsafe { (*p).aborted = 3 };
-        let msg = unsafe { consume(p, &mut reported) }.unwrap();
+        rec.aborted = 3;
+        let msg = take(&mut rec, &mut reported).unwrap();
         assert!(msg.starts_with("1 CUDA transfer(s) were refused"), "{msg}");
-        assert!(unsafe { consume(p, &mut reported) }.is_none());
+        assert!(take(&mut rec, &mut reported).is_none());
         // The publisher counts itself after publishing: a record seen before its count is
         // still one refusal, and the late count is not reported twice.
-        unsafe { (*p).flag = 2 };
-        let msg = unsafe { consume(p, &mut reported) }.unwrap();
+        rec.flag = 2;
+        let msg = take(&mut rec, &mut reported).unwrap();
         assert!(msg.starts_with("device index 77 ") && !msg.contains("transfers were"));
-        unsafe { (*p).aborted = 4 };
-        assert!(unsafe { consume(p, &mut reported) }.is_none());
+        rec.aborted = 4;
+        assert!(take(&mut rec, &mut reported).is_none());
     }
 }

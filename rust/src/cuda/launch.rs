@@ -89,13 +89,13 @@ fn check_same_device(ordinal: c_int, req: &TransferRequest) -> Result<()> {
              array of one transfer must be on the same device"
         )))
     };
-    for (k, &p) in req.device.layer_ptrs.iter().enumerate() {
+    for (k, &p) in req.device().layer_ptrs.iter().enumerate() {
         match probe::pointer_device(p) {
             Some(o) if o != ordinal => return refuse(format!("device layer pointer {k}"), p, o),
             _ => {}
         }
     }
-    for (side, idx) in [("host", &req.host_idx), ("device", &req.dev_idx)] {
+    for (side, idx) in [("host", req.host_idx()), ("device", req.dev_idx())] {
         if idx.on_device && idx.len > 0 {
             match probe::pointer_device(idx.ptr) {
                 Some(o) if o != ordinal => {
@@ -139,15 +139,15 @@ pub(crate) fn run(
 
     // Lay out the staging pair: [layer table][host indices][device indices], 16-aligned.
     let table_bytes = m.table.as_ref().map_or(0, |t| t.len() * 8);
-    let host_idx_bytes = if req.host_idx.on_device {
+    let host_idx_bytes = if req.host_idx().on_device {
         0
     } else {
-        c.len * req.host_idx.width.bytes()
+        c.len * req.host_idx().width.bytes()
     };
-    let dev_idx_bytes = if req.dev_idx.on_device {
+    let dev_idx_bytes = if req.dev_idx().on_device {
         0
     } else {
-        c.len * req.dev_idx.width.bytes()
+        c.len * req.dev_idx().width.bytes()
     };
     let off_host = align16(table_bytes);
     let off_dev = off_host + align16(host_idx_bytes);
@@ -159,9 +159,10 @@ pub(crate) fn run(
     };
     let mut result = Ok(());
     if let Some(l) = &lease {
-        // SAFETY: the lease's host buffer is `total` bytes that no queued copy reads any more
-        // (staging::acquire); the caller keeps the index arrays (validated by plan::validate)
-        // alive for this call, and they are copied before it returns.
+        // SAFETY: the lease's host buffer holds `total` bytes that no queued copy reads any more
+        // (staging::acquire), laid out as [table][host indices][device indices] with each part
+        // inside it. A host-resident index array is `len * width` bytes of CPU memory
+        // (`TransferRequest::new`; `len == c.len`, checked), read here, before the call returns.
         unsafe {
             if let Some(t) = &m.table {
                 std::ptr::copy_nonoverlapping(t.as_ptr().cast::<u8>(), l.host, table_bytes);
@@ -169,7 +170,7 @@ pub(crate) fn run(
             }
             if host_idx_bytes > 0 {
                 std::ptr::copy_nonoverlapping(
-                    req.host_idx.ptr as *const u8,
+                    req.host_idx().ptr as *const u8,
                     l.host.add(off_host),
                     host_idx_bytes,
                 );
@@ -177,7 +178,7 @@ pub(crate) fn run(
             }
             if dev_idx_bytes > 0 {
                 std::ptr::copy_nonoverlapping(
-                    req.dev_idx.ptr as *const u8,
+                    req.dev_idx().ptr as *const u8,
                     l.host.add(off_dev),
                     dev_idx_bytes,
                 );
@@ -192,7 +193,7 @@ pub(crate) fn run(
     // Every launch gets a sequence number: its slot in the abort ring marks it refused (and
     // counted) at most once.
     m.params.abort_seq = errword::next_seq();
-    if result.is_ok() && (req.host_idx.on_device || req.dev_idx.on_device) {
+    if result.is_ok() && (req.host_idx().on_device || req.dev_idx().on_device) {
         let grid = params::check_grid(m.params.n, quota);
         result = launch(kernels.check, &m.params, grid, stream);
         *enqueued |= result.is_ok();

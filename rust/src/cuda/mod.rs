@@ -67,7 +67,7 @@ fn run(req: &TransferRequest, stream: u64) -> Result<()> {
             return Ok(());
         }
         // Held to the end: everything below belongs to the pointers' context.
-        let scope = probe::bind_context(req.device.layer_ptrs.first().copied())?;
+        let scope = probe::bind_context(req.device().layer_ptrs.first().copied())?;
         let ctx = scope.ctx();
         let device = probe::current_device()?;
         refuse_capture(stream)?;
@@ -75,7 +75,7 @@ fn run(req: &TransferRequest, stream: u64) -> Result<()> {
         let planes: Vec<(u64, u64)> = (0..c.nplanes)
             .map(|p| {
                 (
-                    req.geom.plane_base[p],
+                    req.geom().plane_base[p],
                     c.planes[p].map_or(0, |pl| pl.nbytes),
                 )
             })
@@ -144,14 +144,21 @@ pub fn emulate(req: &TransferRequest) -> Result<()> {
 /// multiples of `granularity` (0: 4 KiB) and at most `chunk_limit` bytes, halving a refused
 /// chunk down to one copy unit. Returns the registered ranges; on failure rolls back and returns
 /// an error carrying the contract's text. Blocks: call without the GIL.
-pub fn register_host(
+///
+/// # Safety
+/// `[ptr, ptr+len)` is a live mapping of the caller's that stays mapped, and is not registered
+/// by anyone else, from this call until `unregister_host` of the returned ranges has returned
+/// `Ok` (on `Err` it is still pinned and must stay mapped). The registry keeps these addresses
+/// and transfers whose host planes lie inside them send DMA there.
+pub unsafe fn register_host(
     ptr: u64,
     len: usize,
     granularity: usize,
     chunk_limit: usize,
 ) -> Result<Vec<(u64, usize)>> {
     guard("cudaHostRegister", || {
-        register::register(ptr, len, granularity, chunk_limit)
+        // SAFETY: this function's own contract, passed on.
+        unsafe { register::register(ptr, len, granularity, chunk_limit) }
     })
 }
 
@@ -159,6 +166,10 @@ pub fn register_host(
 /// the transfers queued on them (and only those) have finished. The wait is bounded
 /// (`HOSTKV_UNREGISTER_TIMEOUT_S`, default 60 s): past it the ranges stay pinned and an error is
 /// returned (the caller must then not unmap them). Blocks: call without the GIL.
+///
+/// Safe: it dereferences nothing, and only unpins a region the registry recorded, after every
+/// transfer that entered it has recorded its event and that work has finished; a transfer that
+/// comes later finds the region unregistered and is refused.
 pub fn unregister_host(ranges: &[(u64, usize)]) -> Result<()> {
     guard("cudaHostUnregister", || register::unregister(ranges))
 }

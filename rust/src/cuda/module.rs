@@ -60,8 +60,9 @@ pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernel
         may_block()?;
         for (k, name) in [(h.check, "hkv_check_indices"), (h.transfer, "hkv_transfer")] {
             let mut f: sys::CUfunction = std::ptr::null_mut();
-            // SAFETY: a kernel of the loaded library; valid out-pointer.
             check(
+                // SAFETY: `k` is a kernel handle of the library loaded once for the process
+                // (never unloaded); `f` is a valid out-pointer; a context is current.
                 unsafe { sys::cuKernelGetFunction(&mut f, k as sys::CUkernel) },
                 &format!("cuKernelGetFunction ({name})"),
             )?;
@@ -128,8 +129,9 @@ fn load(driver_version: i32) -> Result<Handles> {
     }
     let get = |name: &[u8]| -> Result<usize> {
         let mut k: sys::CUkernel = std::ptr::null_mut();
-        // SAFETY: `lib` is loaded, `name` NUL-terminated.
         check(
+            // SAFETY: `lib` was just loaded and is never unloaded; `name` is one of the
+            // NUL-terminated kernel names; `k` is a valid out-pointer.
             unsafe { sys::cuLibraryGetKernel(&mut k, lib, name.as_ptr().cast()) },
             "cuLibraryGetKernel",
         )?;

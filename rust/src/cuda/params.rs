@@ -102,7 +102,7 @@ fn to_u32(what: &str, v: u64) -> Result<u32> {
 /// Fills the parameter block for a request that `plan::check_structure`/`validate` accepted.
 /// Index addresses, the error record and the abort sequence are left for the caller to place.
 pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> {
-    let g = &req.geom;
+    let g = req.geom();
     // The kernel keeps rows, page sizes and segment lengths in 32-bit registers.
     to_u32("host pool rows", g.rows as u64)?;
     let planes = to_u32("planes", c.nplanes as u64)?;
@@ -121,11 +121,11 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         host_base: [0; 2],
         item_bytes: [0; 2],
         seg_bytes: [0; 2],
-        host_idx: req.host_idx.ptr,
-        dev_idx: req.dev_idx.ptr,
+        host_idx: req.host_idx().ptr,
+        dev_idx: req.dev_idx().ptr,
         n: c.len as u64,
         host_rows: g.rows as u64,
-        dev_rows: req.device.rows as u64,
+        dev_rows: req.device().rows as u64,
         err: 0,
         dev_err: 0,
         abort_seq: 0,
@@ -134,11 +134,11 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         layer_count,
         planes,
         layout: g.layout as u32,
-        to_host: u32::from(req.op.to_host()),
+        to_host: u32::from(req.op().to_host()),
         page_size: to_u32("page size", g.page_size as u64)?,
         heads: 1,
-        host_idx_wide: u32::from(req.host_idx.width == IndexWidth::I64),
-        dev_idx_wide: u32::from(req.dev_idx.width == IndexWidth::I64),
+        host_idx_wide: u32::from(req.host_idx().width == IndexWidth::I64),
+        dev_idx_wide: u32::from(req.dev_idx().width == IndexWidth::I64),
     });
     for p in 0..c.nplanes {
         let pl = c.planes[p].as_ref().ok_or_else(|| {
@@ -150,7 +150,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         params.seg_bytes[p] = pl.segment;
         params.heads = to_u32("heads", pl.heads)?;
     }
-    let ptrs = &req.device.layer_ptrs;
+    let ptrs = &req.device().layer_ptrs;
     let table = if ptrs.len() <= INLINE_PTRS {
         params.dev_ptrs[..ptrs.len()].copy_from_slice(ptrs);
         None

@@ -63,7 +63,8 @@ pub(crate) fn chunks(
 
 fn register_one(ptr: u64, size: usize) -> i32 {
     let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-    // SAFETY: the caller owns `[ptr, ptr+size)` (a live mapping) for the registration's life.
+    // SAFETY: `[ptr, ptr+size)` is a chunk of the range `register`'s caller keeps mapped until
+    // it is unregistered; the driver only pins it (or refuses).
     code(unsafe { sys::cuMemHostRegister_v2(as_void(ptr), size, flags) })
 }
 
@@ -207,7 +208,12 @@ fn register_chunks(
     (outcomes, spawned.max(1))
 }
 
-pub(crate) fn register(
+/// Pins `[ptr, ptr+len)` in chunks and records them in the registry.
+///
+/// # Safety
+/// As for `cuda::register_host`: a live mapping of the caller's that stays mapped (and is not
+/// registered by anyone else) until it is unregistered.
+pub(crate) unsafe fn register(
     ptr: u64,
     len: usize,
     granularity: usize,

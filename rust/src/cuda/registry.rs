@@ -23,6 +23,7 @@ use cudarc::driver::sys;
 use super::driver::{as_void, check, code, describe, Cu};
 use super::probe;
 use crate::error::{Error, Result};
+use crate::plan::CopyOp;
 
 /// One `cuMemHostRegister` range and the device whose context was current when it was made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,8 +211,9 @@ impl Drop for Entered {
 
 fn create_event() -> Result<usize> {
     let mut ev: sys::CUevent = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; a context is current (the transfer's).
     check(
+        // SAFETY: `ev` is a valid out-pointer and a context is current (the transfer's); the
+        // flags are a valid `CUevent_flags` value.
         unsafe {
             sys::cuEventCreate(
                 &mut ev,
@@ -413,46 +415,52 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
     first_err.map_or(Ok(()), Err)
 }
 
-/// Splits copies so that none spans a registration seam (`seams`: sorted chunk boundaries of the
-/// host side): the driver rejects a copy whose host range lies in two registrations. `to_host`
-/// says which side of each op is host memory (the destination for a backup).
+/// Splits one copy so that no piece spans a registration seam (`seams`: sorted chunk boundaries
+/// of the host side) and hands the pieces to `f`, in order: the driver rejects a copy whose host
+/// range lies in two registrations. `to_host` says which side of the copy is host memory (the
+/// destination for a backup).
 pub(crate) fn split_at_seams(
-    ops: Vec<crate::plan::CopyOp>,
+    op: CopyOp,
     to_host: bool,
     seams: &[u64],
-) -> Vec<crate::plan::CopyOp> {
-    if seams.is_empty() {
-        return ops;
-    }
-    let mut out = Vec::with_capacity(ops.len());
-    for op in ops {
-        let host = if to_host { op.dst } else { op.src };
-        let end = host + op.len;
-        let first = seams.partition_point(|&s| s <= host);
-        let mut at = host;
-        for &s in seams[first..].iter().take_while(|&&s| s < end) {
-            let skip = at - host;
-            out.push(crate::plan::CopyOp {
-                src: op.src + skip,
-                dst: op.dst + skip,
-                len: s - at,
-            });
-            at = s;
-        }
+    mut f: impl FnMut(CopyOp) -> Result<()>,
+) -> Result<()> {
+    let host = if to_host { op.dst } else { op.src };
+    let end = host + op.len;
+    let first = seams.partition_point(|&s| s <= host);
+    let mut at = host;
+    for &s in seams[first..].iter().take_while(|&&s| s < end) {
         let skip = at - host;
-        out.push(crate::plan::CopyOp {
+        f(CopyOp {
             src: op.src + skip,
             dst: op.dst + skip,
-            len: end - at,
-        });
+            len: s - at,
+        })?;
+        at = s;
     }
-    out
+    let skip = at - host;
+    f(CopyOp {
+        src: op.src + skip,
+        dst: op.dst + skip,
+        len: end - at,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::CopyOp;
+
+    fn split_all(ops: &[CopyOp], to_host: bool, seams: &[u64]) -> Vec<CopyOp> {
+        let mut out = Vec::new();
+        for &op in ops {
+            split_at_seams(op, to_host, seams, |piece| {
+                out.push(piece);
+                Ok(())
+            })
+            .unwrap();
+        }
+        out
+    }
 
     #[test]
     fn copies_are_cut_at_every_seam_they_cross_and_nowhere_else() {
@@ -474,7 +482,7 @@ mod tests {
                 len: 100,
             }, // ends exactly at a seam
         ];
-        let got = split_at_seams(ops.clone(), false, &seams);
+        let got = split_all(&ops, false, &seams);
         assert_eq!(
             got,
             vec![
@@ -514,7 +522,7 @@ mod tests {
                 len: o.len,
             })
             .collect();
-        let got_back = split_at_seams(back, true, &seams);
+        let got_back = split_all(&back, true, &seams);
         assert_eq!(got_back.len(), 5);
         assert!(got_back
             .iter()

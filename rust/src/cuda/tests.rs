@@ -11,7 +11,8 @@ use super::params::{
 use crate::error::Error;
 use crate::plan;
 use crate::transfer::{
-    Backend, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
+    TransferRequest,
 };
 
 /// xorshift64*: reproducible test data without a dependency.
@@ -119,45 +120,64 @@ fn build(c: &Case, seed: u64) -> Built {
 }
 
 fn request(c: &Case, pools: &mut Pools, host_idx: &[u8], dev_idx: &[u8]) -> TransferRequest {
+    request_with(c, pools, host_idx, dev_idx, Backend::Kernel, false)
+}
+
+/// `on_device`: both index arrays marked GPU-resident (host memory the emulated kernels read).
+fn request_with(
+    c: &Case,
+    pools: &mut Pools,
+    host_idx: &[u8],
+    dev_idx: &[u8],
+    backend: Backend,
+    on_device: bool,
+) -> TransferRequest {
     let idx = |b: &[u8]| IndexArray {
         ptr: b.as_ptr() as u64,
         len: c.n,
         width: c.width,
-        on_device: false,
+        on_device,
     };
-    TransferRequest {
-        geom: HostGeometry {
-            layout: c.layout,
-            layers: c.layers,
-            rows: c.rows,
-            page_size: c.page,
-            heads: c.heads,
-            item_bytes: c.items[..c.planes].to_vec(),
-            plane_base: pools
-                .host
-                .iter_mut()
-                .map(|h| h.as_mut_ptr() as u64)
-                .collect(),
-        },
-        backend: Backend::Kernel,
-        op: if c.backup {
-            Op::Backup
-        } else {
-            Op::Load {
-                host_layer: c.host_layer,
-            }
-        },
-        device: DeviceSide {
-            layer_ptrs: pools
-                .dev
-                .iter_mut()
-                .map(|d| d.as_mut_ptr() as u64)
-                .collect(),
-            rows: c.dev_rows,
-        },
-        host_idx: idx(host_idx),
-        dev_idx: idx(dev_idx),
-    }
+    assert!(host_idx.len() >= c.n * c.width.bytes() && dev_idx.len() >= c.n * c.width.bytes());
+    let geom = HostGeometry {
+        layout: c.layout,
+        layers: c.layers,
+        rows: c.rows,
+        page_size: c.page,
+        heads: c.heads,
+        item_bytes: c.items[..c.planes].to_vec(),
+        plane_base: pools
+            .host
+            .iter_mut()
+            .map(|h| h.as_mut_ptr() as u64)
+            .collect(),
+    };
+    let op = if c.backup {
+        Op::Backup
+    } else {
+        Op::Load {
+            host_layer: c.host_layer,
+        }
+    };
+    let device = DeviceSide {
+        layer_ptrs: pools
+            .dev
+            .iter_mut()
+            .map(|d| d.as_mut_ptr() as u64)
+            .collect(),
+        rows: c.dev_rows,
+        memory: DeviceMemory::Host,
+    };
+    // SAFETY: the planes (L*S*I bytes each), device layers (dev_rows*I bytes each) and index
+    // arrays (n elements, asserted) are the test's own buffers in host memory; the callers keep
+    // them alive and leave them alone while the request is used.
+    unsafe { TransferRequest::new(geom, backend, op, device, idx(host_idx), idx(dev_idx)) }
+}
+
+/// The CPU engine, on one thread (the reference the emulation is compared with).
+fn run_cpu(req: &TransferRequest) {
+    let plan = plan::build(req).unwrap_or_else(|e| panic!("plan refused: {e}"));
+    crate::cpu::execute_serial(&plan).unwrap();
 }
 
 /// Runs the CPU engine and the emulated kernel on copies of the same data and compares every
@@ -166,9 +186,7 @@ fn check_case(c: &Case, quota: u32, seed: u64) {
     let b = build(c, seed);
     let mut want = b.pools.clone();
     let req = request(c, &mut want, &b.host_idx, &b.dev_idx);
-    let ops = plan::build(&req).unwrap_or_else(|e| panic!("{c:?}: plan refused: {e}"));
-    // SAFETY: `plan::build` checked every range.
-    unsafe { crate::cpu::execute_serial(&ops) };
+    run_cpu(&req);
     let mut got = b.pools.clone();
     let req = request(c, &mut got, &b.host_idx, &b.dev_idx);
     emulate_with_quota(&req, quota).unwrap_or_else(|e| panic!("{c:?}: emulation failed: {e}"));
@@ -391,9 +409,7 @@ fn bad_device_resident_index_writes_nothing() {
             }
             let (hi, di) = (encode(&host_vals, width), encode(&dev_vals, width));
             let mut pools = b.pools.clone();
-            let mut req = request(&c, &mut pools, &hi, &di);
-            req.host_idx.on_device = true;
-            req.dev_idx.on_device = true;
+            let req = request_with(&c, &mut pools, &hi, &di, Backend::Kernel, true);
             let e = emulate_with_quota(&req, 2).unwrap_err();
             let msg = e.to_string();
             assert!(matches!(e, Error::InvalidTransfer(_)), "{msg}");
@@ -413,12 +429,9 @@ fn device_resident_valid_indices_match_the_plan() {
     let b = build(&c, 9);
     let mut want = b.pools.clone();
     let req = request(&c, &mut want, &b.host_idx, &b.dev_idx);
-    // SAFETY: validated plan.
-    unsafe { crate::cpu::execute_serial(&plan::build(&req).unwrap()) };
+    run_cpu(&req);
     let mut got = b.pools.clone();
-    let mut req = request(&c, &mut got, &b.host_idx, &b.dev_idx);
-    req.dev_idx.on_device = true;
-    req.host_idx.on_device = true;
+    let req = request_with(&c, &mut got, &b.host_idx, &b.dev_idx, Backend::Kernel, true);
     emulate_with_quota(&req, 3).unwrap();
     assert!(want.host == got.host && want.dev == got.dev);
 }
@@ -449,13 +462,10 @@ fn direct_requests_emulate_the_copy_engine_plan() {
     let dev: Vec<i64> = vec![8, 9, 10, 11, 16, 17, 18, 19];
     let (hi, di) = (encode(&host, c.width), encode(&dev, c.width));
     let mut want = b.pools.clone();
-    let mut req = request(&c, &mut want, &hi, &di);
-    req.backend = Backend::Direct;
-    // SAFETY: validated plan.
-    unsafe { crate::cpu::execute_serial(&plan::build(&req).unwrap()) };
+    let req = request_with(&c, &mut want, &hi, &di, Backend::Direct, false);
+    run_cpu(&req);
     let mut got = b.pools.clone();
-    let mut req = request(&c, &mut got, &hi, &di);
-    req.backend = Backend::Direct;
+    let req = request_with(&c, &mut got, &hi, &di, Backend::Direct, false);
     emulate_with_quota(&req, 2).unwrap();
     assert!(want.host == got.host && want.dev == got.dev && want.host != b.pools.host);
 }
@@ -470,7 +480,8 @@ fn probe_never_panics_and_explains_itself() {
     assert_eq!(super::available(), info.starts_with("CUDA available"));
     if !super::available() {
         assert!(super::check_device_errors().is_ok());
-        let e = super::register_host(4096, 4096, 0, 1 << 30).unwrap_err();
+        // SAFETY: CUDA is unavailable, so nothing is registered (the address is never used).
+        let e = unsafe { super::register_host(4096, 4096, 0, 1 << 30) }.unwrap_err();
         assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
     }
 }
