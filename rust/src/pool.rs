@@ -61,6 +61,9 @@ fn parse_layout(kind: PoolKind, layout: &str) -> Result<Layout> {
     }
 }
 
+/// Largest layer count a pool may have (models have at most a few hundred).
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// What an L3 page index names, checked: its first physical host slot (row for V4).
 pub type PageStart = u64;
 
@@ -142,6 +145,28 @@ impl PoolSpec {
                 return Err(Error::Geometry(format!("{what} must be positive, got 0")));
             }
         }
+        // Slot numbers are Python ints read as i64: the pool's (logical) slots must fit one.
+        let tokens = if kind == PoolKind::V4Paged {
+            rows.checked_mul(page_size)
+        } else {
+            rows.checked_mul(dcp_size)
+        };
+        let page_tokens = page_size.checked_mul(dcp_size);
+        if [tokens, page_tokens]
+            .iter()
+            .any(|t| t.is_none_or(|t| t > i64::MAX as usize))
+        {
+            return Err(overflow(
+                "the pool's token slots do not fit in a signed 64-bit index",
+            ));
+        }
+        // Per-layer answers (page metadata, buffer infos) have one entry per layer: a layer
+        // count no model has would only exhaust memory building them.
+        if layers > MAX_LAYERS {
+            return Err(Error::Geometry(format!(
+                "num_layers must lie in [0, {MAX_LAYERS}], got {layers}"
+            )));
+        }
         if dcp_rank >= dcp_size {
             return Err(Error::Geometry(format!(
                 "dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}"
@@ -174,6 +199,15 @@ impl PoolSpec {
                 .and_then(|x| x.checked_mul(itemsize as u64))
                 .and_then(|x| usize::try_from(x).ok())
                 .ok_or_else(|| overflow("head_num * head_dim * itemsize"))?;
+            // Strides span a whole layer and a whole page even in a pool of zero layers or
+            // rows: they must fit too, not only the plane's byte size.
+            let one_layer = layers.max(1) as u64;
+            for (what, n) in [("rows", plane_rows), ("page_size", plane_page)] {
+                one_layer
+                    .checked_mul(n as u64)
+                    .and_then(|x| x.checked_mul(item as u64))
+                    .ok_or_else(|| overflow(&format!("num_layers * {what} * item_bytes")))?;
+            }
             let plane_heads = if layout == Layout::PageHead { heads } else { 1 };
             planes.push(PlaneLayout::new(
                 layout,
@@ -953,6 +987,66 @@ mod tests {
         assert!(spec(PoolKind::AsymmetricMha, "page_first", &[8, 4])
             .page_view(0)
             .is_err());
+    }
+
+    /// Adversarial geometry: every combination of extreme sizes is an error or a spec whose
+    /// derived values never overflow; nothing panics (debug builds trap on overflow).
+    #[test]
+    fn adversarial_geometry_never_panics() {
+        let big = [
+            0usize,
+            1,
+            3,
+            1 << 20,
+            1 << 31,
+            1 << 40,
+            (1 << 62) + 1,
+            usize::MAX,
+        ];
+        let mut built = 0;
+        for kind in [
+            PoolKind::Mha,
+            PoolKind::AsymmetricMha,
+            PoolKind::Mla,
+            PoolKind::V4Paged,
+        ] {
+            let dims: &[usize] = match kind {
+                PoolKind::Mha | PoolKind::AsymmetricMha => &[3, 5],
+                _ => &[7],
+            };
+            for layout in [
+                "layer_first",
+                "page_first",
+                "page_first_direct",
+                "page_head",
+            ] {
+                for &layers in &big {
+                    for &rows in &big {
+                        for &page in &[0usize, 1, 3, 1 << 30, usize::MAX] {
+                            let r = PoolSpec::new(
+                                kind, layout, layers, rows, page, 2, dims, 2, 1, 0, "x",
+                            );
+                            let Ok(spec) = r else { continue };
+                            built += 1;
+                            for plane in 0..dims.len() {
+                                let _ = spec.shape(plane);
+                            }
+                            for index in [i64::MIN, -1, 0, 1, i64::MAX] {
+                                if let Ok(start) = spec.data_page_start(index) {
+                                    let _ = spec.page_view(start);
+                                }
+                            }
+                            let idx: Vec<i64> = vec![0; page.min(4)];
+                            if let Ok(starts) = spec.page_starts(&idx) {
+                                let _ = spec.page_meta(&[0, 0], &starts);
+                            }
+                            let _ = spec.contiguous_buf_infos(0);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(built > 50, "{built}");
     }
 
     #[test]

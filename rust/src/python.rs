@@ -362,27 +362,48 @@ impl PyPoolCore {
                 format!("device_rows must be non-negative, got {device_rows}"),
             )
         })?;
-        let req = TransferRequest {
-            geom: self.geom.clone(),
-            backend,
-            op,
-            device: DeviceSide {
-                layer_ptrs: device_ptrs,
-                rows,
-            },
-            host_idx: index_array(py, "host", host_idx)?,
-            dev_idx: index_array(py, "device", dev_idx)?,
+        // `device` other than "cpu" / "cuda" is refused below, before the request is used.
+        let memory = if device == "cuda" {
+            crate::transfer::DeviceMemory::Cuda
+        } else {
+            crate::transfer::DeviceMemory::Host
+        };
+        let device_side = DeviceSide {
+            layer_ptrs: device_ptrs,
+            rows,
+            memory,
+        };
+        let host_idx = index_array(py, "host", host_idx)?;
+        let dev_idx = index_array(py, "device", dev_idx)?;
+        // SAFETY: `_core` is the package's private binding, and this is the promise its Python
+        // callers (the hostkv_rs pools) make for every transfer: the plane addresses given to
+        // `PoolCore(...)` are the pool's own host buffers, which the pool object keeps alive (and
+        // never frees while a transfer runs); `device_ptrs` are the data pointers of the device
+        // layer tensors (plane-major, each checked by the pool to hold `device_rows` rows of the
+        // plane's item size) on `device`, and the index arrays are contiguous int32/int64
+        // tensors of the stated length and residency. The caller holds all of them for this
+        // call, and CUDA work is enqueued on `stream`, in whose order the caching allocator
+        // reuses freed device memory. None of them is a Rust object of this call. A pool never
+        // writes an index tensor while a transfer reads it.
+        let req = unsafe {
+            TransferRequest::new(
+                self.geom.clone(),
+                backend,
+                op,
+                device_side,
+                host_idx,
+                dev_idx,
+            )
         };
         match (device, engine) {
             ("cpu", "plan") => {
-                let ops = plan::build(&req).map_err(|e| to_py(py, e))?;
-                // SAFETY: `plan::build` checked every range against both pools.
-                if plan::total_bytes(&ops) > DETACH_BYTES {
-                    py.detach(|| unsafe { cpu::execute(&ops) });
+                let plan = plan::build(&req).map_err(|e| to_py(py, e))?;
+                let run = if plan.bytes() > DETACH_BYTES {
+                    py.detach(|| cpu::execute(&plan))
                 } else {
-                    unsafe { cpu::execute(&ops) };
-                }
-                Ok(())
+                    cpu::execute(&plan)
+                };
+                run.map_err(|e| to_py(py, e))
             }
             ("cpu", "emulated") => {
                 plan::validate(&req).map_err(|e| to_py(py, e))?;
@@ -650,22 +671,37 @@ fn u64s(v: &[u64]) -> Vec<u64> {
 #[pymethods]
 impl PyPoolSpec {
     #[new]
-    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = 1, dcp_size = 1, dcp_rank = 0, name = ""))]
+    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = ""))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         kind: &str,
         layout: &str,
-        num_layers: usize,
-        rows: usize,
-        page_size: usize,
-        dims: Vec<usize>,
-        itemsize: usize,
-        head_num: usize,
-        dcp_size: usize,
-        dcp_rank: usize,
+        num_layers: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        dims: Vec<Bound<'_, PyAny>>,
+        itemsize: &Bound<'_, PyAny>,
+        head_num: Option<&Bound<'_, PyAny>>,
+        dcp_size: Option<&Bound<'_, PyAny>>,
+        dcp_rank: Option<&Bound<'_, PyAny>>,
         name: &str,
     ) -> PyResult<Self> {
+        let size = |v: &Bound<'_, PyAny>, n: &str| -> PyResult<usize> {
+            Ok(int_in(v, n, 0, i64::MAX as u128, "[0, 2**63)")? as usize)
+        };
+        let or_one = |v: Option<&Bound<'_, PyAny>>, n: &str| v.map_or(Ok(1), |v| size(v, n));
+        let num_layers = size(num_layers, "num_layers")?;
+        let rows = size(rows, "rows")?;
+        let page_size = size(page_size, "page_size")?;
+        let dims = dims
+            .iter()
+            .map(|d| size(d, "dims"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let itemsize = size(itemsize, "itemsize")?;
+        let head_num = or_one(head_num, "head_num")?;
+        let dcp_size = or_one(dcp_size, "dcp_size")?;
+        let dcp_rank = dcp_rank.map_or(Ok(0), |v| size(v, "dcp_rank"))?;
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
         let spec = PoolSpec::new(
             kind, layout, num_layers, rows, page_size, head_num, &dims, itemsize, dcp_size,
@@ -765,6 +801,7 @@ impl PyPoolSpec {
         py: Python<'_>,
         base: u64,
     ) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        self.check_bases(&[base])?;
         self.spec
             .contiguous_buf_infos(base)
             .map_err(|e| to_py(py, e))
@@ -789,6 +826,14 @@ impl PyPoolSpec {
                 self.spec.planes().len(),
                 bases.len()
             )));
+        }
+        for (p, (&base, plane)) in bases.iter().zip(self.spec.planes()).enumerate() {
+            if base.checked_add(plane.nbytes).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "plane {p} address {base:#x} cannot hold {} bytes",
+                    plane.nbytes
+                )));
+            }
         }
         Ok(())
     }
