@@ -179,7 +179,9 @@ def test_bad_constructor_arguments():
         MHATokenToKVPoolHost(dp, 2.0, 0, 0, "layer_first")
     with pytest.raises(TypeError, match="page_size"):
         MHATokenToKVPoolHost(dp, 2.0, 0, 1.5, "layer_first")
-    with pytest.raises(ValueError, match="host_to_device_ratio must be a finite non-negative number, got -1.0"):
+    with pytest.raises(
+        ValueError, match="host_to_device_ratio must be a finite non-negative number, got -1.0"
+    ):
         MHATokenToKVPoolHost(dp, -1.0, 0, 16, "layer_first")
     with pytest.raises(
         AssertionError,

@@ -482,3 +482,66 @@ def test_a_v4_device_buffer_with_a_shrunk_storage_is_refused():
     _shrink(dev[1])
     with pytest.raises(ValueError, match="c4: device buffer 1: the tensor's storage holds 64"):
         DeepSeekV4PagedHostPool("c4", dev, 128, 4, 2)
+
+
+# ---- structured refusals: the fields a caller can act on --------------------------------------
+
+
+def test_out_of_range_index_names_side_position_value_and_bound():
+    host, dp = poisoned("mha", "page_first")
+    h = torch.arange(16)
+    h[5] = host.size + 3
+    with Unchanged(host, dp), pytest.raises(TransferError) as info:
+        host.backup_from_device_all_layer(dp, h, torch.arange(16, 32), "kernel")
+    e = info.value
+    assert (e.kind, e.side, e.position, e.value, e.bound) == (
+        "out_of_range",
+        "host",
+        5,
+        host.size + 3,
+        host.size,
+    ), vars(e)
+    assert isinstance(e, ValueError) and isinstance(e, RuntimeError)
+
+    d = torch.arange(16, 32)
+    d[2] = -4
+    with Unchanged(host, dp), pytest.raises(TransferError) as info:
+        host.load_to_device_per_layer(dp, torch.arange(16), d, 0, "kernel")
+    e = info.value
+    assert (e.kind, e.side, e.position, e.value) == ("negative", "device", 2, -4), vars(e)
+
+
+def test_length_mismatch_keeps_sglangs_text_and_carries_both_lengths():
+    host, dp = poisoned("mha", "layer_first")
+    with Unchanged(host, dp), pytest.raises(TransferError) as info:
+        host.backup_from_device_all_layer(dp, torch.arange(16), torch.arange(8), "kernel")
+    e = info.value
+    assert str(e) == "Source and destination indices must have the same length"
+    assert (e.kind, e.host_len, e.device_len) == ("length_mismatch", 16, 8)
+
+
+def test_broken_page_run_names_the_page_and_the_index():
+    host, dp = poisoned("mha", "page_first_direct")
+    with Unchanged(host, dp), pytest.raises(TransferError) as info:
+        host.load_to_device_per_layer(dp, torch.arange(4), torch.tensor([7, 6, 5, 4]), 0, "direct")
+    e = info.value
+    assert (e.kind, e.page, e.side, e.position, e.value) == (
+        "page_run_broken",
+        0,
+        "device",
+        1,
+        6,
+    ), vars(e)
+
+
+def test_index_errors_are_transfer_errors_and_index_errors():
+    import hostkv_rs
+    from hostkv_rs import _core
+
+    for cls in (hostkv_rs.LayerIndexError, hostkv_rs.PageIndexError):
+        assert issubclass(cls, TransferError) and issubclass(cls, IndexError), cls.__mro__
+        assert cls.__module__ == "hostkv_rs._core"
+    assert hostkv_rs.LayerIndexError is _core.LayerIndexError
+    host, _ = poisoned("mha", "page_first")
+    with pytest.raises(hostkv_rs.PageIndexError):
+        host.get_data_page(host.size + 16)

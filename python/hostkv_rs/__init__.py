@@ -4,7 +4,13 @@ Importing the package never touches CUDA: the core probes the driver only when a
 (`cuda_available()`), and torch.cuda is used only for CUDA device pools.
 """
 
-from hostkv_rs._core import TransferError, cuda_available, runtime_info
+from hostkv_rs._core import (
+    LayerIndexError,
+    PageIndexError,
+    TransferError,
+    cuda_available,
+    runtime_info,
+)
 from hostkv_rs._core import __version__ as __version__
 from hostkv_rs._memory import HostTensorAllocator
 from hostkv_rs.base import HostKVCache
@@ -22,11 +28,13 @@ __all__ = [
     "DeepSeekV4PagedHostPool",
     "HostKVCache",
     "HostTensorAllocator",
+    "LayerIndexError",
     "LogicalHostPool",
     "MHATokenToKVPool",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
     "MLATokenToKVPoolHost",
+    "PageIndexError",
     "TransferError",
     "__version__",
     "cuda_available",

@@ -23,10 +23,9 @@ import torch
 from hostkv_rs import _core
 from hostkv_rs._indices import check_storage
 
-
-class LayerIndexError(_core.TransferError, IndexError):
-    """A layer id outside the pools: a TransferError (nothing was copied) that is also the
-    IndexError SGLang's `k_buffer[layer_id]` would raise."""
+# A layer id outside the pools: a TransferError (nothing was copied) that is also the IndexError
+# SGLang's `k_buffer[layer_id]` would raise. Defined in Rust, which raises it too.
+LayerIndexError = _core.LayerIndexError
 
 
 class DeviceLayers(NamedTuple):

@@ -119,19 +119,19 @@ impl PlaneLayout {
     /// path (Python's `PoolCore.offset`).
     pub fn offset(&self, row: u64, layer: u64, head: u64) -> Result<u64> {
         if row >= self.rows {
-            return Err(Error::InvalidTransfer(format!(
+            return Err(Error::transfer(format!(
                 "row {row} is out of range [0, {})",
                 self.rows
             )));
         }
         if layer >= self.layers {
-            return Err(Error::InvalidTransfer(format!(
+            return Err(Error::transfer(format!(
                 "layer {layer} is out of range [0, {})",
                 self.layers
             )));
         }
         if head >= self.heads {
-            return Err(Error::InvalidTransfer(format!(
+            return Err(Error::transfer(format!(
                 "head {head} is out of range [0, {})",
                 self.heads
             )));

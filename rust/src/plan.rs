@@ -14,7 +14,8 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+pub use crate::error::Side;
+use crate::error::{Error, Result, TransferError};
 use crate::layout::PlaneLayout;
 use crate::transfer::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
 
@@ -73,7 +74,7 @@ impl Checked {
 }
 
 fn invalid(msg: String) -> Error {
-    Error::InvalidTransfer(msg)
+    Error::transfer(msg)
 }
 
 /// Checks that need no index values: geometry, pointer counts, layer id, lengths, page multiple.
@@ -114,10 +115,11 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         Op::Backup => (0, g.layers as u64),
         Op::BackupLayer { host_layer } | Op::Load { host_layer } => {
             if host_layer >= g.layers {
-                return Err(invalid(format!(
-                    "host layer {host_layer} is out of range [0, {})",
-                    g.layers
-                )));
+                return Err(TransferError::LayerOutOfRange {
+                    layer: host_layer as i64,
+                    layers: g.layers,
+                }
+                .into());
             }
             (host_layer as u64, 1)
         }
@@ -132,17 +134,21 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     }
     let (h, d) = (req.host_idx(), req.dev_idx());
     if h.len != d.len {
-        return Err(invalid(
-            "Source and destination indices must have the same length".into(),
-        ));
+        return Err(TransferError::LengthMismatch {
+            host: h.len,
+            device: d.len,
+        }
+        .into());
     }
     let len = h.len;
     // SGLang's direct ops (transfer_kv_direct and the page-first-direct pair) all refuse a
     // partial page; its kernels do not check.
     if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
-        return Err(invalid(
-            "Source indices size must be divisible by page size".into(),
-        ));
+        return Err(TransferError::PartialPage {
+            len,
+            page_size: g.page_size,
+        }
+        .into());
     }
     if len > 0 {
         for (p, &item) in g.item_bytes.iter().enumerate() {
@@ -251,15 +257,25 @@ impl<'a> IndexView<'a> {
 }
 
 /// The first value of `view` outside `[0, bound)`, as the error the pools raise.
-fn check_range(which: &str, view: &IndexView<'_>, bound: u64) -> Result<()> {
-    for i in 0..view.len() {
-        let v = view.get(i);
-        if v < 0 || v as u64 >= bound {
-            return Err(invalid(if v < 0 {
-                format!("{which} index {v} at position {i} is negative")
-            } else {
-                format!("{which} index {v} at position {i} is out of range [0, {bound})")
-            }));
+fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
+    for position in 0..view.len() {
+        let value = view.get(position);
+        if value < 0 {
+            return Err(TransferError::Negative {
+                side,
+                position,
+                value,
+            }
+            .into());
+        }
+        if value as u64 >= bound {
+            return Err(TransferError::OutOfRange {
+                side,
+                position,
+                value,
+                bound,
+            }
+            .into());
         }
     }
     Ok(())
@@ -275,33 +291,40 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
     for k in 0..pages {
         let d = dev.get(k * p) as u64;
         if d + pu > dev_rows {
-            return Err(invalid(format!(
-                "device page starting at index {d} (position {}) needs rows [{d}, {}) but the \
-                 device pool has {dev_rows} rows",
-                k * p,
-                d + pu,
-            )));
+            return Err(TransferError::PageOutsideDevice {
+                start: d,
+                position: k * p,
+                end: d + pu,
+                rows: dev_rows,
+            }
+            .into());
         }
     }
     for k in 0..pages {
         let first = k * p;
         let h0 = host.get(first);
         if h0 as u64 % pu != 0 {
-            return Err(invalid(format!(
-                "page {k}: host index {h0} at position {first} does not start a page (page size \
-                 {p}); page-block copies move whole host pages"
-            )));
+            return Err(TransferError::PageNotAligned {
+                page: k,
+                value: h0 as u64,
+                position: first,
+                page_size: pu,
+            }
+            .into());
         }
-        for (side, view) in [("host", host), ("device", dev)] {
+        for (side, view) in [(Side::Host, host), (Side::Device, dev)] {
             let v0 = view.get(first);
             if let Some(j) = (1..p).find(|&j| view.get(first + j) != v0 + j as i64) {
-                return Err(invalid(format!(
-                    "page {k}: {side} index {} at position {} breaks the run {v0}..{} (page-block \
-                     copies move {p} consecutive rows per page)",
-                    view.get(first + j),
-                    first + j,
-                    v0 + p as i64
-                )));
+                return Err(TransferError::PageRunBroken {
+                    page: k,
+                    side,
+                    value: view.get(first + j),
+                    position: first + j,
+                    start: v0 as u64,
+                    end: v0 as u64 + pu,
+                    page_size: pu,
+                }
+                .into());
             }
         }
     }
@@ -322,22 +345,15 @@ pub fn validate(req: &TransferRequest) -> Result<Checked> {
     let hv = index_view(req, Side::Host).ok();
     let dv = index_view(req, Side::Device).ok();
     if let Some(hv) = &hv {
-        check_range("host", hv, req.geom().rows as u64)?;
+        check_range(Side::Host, hv, req.geom().rows as u64)?;
     }
     if let Some(dv) = &dv {
-        check_range("device", dv, req.device().rows as u64)?;
+        check_range(Side::Device, dv, req.device().rows as u64)?;
     }
     if let (Some(hv), Some(dv), Strategy::PageBlocks) = (&hv, &dv, c.strategy) {
         check_pages(hv, dv, req.geom().page_size, req.device().rows as u64)?;
     }
     Ok(c)
-}
-
-/// Which index array of a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Side {
-    Host,
-    Device,
 }
 
 /// A view of `req`'s host-resident index array `side`, borrowing the request; refused for an
@@ -399,8 +415,8 @@ fn finish<'a>(
     let device = req.device();
     let (host_rows, dev_rows) = (g.rows as u64, device.rows as u64);
     if c.len > 0 {
-        check_range("host", &host, host_rows)?;
-        check_range("device", &dev, dev_rows)?;
+        check_range(Side::Host, &host, host_rows)?;
+        check_range(Side::Device, &dev, dev_rows)?;
         if c.strategy == Strategy::PageBlocks {
             check_pages(&host, &dev, g.page_size, dev_rows)?;
         }
@@ -642,7 +658,7 @@ impl<'a> Plan<'a> {
     fn host_at(&self, i: usize) -> Result<u64> {
         let v = self.host.get(i);
         if v < 0 || v as u64 >= self.host_rows {
-            return Err(changed("host", v, i));
+            return Err(changed(Side::Host, v, i));
         }
         Ok(v as u64)
     }
@@ -651,7 +667,7 @@ impl<'a> Plan<'a> {
     fn dev_at(&self, i: usize) -> Result<u64> {
         let v = self.dev.get(i);
         if v < 0 || v as u64 >= self.dev_rows {
-            return Err(changed("device", v, i));
+            return Err(changed(Side::Device, v, i));
         }
         Ok(v as u64)
     }
@@ -778,10 +794,10 @@ impl<'a> Plan<'a> {
                 // Validated whole pages: re-checked so that a changed array cannot move the
                 // block out of either pool.
                 if t % p != 0 || t + p > self.host_rows {
-                    return Err(changed("host", t as i64, first));
+                    return Err(changed(Side::Host, t as i64, first));
                 }
                 if d + p > self.dev_rows {
-                    return Err(changed("device", d as i64, first));
+                    return Err(changed(Side::Device, d as i64, first));
                 }
                 cached = page;
             }
@@ -797,11 +813,13 @@ impl<'a> Plan<'a> {
     }
 }
 
-fn changed(which: &str, v: i64, i: usize) -> Error {
-    invalid(format!(
-        "{which} index {v} at position {i} changed while the transfer ran (index arrays must \
-         stay unchanged for the call); the transfer stopped part-way"
-    ))
+fn changed(side: Side, value: i64, position: usize) -> Error {
+    TransferError::Changed {
+        side,
+        position,
+        value,
+    }
+    .into()
 }
 
 /// Merges a copy into the previous one when both sides continue it exactly (the bytes moved are
@@ -1303,7 +1321,7 @@ mod tests {
             &c,
             "page 1: device index 2 at position 5 breaks the run 3..7",
         );
-        assert!(matches!(e, Error::InvalidTransfer(_)));
+        assert!(matches!(e, Error::Transfer(_)));
         c.dev_idx = vec![5, 6, 7, 8, 0, 1, 2, 3];
         c.host_idx = vec![4, 5, 9, 7, 12, 13, 14, 15];
         expect_err(&c, "page 0: host index 9 at position 2 breaks the run 4..8");
@@ -1375,7 +1393,7 @@ mod tests {
             &b,
             "Source and destination indices must have the same length",
         );
-        assert!(matches!(e, Error::InvalidTransfer(_)));
+        assert!(matches!(e, Error::Transfer(_)));
 
         let mut b = c.clone();
         b.host_idx[2] = -3;

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use cudarc::driver::sys;
 
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, Result};
 
 pub(crate) use sys::cudaError_enum as Cu;
 
@@ -85,12 +85,19 @@ pub(crate) fn code(r: sys::CUresult) -> i32 {
     r as i32
 }
 
-/// `Err(Error::Cuda)` naming the call unless `r` is success.
+/// `Err(Error::Driver)` naming the call and its code unless `r` is success.
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == Cu::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda(format!("{what} failed: {}", describe(code(r)))))
+        let rc = code(r);
+        Err(DriverError {
+            call: what.to_owned(),
+            code: rc,
+            name: error_name(rc),
+            text: error_string(rc),
+        }
+        .into())
     }
 }
 

@@ -89,6 +89,6 @@ pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()
     // SAFETY: the kernels have returned; the record is ours.
     match unsafe { errword::consume(&mut *record, &mut reported) } {
         None => Ok(()),
-        Some(msg) => Err(Error::InvalidTransfer(msg)),
+        Some(msg) => Err(Error::transfer(msg)),
     }
 }

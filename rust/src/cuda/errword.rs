@@ -129,7 +129,7 @@ pub(crate) fn take() -> Result<()> {
     for r in map.values_mut() {
         // SAFETY: the host record lives for the whole process.
         if let Some(msg) = unsafe { consume(r.host as *mut HkvErrorRecord, &mut r.reported) } {
-            return Err(Error::InvalidTransfer(msg));
+            return Err(Error::transfer(msg));
         }
     }
     Ok(())

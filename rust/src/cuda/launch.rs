@@ -83,7 +83,7 @@ fn launch(f: sys::CUfunction, p: &HkvParams, grid: u32, stream: sys::CUstream) -
 /// and would fault. Pointers the driver cannot place are left to the caller's contract.
 fn check_same_device(ordinal: c_int, req: &TransferRequest) -> Result<()> {
     let refuse = |what: String, p: u64, o: c_int| {
-        Err(Error::InvalidTransfer(format!(
+        Err(Error::transfer(format!(
             "{what} ({p:#x}) is on CUDA device {o}, but this transfer runs on device {ordinal} \
              (the device of the first device layer): every device tensor and GPU-resident index \
              array of one transfer must be on the same device"

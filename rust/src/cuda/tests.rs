@@ -412,7 +412,7 @@ fn bad_device_resident_index_writes_nothing() {
             let req = request_with(&c, &mut pools, &hi, &di, Backend::Kernel, true);
             let e = emulate_with_quota(&req, 2).unwrap_err();
             let msg = e.to_string();
-            assert!(matches!(e, Error::InvalidTransfer(_)), "{msg}");
+            assert!(matches!(e, Error::Transfer(_)), "{msg}");
             assert!(msg.starts_with(&format!("{side} index {bad} ")), "{msg}");
             assert!(
                 pools.host == b.pools.host && pools.dev == b.pools.dev,
@@ -447,7 +447,7 @@ fn host_resident_bad_index_is_refused_before_any_write() {
     let req = request(&c, &mut pools, &hi, &b.dev_idx);
     assert!(matches!(
         emulate_with_quota(&req, 2),
-        Err(Error::InvalidTransfer(_))
+        Err(Error::Transfer(_))
     ));
     assert!(pools.host == b.pools.host && pools.dev == b.pools.dev);
 }

@@ -1,0 +1,69 @@
+//! Argument conversion shared by the bindings: integers with named ranges, index arrays.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::errors::{transfer_err, type_err};
+use crate::transfer::{IndexArray, IndexWidth};
+
+/// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
+/// naming the parameter, the value and the range otherwise (never a bare OverflowError).
+pub(crate) fn int_in(
+    value: &Bound<'_, PyAny>,
+    name: &str,
+    lo: u128,
+    hi: u128,
+    range: &str,
+) -> PyResult<u128> {
+    let is_bool = value.is_instance_of::<pyo3::types::PyBool>();
+    let as_int = if is_bool {
+        None
+    } else {
+        value.call_method0("__index__").ok()
+    };
+    let Some(int) = as_int else {
+        return Err(type_err(format!(
+            "{name} must be an integer, got {}",
+            value.repr()?
+        )));
+    };
+    match int.extract::<i128>() {
+        Ok(v) if v >= lo as i128 && (v as u128) <= hi => Ok(v as u128),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must lie in {range}, got {}",
+            int.repr()?
+        ))),
+    }
+}
+
+/// An index array as the pools pass it: (address, length, itemsize, on_device).
+pub(crate) type IndexArg = (u64, i64, i64, bool);
+
+pub(crate) fn index_array(
+    py: Python<'_>,
+    which: &str,
+    (ptr, len, itemsize, on_device): IndexArg,
+) -> PyResult<IndexArray> {
+    let width = match itemsize {
+        4 => IndexWidth::I32,
+        8 => IndexWidth::I64,
+        other => {
+            return Err(transfer_err(
+                py,
+                format!("{which} indices must be int32 or int64, got an itemsize of {other} bytes"),
+            ))
+        }
+    };
+    let len = usize::try_from(len).map_err(|_| {
+        transfer_err(
+            py,
+            format!("{which} index length must be non-negative, got {len}"),
+        )
+    })?;
+    Ok(IndexArray {
+        ptr,
+        len,
+        width,
+        on_device,
+    })
+}

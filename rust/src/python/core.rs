@@ -1,0 +1,331 @@
+//! `_core.PoolCore`: one host pool's planes and the transfers between them and device layers.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::args::{index_array, IndexArg};
+use super::errors::{to_py, transfer_err};
+use crate::error::Error;
+use crate::layout::PlaneLayout;
+use crate::transfer::{Backend, DeviceSide, HostGeometry, Layout, Op, TransferRequest};
+use crate::{cpu, cuda, plan};
+
+/// Plans that move more than this release the GIL while copying; smaller ones are cheaper to run
+/// than the ~1 us a detach/reattach costs.
+const DETACH_BYTES: u64 = 1 << 20;
+
+/// Geometry and transfers of one host pool (1 or 2 planes).
+#[pyclass(frozen, module = "hostkv_rs._core", name = "PoolCore")]
+pub struct PyPoolCore {
+    geom: HostGeometry,
+    planes: Vec<PlaneLayout>,
+}
+
+impl PyPoolCore {
+    /// A host layer id from Python; a negative one is out of range like a too large one.
+    fn host_layer_arg(&self, py: Python<'_>, host_layer: i64) -> PyResult<usize> {
+        usize::try_from(host_layer).map_err(|_| {
+            transfer_err(
+                py,
+                format!(
+                    "host layer {host_layer} is out of range [0, {})",
+                    self.geom.layers
+                ),
+            )
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        op: Op,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+    ) -> PyResult<()> {
+        let backend = Backend::parse(backend).map_err(|e| to_py(py, e))?;
+        let rows = usize::try_from(device_rows).map_err(|_| {
+            transfer_err(
+                py,
+                format!("device_rows must be non-negative, got {device_rows}"),
+            )
+        })?;
+        // `device` other than "cpu" / "cuda" is refused below, before the request is used.
+        let memory = if device == "cuda" {
+            crate::transfer::DeviceMemory::Cuda
+        } else {
+            crate::transfer::DeviceMemory::Host
+        };
+        let device_side = DeviceSide {
+            layer_ptrs: device_ptrs,
+            rows,
+            memory,
+        };
+        let host_idx = index_array(py, "host", host_idx)?;
+        let dev_idx = index_array(py, "device", dev_idx)?;
+        // SAFETY: `_core` is the package's private binding, and this is the promise its Python
+        // callers (the hostkv_rs pools) make for every transfer: the plane addresses given to
+        // `PoolCore(...)` are the pool's own host buffers, which the pool object keeps alive (and
+        // never frees while a transfer runs); `device_ptrs` are the data pointers of the device
+        // layer tensors (plane-major, each checked by the pool to hold `device_rows` rows of the
+        // plane's item size) on `device`, and the index arrays are contiguous int32/int64
+        // tensors of the stated length and residency. The caller holds all of them for this
+        // call, and CUDA work is enqueued on `stream`, in whose order the caching allocator
+        // reuses freed device memory. None of them is a Rust object of this call. A pool never
+        // writes an index tensor while a transfer reads it.
+        let req = unsafe {
+            TransferRequest::new(
+                self.geom.clone(),
+                backend,
+                op,
+                device_side,
+                host_idx,
+                dev_idx,
+            )
+        };
+        match (device, engine) {
+            ("cpu", "plan") => {
+                let plan = plan::build(&req).map_err(|e| to_py(py, e))?;
+                let run = if plan.bytes() > DETACH_BYTES {
+                    py.detach(|| cpu::execute(&plan))
+                } else {
+                    cpu::execute(&plan)
+                };
+                run.map_err(|e| to_py(py, e))
+            }
+            ("cpu", "emulated") => {
+                plan::validate(&req).map_err(|e| to_py(py, e))?;
+                py.detach(|| cuda::emulate(&req)).map_err(|e| to_py(py, e))
+            }
+            ("cpu", other) => Err(PyValueError::new_err(format!(
+                "Unsupported engine: {other}; expected 'plan' or 'emulated'"
+            ))),
+            ("cuda", _) => {
+                let c = plan::validate(&req).map_err(|e| to_py(py, e))?;
+                let per_row: u64 = self.geom.item_bytes.iter().map(|&i| i as u64).sum();
+                let bytes = (c.len as u64)
+                    .saturating_mul(c.layer_count)
+                    .saturating_mul(per_row);
+                // Small transfers run with the GIL unless they would block (JIT, a staging
+                // wait, allocation, an index read-back); then again without it.
+                let run = if bytes > DETACH_BYTES {
+                    py.detach(|| cuda::execute(&req, stream))
+                } else {
+                    match cuda::try_execute(&req, stream) {
+                        Err(Error::WouldBlock) => py.detach(|| cuda::execute(&req, stream)),
+                        other => other,
+                    }
+                };
+                run.map_err(|e| to_py(py, e))
+            }
+            (other, _) => Err(PyValueError::new_err(format!(
+                "Unsupported device: {other}; expected 'cpu' or 'cuda'"
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl PyPoolCore {
+    #[new]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, plane_addrs, head_num = 1))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layout: &str,
+        num_layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: Vec<usize>,
+        plane_addrs: Vec<u64>,
+        head_num: usize,
+    ) -> PyResult<Self> {
+        let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
+        if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != plane_addrs.len() {
+            return Err(PyValueError::new_err(format!(
+                "a host pool has 1 or 2 planes: got {} item sizes and {} plane addresses",
+                item_bytes.len(),
+                plane_addrs.len()
+            )));
+        }
+        if item_bytes.contains(&0) {
+            return Err(PyValueError::new_err(format!(
+                "item_bytes must be positive (bytes of one row of one layer), got {item_bytes:?}"
+            )));
+        }
+        let mut planes = Vec::with_capacity(item_bytes.len());
+        for (p, (&item, &addr)) in item_bytes.iter().zip(&plane_addrs).enumerate() {
+            let pl = PlaneLayout::new(layout, num_layers, rows, page_size, item, head_num)
+                .map_err(|e| to_py(py, e))?;
+            if (addr == 0 && pl.nbytes > 0) || addr.checked_add(pl.nbytes).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "plane {p} address {addr:#x} cannot hold {} bytes",
+                    pl.nbytes
+                )));
+            }
+            planes.push(pl);
+        }
+        let heads = if layout == Layout::PageHead {
+            head_num
+        } else {
+            1
+        };
+        let geom = HostGeometry {
+            layout,
+            layers: num_layers,
+            rows,
+            page_size,
+            heads,
+            item_bytes,
+            plane_base: plane_addrs,
+        };
+        Ok(Self { geom, planes })
+    }
+
+    /// Bytes of one plane (`L * S * I`), with the same checks as the constructor.
+    #[staticmethod]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, head_num = 1))]
+    fn plane_nbytes(
+        py: Python<'_>,
+        layout: &str,
+        num_layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: usize,
+        head_num: usize,
+    ) -> PyResult<u64> {
+        let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
+        crate::layout::plane_nbytes(layout, num_layers, rows, page_size, item_bytes, head_num)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Byte offset of (row, layer, head) inside plane `plane`.
+    #[pyo3(signature = (plane, row, layer, head = 0))]
+    fn offset(&self, py: Python<'_>, plane: i64, row: i64, layer: i64, head: i64) -> PyResult<u64> {
+        let pl = usize::try_from(plane)
+            .ok()
+            .and_then(|p| self.planes.get(p))
+            .ok_or_else(|| {
+                transfer_err(
+                    py,
+                    format!("plane {plane} is out of range [0, {})", self.planes.len()),
+                )
+            })?;
+        for (name, v) in [("row", row), ("layer", layer), ("head", head)] {
+            if v < 0 {
+                return Err(transfer_err(py, format!("{name} {v} is negative")));
+            }
+        }
+        pl.offset(row as u64, layer as u64, head as u64)
+            .map_err(|e| to_py(py, e))
+    }
+
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.geom.layout.name()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.geom.layers
+    }
+
+    #[getter]
+    fn rows(&self) -> usize {
+        self.geom.rows
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.geom.page_size
+    }
+
+    #[getter]
+    fn head_num(&self) -> usize {
+        self.geom.heads
+    }
+
+    #[getter]
+    fn item_bytes(&self) -> Vec<usize> {
+        self.geom.item_bytes.clone()
+    }
+
+    #[getter]
+    fn plane_addrs(&self) -> Vec<u64> {
+        self.geom.plane_base.clone()
+    }
+
+    /// Device layers -> host: every layer (`device_ptrs` holds `nplanes * L` layer bases), or only
+    /// `host_layer` (`device_ptrs` holds `nplanes` bases) for a layer-sharded pool.
+    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", host_layer = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn backup(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+        host_layer: Option<i64>,
+    ) -> PyResult<()> {
+        let op = match host_layer {
+            None => Op::Backup,
+            Some(layer) => Op::BackupLayer {
+                host_layer: self.host_layer_arg(py, layer)?,
+            },
+        };
+        self.transfer(
+            py,
+            backend,
+            op,
+            device_ptrs,
+            device_rows,
+            host_idx,
+            dev_idx,
+            device,
+            stream,
+            engine,
+        )
+    }
+
+    /// Host layer `host_layer` -> one device layer: `device_ptrs` holds `nplanes` layer bases.
+    #[pyo3(signature = (backend, host_layer, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan"))]
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        &self,
+        py: Python<'_>,
+        backend: &str,
+        host_layer: i64,
+        device_ptrs: Vec<u64>,
+        device_rows: i64,
+        host_idx: IndexArg,
+        dev_idx: IndexArg,
+        device: &str,
+        stream: u64,
+        engine: &str,
+    ) -> PyResult<()> {
+        let host_layer = self.host_layer_arg(py, host_layer)?;
+        self.transfer(
+            py,
+            backend,
+            Op::Load { host_layer },
+            device_ptrs,
+            device_rows,
+            host_idx,
+            dev_idx,
+            device,
+            stream,
+            engine,
+        )
+    }
+}

@@ -1,0 +1,56 @@
+//! PyO3 bindings: module `hostkv_rs._core` (see docs/design.md for the interface).
+//!
+//! Errors become Python exceptions in one place (`errors::to_py`). Nothing here panics: every
+//! fallible step returns a `PyResult`.
+
+mod args;
+mod core;
+mod errors;
+mod region;
+mod spec;
+
+use pyo3::prelude::*;
+
+use crate::cuda;
+use errors::to_py;
+
+/// The first call probes the driver (`cuInit` can take seconds): without the GIL.
+#[pyfunction]
+fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(cuda::available)
+}
+
+#[pyfunction]
+fn runtime_info(py: Python<'_>) -> String {
+    format!(
+        "hostkv_rs {}; {}",
+        env!("CARGO_PKG_VERSION"),
+        py.detach(cuda::runtime_info)
+    )
+}
+
+/// Raises TransferError if a kernel recorded a bad device-resident index since the last check.
+#[pyfunction]
+fn check_device_errors(py: Python<'_>) -> PyResult<()> {
+    cuda::check_device_errors().map_err(|e| to_py(py, e))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<region::PyHostRegion>()?;
+    m.add_class::<core::PyPoolCore>()?;
+    m.add_class::<spec::PyPoolSpec>()?;
+    m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;
+    m.add("PageIndexError", errors::page_index_error_type(py)?)?;
+    m.add("C4_PAGE_TOKENS", crate::pool::c4::PAGE_TOKENS)?;
+    m.add("C4_VALUE_BYTES", crate::pool::c4::VALUE_BYTES)?;
+    m.add("C4_SCALE_BYTES", crate::pool::c4::SCALE_BYTES)?;
+    m.add("C4_ROW_BYTES", crate::pool::c4::ROW_BYTES)?;
+    m.add("TransferError", errors::transfer_error_type(py)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
+    m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
+    Ok(())
+}

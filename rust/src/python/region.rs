@@ -1,0 +1,171 @@
+//! `_core.HostRegion`: a Rust-owned host allocation exported to Python as a writable buffer.
+
+use std::ffi::c_int;
+use std::ptr::NonNull;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::args::int_in;
+use super::errors::to_py;
+use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
+
+#[pyclass(frozen, module = "hostkv_rs._core", name = "HostRegion")]
+pub struct PyHostRegion {
+    pub(crate) inner: host_mem::HostRegion,
+}
+
+#[pymethods]
+impl PyHostRegion {
+    #[new]
+    #[pyo3(signature = (nbytes, *, hugepage = "", hugepage_mode = "prefer", numa_node = None, pretouch_threads = None))]
+    fn new(
+        py: Python<'_>,
+        nbytes: &Bound<'_, PyAny>,
+        hugepage: &str,
+        hugepage_mode: &str,
+        numa_node: Option<&Bound<'_, PyAny>>,
+        pretouch_threads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let nbytes = int_in(nbytes, "nbytes", 0, i64::MAX as u128, "[0, 2**63)")? as usize;
+        let numa_node = numa_node
+            .map(|n| int_in(n, "numa_node", 0, u32::MAX as u128, "[0, 2**32)"))
+            .transpose()?
+            .map(|n| n as u32);
+        let pretouch_threads = match pretouch_threads {
+            None => 0,
+            Some(v) => int_in(
+                v,
+                "pretouch_threads",
+                0,
+                4096,
+                "[0, 4096] (0 picks one per 4 MiB, up to the CPU count)",
+            )? as usize,
+        };
+        let opts = RegionOptions {
+            hugepage: HugePage::parse(hugepage).map_err(|e| to_py(py, e))?,
+            mode: HugePageMode::parse(hugepage_mode).map_err(|e| to_py(py, e))?,
+            numa_node,
+            pretouch_threads,
+        };
+        // Pre-faulting a large region takes seconds; let other Python threads run.
+        let region = py
+            .detach(|| host_mem::HostRegion::new(nbytes, opts))
+            .map_err(|e| to_py(py, e))?;
+        Ok(Self { inner: region })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn address(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    #[getter]
+    fn hugepage_tier(&self) -> &'static str {
+        self.inner.tier().name()
+    }
+
+    #[getter]
+    fn numa_node(&self) -> Option<u32> {
+        self.inner.numa_node()
+    }
+
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.inner.pinned()
+    }
+
+    #[getter]
+    fn registered_ranges(&self) -> Vec<(u64, usize)> {
+        self.inner.registered_ranges()
+    }
+
+    #[pyo3(signature = (granularity = 0, chunk_limit = 256 << 30))]
+    fn register_cuda(
+        &self,
+        py: Python<'_>,
+        granularity: usize,
+        chunk_limit: usize,
+    ) -> PyResult<()> {
+        let region = &self.inner;
+        py.detach(|| region.register_cuda(granularity, chunk_limit))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Waits (bounded, without the GIL) for transfers queued on the region; raises RuntimeError
+    /// when that wait runs out (the region then stays registered).
+    fn unregister_cuda(&self, py: Python<'_>) -> PyResult<()> {
+        let region = &self.inner;
+        py.detach(|| region.unregister_cuda())
+            .map_err(|e| to_py(py, e))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HostRegion(nbytes={}, address={:#x}, hugepage_tier={:?}, pinned={})",
+            self.inner.len(),
+            self.inner.addr(),
+            self.inner.tier().name(),
+            if self.inner.pinned() { "True" } else { "False" }
+        )
+    }
+
+    /// Writable 1-D unsigned-byte buffer over the whole region; the exporter (this object) stays
+    /// alive as long as any view does, because the view holds a reference to it.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let region = &slf.get().inner;
+        // A zero-length buffer still needs a non-null pointer for some consumers.
+        let buf = if region.is_empty() {
+            NonNull::<u8>::dangling().as_ptr()
+        } else {
+            region.as_ptr()
+        };
+        // SAFETY: `view` comes from the interpreter; `buf..buf+len` is our live mapping, which
+        // outlives the view because the view owns a reference to `slf`.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                buf as *mut std::ffi::c_void,
+                region.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        // PyBuffer_FillInfo allocates nothing, and PyBuffer_Release drops the owner reference.
+    }
+}
+
+impl Drop for PyHostRegion {
+    /// Garbage collection of a pinned region: unpinning waits for the transfers queued on it,
+    /// so do it with the GIL released (the inner region's own drop then only unmaps).
+    fn drop(&mut self) {
+        if self.inner.pinned() {
+            let region = &self.inner;
+            // SAFETY: a pyclass is dropped by its tp_dealloc, with the GIL held.
+            let py = unsafe { Python::assume_attached() };
+            // An error was logged; the inner drop then leaves the memory mapped (see HostRegion).
+            let _ = py.detach(|| region.unregister_cuda());
+        }
+    }
+}

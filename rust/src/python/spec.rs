@@ -1,0 +1,190 @@
+//! `_core.PoolSpec`: a pool's geometry in SGLang's terms (shapes, pair checks, page metadata).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::args::int_in;
+use super::errors::to_py;
+use crate::pool::{PoolKind, PoolSpec};
+
+/// A host pool's geometry in SGLang's terms, and everything derived from it (`pool::PoolSpec`):
+/// buffer shapes, the (layout, io_backend) check with SGLang's texts, L3 page metadata and views.
+#[pyclass(frozen, module = "hostkv_rs._core", name = "PoolSpec")]
+pub struct PyPoolSpec {
+    spec: PoolSpec,
+}
+
+fn u64s(v: &[u64]) -> Vec<u64> {
+    v.to_vec()
+}
+
+#[pymethods]
+impl PyPoolSpec {
+    #[new]
+    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        kind: &str,
+        layout: &str,
+        num_layers: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        dims: Vec<Bound<'_, PyAny>>,
+        itemsize: &Bound<'_, PyAny>,
+        head_num: Option<&Bound<'_, PyAny>>,
+        dcp_size: Option<&Bound<'_, PyAny>>,
+        dcp_rank: Option<&Bound<'_, PyAny>>,
+        name: &str,
+    ) -> PyResult<Self> {
+        let size = |v: &Bound<'_, PyAny>, n: &str| -> PyResult<usize> {
+            Ok(int_in(v, n, 0, i64::MAX as u128, "[0, 2**63)")? as usize)
+        };
+        let or_one = |v: Option<&Bound<'_, PyAny>>, n: &str| v.map_or(Ok(1), |v| size(v, n));
+        let num_layers = size(num_layers, "num_layers")?;
+        let rows = size(rows, "rows")?;
+        let page_size = size(page_size, "page_size")?;
+        let dims = dims
+            .iter()
+            .map(|d| size(d, "dims"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let itemsize = size(itemsize, "itemsize")?;
+        let head_num = or_one(head_num, "head_num")?;
+        let dcp_size = or_one(dcp_size, "dcp_size")?;
+        let dcp_rank = dcp_rank.map_or(Ok(0), |v| size(v, "dcp_rank"))?;
+        let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+        let spec = PoolSpec::new(
+            kind, layout, num_layers, rows, page_size, head_num, &dims, itemsize, dcp_size,
+            dcp_rank, name,
+        )
+        .map_err(|e| to_py(py, e))?;
+        Ok(Self { spec })
+    }
+
+    /// Element shape of plane `plane` (SGLang's tensor shape).
+    fn shape(&self, plane: usize) -> PyResult<Vec<u64>> {
+        self.check_plane(plane)?;
+        Ok(self.spec.shape(plane))
+    }
+
+    /// Bytes of one row of one layer, per plane (`token_stride_size`; the V4 row).
+    #[getter]
+    fn item_bytes(&self) -> Vec<u64> {
+        (0..self.spec.planes().len())
+            .map(|p| self.spec.item_bytes(p))
+            .collect()
+    }
+
+    /// Bytes of each plane.
+    #[getter]
+    fn plane_nbytes(&self) -> Vec<u64> {
+        self.spec.planes().iter().map(|p| p.nbytes).collect()
+    }
+
+    #[getter]
+    fn page_num(&self) -> u64 {
+        self.spec.page_num()
+    }
+
+    /// SGLang's (layout, io_backend) check for this pool kind: "kernel" or "direct", or
+    /// ValueError with SGLang's text (whatever `io_backend` is).
+    fn check_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let text = io_backend.cast::<pyo3::types::PyString>().ok();
+        let name = text.map(|t| t.to_cow()).transpose()?;
+        let shown = io_backend.str()?.to_cow()?.into_owned();
+        match self.spec.check_pair(name.as_deref(), &shown) {
+            Ok(crate::transfer::Backend::Kernel) => Ok("kernel"),
+            Ok(crate::transfer::Backend::Direct) => Ok("direct"),
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// DeepSeek V4's token-granular (layout, io_backend) check, with SGLang's text.
+    fn check_token_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<()> {
+        let text = io_backend.cast::<pyo3::types::PyString>().ok();
+        let name = text.map(|t| t.to_cow()).transpose()?;
+        let shown = io_backend.str()?.to_cow()?.into_owned();
+        self.spec
+            .check_token_pair(name.as_deref(), &shown)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// `get_page_buffer_meta`: (pointers, sizes) for the pages `indices` lists (every page's
+    /// first slot; logical slots under DCP), given each plane's host address.
+    fn page_meta(
+        &self,
+        py: Python<'_>,
+        bases: Vec<u64>,
+        indices: Vec<i64>,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        self.check_bases(&bases)?;
+        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        Ok(self.spec.page_meta(&bases, &starts))
+    }
+
+    /// `get_split_heads_page_buffer_meta` (MHA page_head).
+    fn split_heads_meta(
+        &self,
+        py: Python<'_>,
+        bases: Vec<u64>,
+        indices: Vec<i64>,
+        split_factor: u64,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        self.check_bases(&bases)?;
+        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        self.spec
+            .split_heads_meta(&bases, &starts, split_factor)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The page `index` names (`get_data_page`), as (offset, shape, strides) in elements from
+    /// the start of the pool's first allocation.
+    fn page_view(&self, py: Python<'_>, index: i64) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+        let start = self.spec.data_page_start(index).map_err(|e| to_py(py, e))?;
+        let v = self.spec.page_view(start).map_err(|e| to_py(py, e))?;
+        Ok((v.offset, u64s(&v.shape), u64s(&v.strides)))
+    }
+
+    /// `get_contiguous_buf_infos` (MLA, V4) for a pool whose bytes start at `base`.
+    fn contiguous_buf_infos(
+        &self,
+        py: Python<'_>,
+        base: u64,
+    ) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        self.check_bases(&[base])?;
+        self.spec
+            .contiguous_buf_infos(base)
+            .map_err(|e| to_py(py, e))
+    }
+}
+
+impl PyPoolSpec {
+    fn check_plane(&self, plane: usize) -> PyResult<()> {
+        if plane >= self.spec.planes().len() {
+            return Err(PyValueError::new_err(format!(
+                "plane {plane} is out of range [0, {})",
+                self.spec.planes().len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_bases(&self, bases: &[u64]) -> PyResult<()> {
+        if bases.len() != self.spec.planes().len() {
+            return Err(PyValueError::new_err(format!(
+                "expected {} plane addresses, got {}",
+                self.spec.planes().len(),
+                bases.len()
+            )));
+        }
+        for (p, (&base, plane)) in bases.iter().zip(self.spec.planes()).enumerate() {
+            if base.checked_add(plane.nbytes).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "plane {p} address {base:#x} cannot hold {} bytes",
+                    plane.nbytes
+                )));
+            }
+        }
+        Ok(())
+    }
+}
