@@ -142,7 +142,7 @@ def test_plane_nbytes_and_offsets():
         _core.PoolCore.plane_nbytes("nope", 3, 8, 4, 24)
     with pytest.raises(ValueError, match="overflows"):
         _core.PoolCore.plane_nbytes("layer_first", 1 << 30, 1 << 30, 1, 1 << 20)
-    core = _core.PoolCore("page_head", 3, 8, 4, [24], [4096], head_num=2)
+    core = _core.PoolCore("page_head", 3, 8, 4, [24], [_core.HostRegion(3 * 8 * 24)], head_num=2)
     L, P, seg = 3, 4, 12
     t, l, h = 6, 2, 1
     assert (
@@ -165,12 +165,45 @@ def test_plane_nbytes_and_offsets():
 
 
 def test_pool_core_rejects_bad_construction():
+    region = _core.HostRegion(64)
     with pytest.raises(ValueError, match="1 or 2 planes"):
-        _core.PoolCore("page_first", 2, 4, 1, [8, 8, 8], [1, 2, 3])
-    with pytest.raises(ValueError, match="cannot hold"):
-        _core.PoolCore("page_first", 2, 4, 1, [8], [0])
+        _core.PoolCore("page_first", 2, 4, 1, [8, 8, 8], [region] * 3)
+    with pytest.raises(ValueError, match="cannot hold 64 bytes"):
+        _core.PoolCore("page_first", 2, 4, 1, [8], [_core.HostRegion(63)])
+    with pytest.raises(ValueError, match="cannot hold 64 bytes"):
+        _core.PoolCore("page_first", 2, 4, 1, [8], [(region, 1)])
+    with pytest.raises(ValueError, match="lies past the end"):
+        _core.PoolCore("page_first", 2, 4, 1, [8], [(region, 65)])
     with pytest.raises(ValueError, match="not a multiple of page_size"):
-        _core.PoolCore("page_first_direct", 2, 6, 4, [8], [4096])
+        _core.PoolCore("page_first_direct", 2, 6, 4, [8], [region])
+
+
+def test_pool_core_never_takes_a_bare_address_and_keeps_its_memory_alive():
+    with pytest.raises(TypeError, match="must be a HostRegion, a CPU torch tensor"):
+        _core.PoolCore("layer_first", 1, 4, 1, [8], [1 << 20])
+    with pytest.raises(ValueError, match="must be host memory"):
+        _core.PoolCore("layer_first", 1, 4, 1, [8], [torch.zeros(32, device="meta")])
+    with pytest.raises(ValueError, match="contiguous"):
+        _core.PoolCore("layer_first", 1, 4, 1, [8], [torch.zeros(8, 8)[:, 0]])
+    host = torch.zeros(32, dtype=torch.uint8)
+    core = _core.PoolCore("layer_first", 1, 4, 1, [8], [host])
+    addr = host.data_ptr()
+    host.set_(torch.zeros(1, dtype=torch.uint8))  # the tensor lets go of its storage...
+    del host
+    gc.collect()
+    assert core.plane_addrs == [addr]
+    dev = torch.arange(32, dtype=torch.uint8)
+    idx = torch.arange(4)
+    arg = (idx.data_ptr(), 4, 8, False)
+    # ...but the core still holds it: a transfer after that writes memory the core owns.
+    core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
+    region = _core.HostRegion(32)
+    view = torch.frombuffer(region, dtype=torch.uint8)
+    core = _core.PoolCore("layer_first", 1, 4, 1, [8], [region])
+    del region
+    gc.collect()
+    core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
+    assert torch.equal(view, dev)
 
 
 # ---------------------------------------------------------------- transfers vs a torch reference
@@ -194,7 +227,7 @@ class Pool:
             S,
             P,
             list(items),
-            [self.region.address + o for o in offs[: len(items)]],
+            [(self.region, o) for o in offs[: len(items)]],
             head_num=H,
         )
         self.dev = [torch.randint(0, 256, (L, dev_rows, i), dtype=torch.uint8) for i in items]

@@ -69,7 +69,7 @@ class Case:
             self.rows,
             self.page,
             self.items,
-            [h.data_ptr() for h in self.host],
+            list(self.host),
             self.heads,
         )
 

@@ -67,7 +67,7 @@ def test_tags_tell_layouts_dtypes_geometries_and_shards_apart():
     # CP layer sharding: which device layers the host layers are
     shard = make_mla("layer_first")[0]
     plain = page_format(shard).tag
-    shard._device_side = types.SimpleNamespace(targets={5: (0, 0), 6: (1, 1), 7: (2, 2)})
+    shard._device_side = types.SimpleNamespace(targets=[(5, 0), (6, 1), (7, 2)])
     assert page_format(shard).tag == plain.replace("-pp0of1", "-own5-7-pp0of1")
 
 

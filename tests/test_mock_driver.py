@@ -97,7 +97,7 @@ class Pool:
 
     def _core(self, region, offs):
         return _core.PoolCore(self.layout, self.layers, self.rows, self.page, self.items,
-                              [region.address + int(o) for o in offs], self.heads)
+                              [(region, int(o)) for o in offs], self.heads)
 
     def run(self, backend, hi, di, stream, layer=0, hi_dev=False, di_dev=False):
         ptrs = [d.ctypes.data for d in self.dev]

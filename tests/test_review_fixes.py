@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool, MLATokenToKVPoolHost
-from hostkv_rs._device_side import check_device_layers
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 
 
@@ -74,25 +73,3 @@ def test_split_heads_factor_must_be_an_integer():
     host = MHATokenToKVPoolHost(dev, 2.0, 0, 4, "page_head")
     with pytest.raises(TypeError, match="split_factor must be an integer"):
         host.get_split_heads_page_buffer_meta(torch.arange(4), 2.5)
-
-
-class _OnDevice(torch.Tensor):
-    """A CPU tensor that reports another device, to reach device checks without a GPU."""
-
-    reported = None
-
-    @property
-    def device(self):
-        return self.reported
-
-
-def _reporting(tensor: torch.Tensor, device: str) -> torch.Tensor:
-    fake = tensor.as_subclass(_OnDevice)
-    fake.reported = torch.device(device)
-    return fake
-
-
-def test_device_layers_on_two_gpus_are_refused():
-    layers = [_reporting(torch.zeros(4, 8), "cuda:0"), _reporting(torch.zeros(4, 8), "cuda:1")]
-    with pytest.raises(ValueError, match="mix cuda:0 and cuda:1"):
-        check_device_layers([layers], [32], "device pool")

@@ -16,7 +16,6 @@ import numbers
 import operator
 import threading
 import weakref
-from collections.abc import Sequence
 from functools import wraps
 
 import torch
@@ -25,7 +24,6 @@ from hostkv_rs import _core, _handover, _memory
 from hostkv_rs._device_side import (
     DeviceLayers,
     LayerIndexError,
-    check_device_layers,
     layer_key,
     owned_range,
     sharded_host_layer_num,
@@ -332,40 +330,6 @@ def check_io_pair(io_backend, layout: str, supported: dict, ascend_layouts: tupl
     if io_backend == "kernel_ascend" and layout not in ascend_layouts:
         raise ValueError(f"Unsupported layout: {layout}")
     raise ValueError(f"Unsupported IO backend: {io_backend}")
-
-
-class DeviceLayerCache:
-    """Device layers of a device pool handed to a transfer that is not the one the host pool was
-    built from (SGLang up to 0.5.21 reads the pool it is given), checked once and keyed by tensor
-    identity. A hit re-checks only what can change under the same Python object: its address and
-    shape. Entries hold weak references, so the cache never keeps device memory alive."""
-
-    _LIMIT = 512
-
-    def __init__(self):
-        self._entries: dict = {}
-
-    def lookup(self, planes: Sequence[Sequence], item_bytes: Sequence[int], what: str, like=()):
-        tensors = [t for plane in planes for t in plane]
-        key = (tuple(map(id, tensors)), tuple(item_bytes), tuple(like))
-        entry = self._entries.get(key)
-        if entry is not None:
-            refs, shapes, checked = entry
-            ptrs = checked[0]
-            if all(
-                ref() is t and t.data_ptr() == ptr and t.shape == shape
-                for ref, t, ptr, shape in zip(refs, tensors, ptrs, shapes)
-            ):
-                return checked
-        checked = check_device_layers(planes, item_bytes, what, like)
-        if len(self._entries) >= self._LIMIT:
-            self._entries.clear()
-        self._entries[key] = (
-            tuple(weakref.ref(t) for t in tensors),
-            tuple(t.shape for t in tensors),
-            checked,
-        )
-        return checked
 
 
 def _required(form: str, **values) -> None:
@@ -858,6 +822,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
     # Device pools the side was captured from (device-pool form): a transfer handed one of them,
     # or None, uses the captured side; another device pool is read as SGLang <= 0.5.21 does.
     _captured_pools: tuple = ()
+    _captured_first = None
 
     def _plane_item_bytes(self) -> list[int]:
         raise NotImplementedError()
@@ -890,23 +855,57 @@ class HostKVCache(SlotFreeList, abc.ABC):
                     f"{ours}={getattr(self, ours)}"
                 )
 
-    def _foreign_layers(self, planes) -> DeviceLayers:
-        cache = self.__dict__.get("_device_layer_cache")
-        if cache is None:
-            cache = self._device_layer_cache = DeviceLayerCache()
-        ptrs, rows, device = cache.lookup(
-            planes, self._plane_item_bytes(), "device pool", self._device_rows_like()
+    def _bind_device_side(self, side: dict) -> None:
+        """Hand the captured device layers to the core (`_core.DeviceBinding`): checked there
+        on first use, then each transfer passes only the layer id and the indices."""
+        self._device_side = _core.DeviceBinding(
+            self._pool_core,
+            self._spec,
+            side["planes"],
+            list(side["owned"]),
+            side["device_layer_num"],
+            self.target_layer_num,
+            like=self._device_rows_like(),
+            name=type(self).__name__,
         )
-        return DeviceLayers(ptrs, rows, device)
+        self._captured_first = self._captured_pools[0] if self._captured_pools else None
 
-    def _load_target(self, device_pool, layer_id, is_draft):
-        """(host layer, device layers) of a per-layer load, or None when this pool does not
-        hold that target layer (SGLang returns without copying)."""
-        side = self._device_side
-        found = side.load(layer_id, is_draft)
-        if found is None or not self._foreign(device_pool):
-            return found
-        host_layer, _ = found
+    def _foreign_binding(self, device_pool, tensors, slots, host_layers):
+        """A binding over the layers of a device pool handed to one call (SGLang <= 0.5.21 reads
+        the pool it is given). Reused while the same tensors come back, and dropped with the
+        device pool, so it never keeps device memory alive."""
+        cache = self.__dict__.setdefault("_foreign_bindings", {})
+        key = (id(device_pool), tuple(map(id, (t for plane in tensors for t in plane))))
+        key = (*key, tuple(host_layers))
+        binding = cache.get(key)
+        if binding is not None:
+            return binding
+        binding = _core.DeviceBinding(
+            self._live_core(),
+            self._spec,
+            tensors,
+            slots,
+            0,
+            self._device_side.host_layer_num,
+            host_layers=host_layers,
+            like=self._device_rows_like(),
+            name=type(self).__name__,
+        )
+        try:
+            weakref.finalize(device_pool, cache.clear)
+        except TypeError:
+            return binding  # not weakly referenceable: not cached
+        if len(cache) >= 8:
+            cache.clear()
+        cache[key] = binding
+        return binding
+
+    def _foreign_load(self, device_pool, layer_id, io_backend, is_draft):
+        """The binding of a per-layer load from a device pool handed to the call, or None when
+        this pool does not hold that target layer (SGLang returns without copying)."""
+        host_layer = self._device_side.lookup(layer_id, is_draft)
+        if host_layer is None:
+            return None
         self._check_device_pool(device_pool)
         # SGLang <= 0.5.21: the given pool's layer (layer 0 of a draft pool).
         device_layer = 0 if is_draft else layer_key(layer_id)
@@ -916,47 +915,34 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 f"layer_id {device_layer} is out of range: the device pool has "
                 f"{min(map(len, planes))} layers"
             )
-        return host_layer, self._foreign_layers([[plane[device_layer]] for plane in planes])
+        tensors = [[plane[device_layer]] for plane in planes]
+        return self._foreign_binding(device_pool, tensors, [layer_key(layer_id)], [host_layer])
 
-    def _backup_targets(self, device_pool):
-        """The core calls of an all-layer backup: [(host layer or None for all, layers)]."""
-        side = self._device_side
-        if self.mtp_draft_device_pools:
-            # SGLang (device-pool form) packs every layer of every draft pool after the target's
-            # and expects one host layer per packed layer: a draft pool with more layers than one
-            # cannot be backed up.
-            packed = getattr(self, "_packed_layer_count", side.host_layer_num)
-            if packed != self.layer_num:
-                name = self._device_plane_names[0]
-                raise _core.TransferError(
-                    f"packed target + MTP draft device pools {name} has {packed} layers but the "
-                    f"host pool holds {self.layer_num}"
-                )
-        if not self._foreign(device_pool) or self.mtp_draft_device_pools:
-            # With packed drafts SGLang reads its packed tables and ignores the given pool.
-            return side.backup()
+    def _foreign_backup(self, device_pool):
+        """The binding of an all-layer backup from a device pool handed to the call."""
         self._check_device_pool(device_pool)
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        calls = []
-        for slot, (host_layer, _) in sorted(side.targets.items(), key=lambda kv: kv[1]):
+        targets = self._device_side.targets
+        for slot, _ in targets:
             if not all(slot < len(plane) for plane in planes):
                 raise _core.TransferError(
                     f"device pool has {min(map(len, planes))} layers but the host pool holds "
                     f"layer {slot}"
                 )
-            calls.append((host_layer, [[plane[slot]] for plane in planes]))
-        if side.complete and [h for h, _ in calls] == list(range(side.host_layer_num)):
-            merged = [[t for _, layer in calls for t in layer[p]] for p in range(len(planes))]
-            return [(None, self._foreign_layers(merged))]
-        return [(host, self._foreign_layers(layer)) for host, layer in calls]
+        tensors = [[plane[slot] for slot, _ in targets] for plane in planes]
+        return self._foreign_binding(
+            device_pool, tensors, [s for s, _ in targets], [h for _, h in targets]
+        )
 
-    def _core_indices(self, host_indices, device_indices, io_backend: str, device):
-        """Both index arrays as the core reads them, after SGLang's DCP translation (logical
-        widened slots -> this rank's physical slots); only DCP-aware pools get dcp_size > 1."""
-        host_idx, dev_idx = transfer_indices(host_indices, device_indices, io_backend, device)
-        if int(self.dcp_size) != 1:
-            host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
-            dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
+    def _dcp_indices(self, binding, host_indices, device_indices, io_backend: str):
+        """SGLang's DCP translation (logical widened slots -> this rank's physical slots) of
+        both index arrays; only DCP-aware pools get dcp_size > 1."""
+        self._check_io(io_backend)
+        host_idx, dev_idx = transfer_indices(
+            host_indices, device_indices, io_backend, binding.device
+        )
+        host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
+        dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
         return host_idx, dev_idx
 
     def _load_planes(
@@ -964,28 +950,54 @@ class HostKVCache(SlotFreeList, abc.ABC):
     ):
         """One per-layer load through the core, every argument checked before a byte moves. A
         target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
-        target = self._load_target(device_pool, layer_id, bool(is_draft))
-        if target is None:
-            return
-        self._check_io(io_backend)
-        core = self._live_core()
-        host_layer, dev = target
-        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, dev.device)
-        run_load(core, io_backend, host_layer, dev, host_idx, dev_idx)
+        binding = self._device_side
+        if (
+            device_pool is not None
+            and device_pool is not self._captured_first
+            and self._foreign(device_pool)
+        ):
+            binding = self._foreign_load(device_pool, layer_id, io_backend, bool(is_draft))
+            if binding is None:
+                return
+            is_draft = False  # the one-layer binding holds the layer as a target
+        if self.dcp_size != 1:
+            if binding.lookup(layer_id, bool(is_draft)) is None:
+                return
+            host_indices, device_indices = self._dcp_indices(
+                binding, host_indices, device_indices, io_backend
+            )
+        binding.load(layer_id, host_indices, device_indices, io_backend, bool(is_draft))
 
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
         """One all-layer backup through the core, every argument checked before a byte moves."""
-        self._check_io(io_backend)
-        core = self._live_core()
-        calls = self._backup_targets(device_pool)
-        if not calls:
-            return
-        device = calls[0][1].device
-        host_idx, dev_idx = self._core_indices(host_indices, device_indices, io_backend, device)
-        # Per-layer calls (a layer-sharded pool) share the indices and the device row bound, so
-        # the first call's validation, which precedes its first byte, covers them all.
-        for host_layer, dev in calls:
-            run_backup(core, io_backend, dev, host_idx, dev_idx, host_layer)
+        binding = self._device_side
+        if self.mtp_draft_device_pools:
+            self._check_io(io_backend)
+            self._live_core()
+            # SGLang (device-pool form) packs every layer of every draft pool after the target's
+            # and expects one host layer per packed layer: a draft pool with more layers than one
+            # cannot be backed up. With packed drafts SGLang reads its packed tables and ignores
+            # the given pool.
+            packed = getattr(self, "_packed_layer_count", binding.host_layer_num)
+            if packed != self.layer_num:
+                name = self._device_plane_names[0]
+                raise _core.TransferError(
+                    f"packed target + MTP draft device pools {name} has {packed} layers but the "
+                    f"host pool holds {self.layer_num}"
+                )
+        elif (
+            device_pool is not None
+            and device_pool is not self._captured_first
+            and self._foreign(device_pool)
+        ):
+            self._check_io(io_backend)
+            self._live_core()
+            binding = self._foreign_backup(device_pool)
+        if self.dcp_size != 1:
+            host_indices, device_indices = self._dcp_indices(
+                binding, host_indices, device_indices, io_backend
+            )
+        binding.backup(host_indices, device_indices, io_backend)
 
     def _no_write_back_staging(self, *buffer_names: str) -> None:
         # SGLang allocates GPU staging buffers only for its staged write-back JIT, which hostkv_rs
@@ -1010,6 +1022,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
             return
         self._destroyed = True
         run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching the pool from a store
+        if self._device_side is not None:
+            self._device_side.release()
+        self.__dict__.pop("_foreign_bindings", None)
         for region in getattr(self, "_host_regions", ()):
             region.unregister_cuda()
         self.kv_buffer = None

@@ -501,7 +501,7 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.random_(0, 256, generator=gen)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    core = _core.PoolCore("layer_first", 1, rows, 1, [item], [src.data_ptr()])
+    core = _core.PoolCore("layer_first", 1, rows, 1, [item], [src])
     h_idx = torch.randperm(rows, generator=gen)
     d_idx = torch.randperm(rows, generator=gen)
     h_arg = (h_idx.data_ptr(), rows, 8, False)
@@ -538,7 +538,7 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
     rows = 4 * P
     host = [torch.zeros(L * rows * item, dtype=torch.uint8) for _ in range(2)]
     dev = [[torch.zeros(rows * item, dtype=torch.uint8) for _ in range(L)] for _ in range(2)]
-    core = _core.PoolCore("layer_first", L, rows, P, [item, item], [t.data_ptr() for t in host])
+    core = _core.PoolCore("layer_first", L, rows, P, [item, item], host)
     h_idx = torch.arange(P, 2 * P, dtype=torch.int64)
     d_idx = torch.arange(2 * P, 3 * P, dtype=torch.int64)
     h_arg = (h_idx.data_ptr(), P, 8, False)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _handover, _memory
-from hostkv_rs._device_side import DeviceSide, owned_range
+from hostkv_rs._device_side import first_device, owned_range
 from hostkv_rs._sources import (
     arg,
     cat_tables,
@@ -118,15 +118,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,
         )
-        self._device_side = DeviceSide(
-            side["planes"],
-            self._plane_item_bytes(),
-            side["owned"],
-            side["device_layer_num"],
-            self.target_layer_num,
-            like=self._device_rows_like(),
-        )
-        self._transfer_device = self._device_side.device
+        self._transfer_device = first_device(side["planes"])
         self.device_k_buffers, self.device_v_buffers = side["all_layers"]
         self.device_k_data_ptrs, self.device_v_data_ptrs = side["ptr_tables"]
         self.element_dim = self.head_num * self.head_dim
@@ -140,9 +132,10 @@ class MHATokenToKVPoolHost(HostKVCache):
             self.size,
             self.page_size,
             self._plane_item_bytes(),
-            self._plane_addrs(),
+            self._plane_memory(),
             self.head_num if self.layout == "page_head" else 1,
         )
+        self._bind_device_side(side)
 
     # ----------------------------------------------------------------- device side
 
@@ -332,6 +325,10 @@ class MHATokenToKVPoolHost(HostKVCache):
         base = self.kv_buffer.data_ptr()
         return [base, base + self.layer_num * self.size * self.token_stride_size]
 
+    def _plane_memory(self) -> list:
+        """Each plane as the core holds it: its memory's owner and the byte offset in it."""
+        return [(self.kv_buffer, 0), (self.kv_buffer, self._spec.plane_nbytes[0])]
+
     def _init_data_refs(self, transpose_direct: bool):
         # Per-layer views without copying: page_first (and, from SGLang 0.5.23, page_first_direct)
         # transposes [page, layer, ...] to [layer, page, ...]. For the other page-major layouts
@@ -470,6 +467,9 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
 
     def _plane_addrs(self) -> list[int]:
         return [self.k_buffer.data_ptr(), self.v_buffer.data_ptr()]
+
+    def _plane_memory(self) -> list:
+        return [self.k_buffer, self.v_buffer]
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         raise NotImplementedError(_ASYM_FLAT_PAGE_TEXT)

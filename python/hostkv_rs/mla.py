@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs._device_side import DeviceSide, owned_range, sharded_host_layer_num
+from hostkv_rs._device_side import first_device, owned_range, sharded_host_layer_num
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,
     arg,
@@ -126,15 +126,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self._is_dummy:
             self._init_dummy()
             return
-        self._device_side = DeviceSide(
-            side["planes"],
-            [self.token_stride_size],
-            side["owned"],
-            side["device_layer_num"],
-            self.target_layer_num,
-            like=self._device_rows_like(),
-        )
-        self._transfer_device = self._device_side.device
+        self._transfer_device = first_device(side["planes"])
         self.device_kv_buffers = side["all_layers"]
         self.device_data_ptrs = side["ptr_table"]
         if self.layout == "page_first":
@@ -155,9 +147,10 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             self.size,
             self.page_size,
             [self.token_stride_size],
-            [self.kv_buffer.data_ptr()],
+            [self.kv_buffer],
             1,
         )
+        self._bind_device_side(side)
 
     @classmethod
     def _unsupported_reason(cls, args, kwargs) -> str | None:

@@ -264,7 +264,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def _make_core(self, rows: int, item: int):
         if self._region is None:
             return None
-        return _core.PoolCore(self.layout, self.layer_num, rows, 1, [item], [self._base])
+        return _core.PoolCore(self.layout, self.layer_num, rows, 1, [item], [self._region])
 
     # ---- geometry getters ------------------------------------------------------------------
 
@@ -362,7 +362,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             # (Nh, L, 1, SIB) is page_first_direct with one-row pages: row t, layer l at
             # t*L*SIB + l*SIB.
             core_layout = "layer_first" if self.layout == "layer_first" else "page_first_direct"
-            core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region.address])
+            core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region])
 
         if self.layout == "layer_first":
             host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]

@@ -192,14 +192,15 @@ def _core_call(host, dp, h, d, backend, op):
     """The pool's Rust core called directly with the arguments the pool passes it."""
     if isinstance(host, DeepSeekV4PagedHostPool):
         pytest.skip("the V4 pool maps tokens to page rows before its core call")
-    side = host._device_side
     core = host._pool_core
     h32, d32 = index_arg(h), index_arg(d)
+    planes = [list(getattr(dp, name)) for name in host._device_plane_names]
+    rows = min(t.shape[0] for plane in planes for t in plane)
     if op == "load":
-        _, dev = side.load(0, False)
-        return lambda: core.load(backend, 0, dev.ptrs, dev.rows, h32, d32, "cpu", 0)
-    ((_, dev),) = side.backup()
-    return lambda: core.backup(backend, dev.ptrs, dev.rows, h32, d32, "cpu", 0)
+        ptrs = [plane[0].data_ptr() for plane in planes]
+        return lambda: core.load(backend, 0, ptrs, rows, h32, d32, "cpu", 0)
+    ptrs = [t.data_ptr() for plane in planes for t in plane]
+    return lambda: core.backup(backend, ptrs, rows, h32, d32, "cpu", 0)
 
 
 @pytest.mark.parametrize(("kind", "layout", "backend", "case", "variant"), list(_params()))

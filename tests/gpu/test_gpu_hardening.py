@@ -209,7 +209,7 @@ def test_copies_across_registration_chunk_seams(backend):
     ranges = region.registered_ranges
     assert len(ranges) > 2 and max(n for _, n in ranges) <= 64 << 10, ranges
     assert torch.frombuffer(region, dtype=torch.uint8).is_pinned()
-    core = _core.PoolCore("layer_first", L, S, P, [item], [region.address])
+    core = _core.PoolCore("layer_first", L, S, P, [item], [region])
     dev = [torch.randint(0, 256, (S, item), dtype=torch.uint8, device="cuda") for _ in range(L)]
     host = np.frombuffer(region, dtype=np.uint8).reshape(L, S, item)
     host[:] = 0

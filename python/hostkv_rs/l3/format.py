@@ -54,7 +54,7 @@ def _owned_device_layers(pool) -> str | None:
     """Which device layers the host layers are, when not simply the first ones (CP layer
     sharding: each rank holds another slice of the model's layers)."""
     side = getattr(pool, "_device_side", None)
-    owned = sorted(int(t) for t in (getattr(side, "targets", None) or ()))
+    owned = sorted(int(slot) for slot, _ in (getattr(side, "targets", None) or ()))
     if not owned or owned == list(range(len(owned))):
         return None
     if owned == list(range(owned[0], owned[-1] + 1)):

@@ -5,20 +5,36 @@ use pyo3::prelude::*;
 
 use super::args::{index_array, IndexArg};
 use super::errors::{to_py, transfer_err};
+use super::memory::host_memory;
 use crate::error::Error;
 use crate::layout::PlaneLayout;
-use crate::transfer::{Backend, DeviceSide, HostGeometry, Layout, Op, TransferRequest};
+use crate::transfer::{
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest,
+};
 use crate::{cpu, cuda, plan};
 
 /// Plans that move more than this release the GIL while copying; smaller ones are cheaper to run
 /// than the ~1 us a detach/reattach costs.
 const DETACH_BYTES: u64 = 1 << 20;
 
+/// Where a transfer runs, chosen once per device binding (or per raw call).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Engine {
+    /// The validated copy plan on the CPU.
+    CpuPlan,
+    /// The kernels' CUDA C under the CPU shim (tests).
+    CpuEmulated,
+    /// CUDA, queued on `stream`.
+    Cuda { stream: u64 },
+}
+
 /// Geometry and transfers of one host pool (1 or 2 planes).
 #[pyclass(frozen, module = "hostkv_rs._core", name = "PoolCore")]
 pub struct PyPoolCore {
-    geom: HostGeometry,
+    pub(crate) geom: HostGeometry,
     planes: Vec<PlaneLayout>,
+    /// What keeps each plane's memory alive (see `memory`); never read, only held.
+    _owners: Vec<Py<PyAny>>,
 }
 
 impl PyPoolCore {
@@ -33,6 +49,98 @@ impl PyPoolCore {
                 ),
             )
         })
+    }
+
+    /// Runs one transfer on `engine`; every argument is checked (by the planner or the kernel
+    /// path's validation) before a byte moves.
+    ///
+    /// # Safety
+    /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
+    /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
+    /// the stated width, length and residency. The caller keeps all of them alive and unwritten
+    /// for the call (CUDA: until the work queued on the engine's stream has run, which the
+    /// caching allocator's stream order guarantees for tensors freed after the call).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run(
+        &self,
+        py: Python<'_>,
+        backend: Backend,
+        op: Op,
+        device_ptrs: Vec<u64>,
+        rows: usize,
+        host_idx: IndexArray,
+        dev_idx: IndexArray,
+        engine: Engine,
+    ) -> PyResult<()> {
+        let memory = match engine {
+            Engine::Cuda { .. } => DeviceMemory::Cuda,
+            Engine::CpuPlan | Engine::CpuEmulated => DeviceMemory::Host,
+        };
+        let device_side = DeviceSide {
+            layer_ptrs: device_ptrs,
+            rows,
+            memory,
+        };
+        // SAFETY: the plane addresses are this core's own memory, held alive by `_owners`; the
+        // device side and the index arrays are what this function's caller guarantees.
+        let req = unsafe {
+            TransferRequest::new(
+                self.geom.clone(),
+                backend,
+                op,
+                device_side,
+                host_idx,
+                dev_idx,
+            )
+        };
+        match engine {
+            Engine::CpuPlan => {
+                let plan = plan::build(&req).map_err(|e| to_py(py, e))?;
+                let run = if plan.bytes() > DETACH_BYTES {
+                    py.detach(|| cpu::execute(&plan))
+                } else {
+                    cpu::execute(&plan)
+                };
+                run.map_err(|e| to_py(py, e))
+            }
+            Engine::CpuEmulated => {
+                plan::validate(&req).map_err(|e| to_py(py, e))?;
+                py.detach(|| cuda::emulate(&req)).map_err(|e| to_py(py, e))
+            }
+            Engine::Cuda { stream } => {
+                let c = plan::validate(&req).map_err(|e| to_py(py, e))?;
+                let per_row: u64 = self.geom.item_bytes.iter().map(|&i| i as u64).sum();
+                let bytes = (c.len as u64)
+                    .saturating_mul(c.layer_count)
+                    .saturating_mul(per_row);
+                // Small transfers run with the GIL unless they would block (JIT, a staging
+                // wait, allocation, an index read-back); then again without it.
+                let run = if bytes > DETACH_BYTES {
+                    py.detach(|| cuda::execute(&req, stream))
+                } else {
+                    match cuda::try_execute(&req, stream) {
+                        Err(Error::WouldBlock) => py.detach(|| cuda::execute(&req, stream)),
+                        other => other,
+                    }
+                };
+                run.map_err(|e| to_py(py, e))
+            }
+        }
+    }
+
+    /// The raw entry points' (device, stream, engine) strings.
+    fn engine_arg(device: &str, stream: u64, engine: &str) -> PyResult<Engine> {
+        match (device, engine) {
+            ("cpu", "plan") => Ok(Engine::CpuPlan),
+            ("cpu", "emulated") => Ok(Engine::CpuEmulated),
+            ("cpu", other) => Err(PyValueError::new_err(format!(
+                "Unsupported engine: {other}; expected 'plan' or 'emulated'"
+            ))),
+            ("cuda", _) => Ok(Engine::Cuda { stream }),
+            (other, _) => Err(PyValueError::new_err(format!(
+                "Unsupported device: {other}; expected 'cpu' or 'cuda'"
+            ))),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -56,77 +164,24 @@ impl PyPoolCore {
                 format!("device_rows must be non-negative, got {device_rows}"),
             )
         })?;
-        // `device` other than "cpu" / "cuda" is refused below, before the request is used.
-        let memory = if device == "cuda" {
-            crate::transfer::DeviceMemory::Cuda
-        } else {
-            crate::transfer::DeviceMemory::Host
-        };
-        let device_side = DeviceSide {
-            layer_ptrs: device_ptrs,
-            rows,
-            memory,
-        };
+        let engine = Self::engine_arg(device, stream, engine)?;
         let host_idx = index_array(py, "host", host_idx)?;
         let dev_idx = index_array(py, "device", dev_idx)?;
-        // SAFETY: `_core` is the package's private binding, and this is the promise its Python
-        // callers (the hostkv_rs pools) make for every transfer: the plane addresses given to
-        // `PoolCore(...)` are the pool's own host buffers, which the pool object keeps alive (and
-        // never frees while a transfer runs); `device_ptrs` are the data pointers of the device
-        // layer tensors (plane-major, each checked by the pool to hold `device_rows` rows of the
-        // plane's item size) on `device`, and the index arrays are contiguous int32/int64
-        // tensors of the stated length and residency. The caller holds all of them for this
-        // call, and CUDA work is enqueued on `stream`, in whose order the caching allocator
-        // reuses freed device memory. None of them is a Rust object of this call. A pool never
-        // writes an index tensor while a transfer reads it.
-        let req = unsafe {
-            TransferRequest::new(
-                self.geom.clone(),
+        // SAFETY: the raw entry points are the private interface of tests and benchmarks, whose
+        // promise is `run`'s: `device_ptrs` are live device layers of `device_rows` rows on
+        // `device`, the index arrays contiguous arrays of the stated length and residency, all
+        // held by the caller for this call (CUDA: freed only in `stream`'s order).
+        unsafe {
+            self.run(
+                py,
                 backend,
                 op,
-                device_side,
+                device_ptrs,
+                rows,
                 host_idx,
                 dev_idx,
+                engine,
             )
-        };
-        match (device, engine) {
-            ("cpu", "plan") => {
-                let plan = plan::build(&req).map_err(|e| to_py(py, e))?;
-                let run = if plan.bytes() > DETACH_BYTES {
-                    py.detach(|| cpu::execute(&plan))
-                } else {
-                    cpu::execute(&plan)
-                };
-                run.map_err(|e| to_py(py, e))
-            }
-            ("cpu", "emulated") => {
-                plan::validate(&req).map_err(|e| to_py(py, e))?;
-                py.detach(|| cuda::emulate(&req)).map_err(|e| to_py(py, e))
-            }
-            ("cpu", other) => Err(PyValueError::new_err(format!(
-                "Unsupported engine: {other}; expected 'plan' or 'emulated'"
-            ))),
-            ("cuda", _) => {
-                let c = plan::validate(&req).map_err(|e| to_py(py, e))?;
-                let per_row: u64 = self.geom.item_bytes.iter().map(|&i| i as u64).sum();
-                let bytes = (c.len as u64)
-                    .saturating_mul(c.layer_count)
-                    .saturating_mul(per_row);
-                // Small transfers run with the GIL unless they would block (JIT, a staging
-                // wait, allocation, an index read-back); then again without it.
-                let run = if bytes > DETACH_BYTES {
-                    py.detach(|| cuda::execute(&req, stream))
-                } else {
-                    match cuda::try_execute(&req, stream) {
-                        Err(Error::WouldBlock) => py.detach(|| cuda::execute(&req, stream)),
-                        other => other,
-                    }
-                };
-                run.map_err(|e| to_py(py, e))
-            }
-            (other, _) => Err(PyValueError::new_err(format!(
-                "Unsupported device: {other}; expected 'cpu' or 'cuda'"
-            ))),
         }
     }
 }
@@ -134,7 +189,7 @@ impl PyPoolCore {
 #[pymethods]
 impl PyPoolCore {
     #[new]
-    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, plane_addrs, head_num = 1))]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, planes, head_num = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -143,15 +198,15 @@ impl PyPoolCore {
         rows: usize,
         page_size: usize,
         item_bytes: Vec<usize>,
-        plane_addrs: Vec<u64>,
+        planes: Vec<Bound<'_, PyAny>>,
         head_num: usize,
     ) -> PyResult<Self> {
         let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
-        if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != plane_addrs.len() {
+        if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != planes.len() {
             return Err(PyValueError::new_err(format!(
-                "a host pool has 1 or 2 planes: got {} item sizes and {} plane addresses",
+                "a host pool has 1 or 2 planes: got {} item sizes and {} planes",
                 item_bytes.len(),
-                plane_addrs.len()
+                planes.len()
             )));
         }
         if item_bytes.contains(&0) {
@@ -159,17 +214,22 @@ impl PyPoolCore {
                 "item_bytes must be positive (bytes of one row of one layer), got {item_bytes:?}"
             )));
         }
-        let mut planes = Vec::with_capacity(item_bytes.len());
-        for (p, (&item, &addr)) in item_bytes.iter().zip(&plane_addrs).enumerate() {
+        let mut layouts = Vec::with_capacity(item_bytes.len());
+        let mut plane_addrs = Vec::with_capacity(item_bytes.len());
+        let mut owners = Vec::with_capacity(item_bytes.len());
+        for (p, (&item, plane)) in item_bytes.iter().zip(&planes).enumerate() {
             let pl = PlaneLayout::new(layout, num_layers, rows, page_size, item, head_num)
                 .map_err(|e| to_py(py, e))?;
-            if (addr == 0 && pl.nbytes > 0) || addr.checked_add(pl.nbytes).is_none() {
+            let mem = host_memory(plane, &format!("plane {p}"))?;
+            if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
                 return Err(PyValueError::new_err(format!(
-                    "plane {p} address {addr:#x} cannot hold {} bytes",
-                    pl.nbytes
+                    "plane {p} memory of {} bytes at {:#x} cannot hold {} bytes",
+                    mem.len, mem.addr, pl.nbytes
                 )));
             }
-            planes.push(pl);
+            layouts.push(pl);
+            plane_addrs.push(mem.addr);
+            owners.push(mem.owner);
         }
         let heads = if layout == Layout::PageHead {
             head_num
@@ -185,7 +245,11 @@ impl PyPoolCore {
             item_bytes,
             plane_base: plane_addrs,
         };
-        Ok(Self { geom, planes })
+        Ok(Self {
+            geom,
+            planes: layouts,
+            _owners: owners,
+        })
     }
 
     /// Bytes of one plane (`L * S * I`), with the same checks as the constructor.

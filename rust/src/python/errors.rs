@@ -235,3 +235,7 @@ pub(crate) fn transfer_err(py: Python<'_>, msg: String) -> PyErr {
 pub(crate) fn type_err(message: String) -> PyErr {
     PyTypeError::new_err(message)
 }
+
+pub(crate) fn value_err(message: String) -> PyErr {
+    PyValueError::new_err(message)
+}

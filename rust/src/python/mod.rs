@@ -4,8 +4,10 @@
 //! fallible step returns a `PyResult`.
 
 mod args;
+mod binding;
 mod core;
 mod errors;
+mod memory;
 mod region;
 mod spec;
 
@@ -42,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<region::PyHostRegion>()?;
     m.add_class::<core::PyPoolCore>()?;
     m.add_class::<spec::PyPoolSpec>()?;
+    m.add_class::<binding::PyDeviceBinding>()?;
     m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;
     m.add("PageIndexError", errors::page_index_error_type(py)?)?;
     m.add("C4_PAGE_TOKENS", crate::pool::c4::PAGE_TOKENS)?;

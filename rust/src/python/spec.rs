@@ -11,7 +11,7 @@ use crate::pool::{PoolKind, PoolSpec};
 /// buffer shapes, the (layout, io_backend) check with SGLang's texts, L3 page metadata and views.
 #[pyclass(frozen, module = "hostkv_rs._core", name = "PoolSpec")]
 pub struct PyPoolSpec {
-    spec: PoolSpec,
+    pub(crate) spec: PoolSpec,
 }
 
 fn u64s(v: &[u64]) -> Vec<u64> {

@@ -1,0 +1,750 @@
+//! `_core.DeviceBinding`: a host pool's device side, checked once and held in Rust.
+//!
+//! A pool captures its device layer tensors when it is built (SGLang 0.5.22+ does the same; 0.5.23
+//! hands over only the layers this rank owns). The binding maps controller layer ids to (host
+//! layer, device tensor), checks every tensor on first use (type, device, contiguity, storage,
+//! dtype, head split, row bytes), and then serves each transfer with only the layer id and the two
+//! index tensors: per call it re-reads the `data_ptr()` of the tensors it touches (SGLang reads
+//! the device pointer when it copies, so a tensor whose storage was swapped is checked again),
+//! checks the index tensors, and runs the engine it chose when it was built.
+//!
+//! Controller layer ids: a target layer is the device pool's local layer id; packed MTP draft `i`
+//! comes as `device_layer_num + i` with `is_draft=True`. Host layers: the owned target layers in
+//! order, then the drafts at `target_layer_num + i` (under layer sharding `target_layer_num` may
+//! exceed the owned count by one; that host layer stays unused).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyString, PyTuple, PyType};
+
+use super::core::{Engine, PyPoolCore};
+use super::errors::{layer_index_error_type, to_py};
+use super::spec::PyPoolSpec;
+use crate::transfer::{Backend, IndexArray, IndexWidth, Op};
+
+/// The torch objects a binding compares against, looked up once per process.
+struct Torch {
+    tensor: Py<PyType>,
+    int32: Py<PyAny>,
+    int64: Py<PyAny>,
+    cpu: Py<PyAny>,
+    /// `hostkv_rs._indices.as_index_array`: the conversions off the fast path (lists, numpy,
+    /// other dtypes, strided or device-resident tensors), with their exact refusals.
+    as_index_array: Py<PyAny>,
+    check_storage: Py<PyAny>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn torch(py: Python<'_>) -> PyResult<&Torch> {
+    TORCH.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let indices = py.import("hostkv_rs._indices")?;
+        Ok(Torch {
+            tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            int32: torch.getattr("int32")?.unbind(),
+            int64: torch.getattr("int64")?.unbind(),
+            cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
+            as_index_array: indices.getattr("as_index_array")?.unbind(),
+            check_storage: indices.getattr("check_storage")?.unbind(),
+        })
+    })
+}
+
+/// The checked device side: plane-major pointers, the smallest row count, the device.
+struct Checked {
+    ptrs: Vec<u64>,
+    rows: usize,
+    /// The CUDA device (a `torch.device`) whose current stream a transfer is queued on; None
+    /// for CPU device pools.
+    cuda: Option<Py<PyAny>>,
+}
+
+/// `(dtype, (heads, head_dim) or None)` as Python passes it.
+type LikeArg = (Py<PyAny>, Option<(i64, i64)>);
+
+/// The `(dtype, (heads, head_dim))` a plane's device rows must have.
+struct Like {
+    dtype: Py<PyAny>,
+    split: Option<(i64, i64)>,
+}
+
+#[pyclass(frozen, module = "hostkv_rs._core", name = "DeviceBinding")]
+pub struct PyDeviceBinding {
+    core: Mutex<Option<Py<PyPoolCore>>>,
+    spec: Py<PyPoolSpec>,
+    /// The pool's class name, for the destroyed-pool refusal.
+    name: String,
+    /// How refusals name the device side ("device pool").
+    what: String,
+    /// Plane-major: plane `p`, position `i` at `p * count + i`.
+    tensors: Vec<Py<PyAny>>,
+    /// Each tensor's bound `data_ptr` method, looked up once: the per-call re-read is then one
+    /// call per touched tensor.
+    data_ptr: Vec<Py<PyAny>>,
+    count: usize,
+    item_bytes: Vec<u64>,
+    like: Vec<Like>,
+    /// controller layer id -> (host layer, tensor position)
+    targets: HashMap<i64, (usize, usize)>,
+    drafts: HashMap<i64, (usize, usize)>,
+    device_layer_num: i64,
+    /// Every (host layer, position), by host layer.
+    backup_order: Vec<(usize, usize)>,
+    /// One all-layer core call covers a backup: every host layer has exactly one device layer.
+    complete: bool,
+    host_layer_num: usize,
+    /// HOSTKV_CPU_ENGINE, read when the binding was built (an unknown value is refused at the
+    /// first CPU transfer, not at construction).
+    cpu_engine: Result<Engine, String>,
+    checked: Mutex<Option<Checked>>,
+}
+
+fn cpu_engine_from_env() -> Result<Engine, String> {
+    let raw = std::env::var("HOSTKV_CPU_ENGINE").unwrap_or_default();
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "" | "plan" => Ok(Engine::CpuPlan),
+        "emulated" => Ok(Engine::CpuEmulated),
+        other => Err(format!(
+            "HOSTKV_CPU_ENGINE must be one of plan, emulated, got '{other}'"
+        )),
+    }
+}
+
+/// A layer id as SGLang compares it: an integer (a bool is refused rather than read as 0 or 1).
+fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let refuse = || -> PyResult<PyErr> {
+        Ok(PyTypeError::new_err(format!(
+            "layer_id must be an integer, got {}",
+            layer_id.repr()?
+        )))
+    };
+    if layer_id.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(refuse()?);
+    }
+    match layer_id.call_method0("__index__") {
+        // Past i64 it cannot name a layer of any pool; SGLang's range check fails for it too.
+        Ok(int) => Ok(int.extract::<i64>().unwrap_or(i64::MAX)),
+        Err(_) => Err(refuse()?),
+    }
+}
+
+fn py_tuple_text(values: &[i64]) -> String {
+    match values {
+        [one] => format!("({one},)"),
+        _ => format!(
+            "({})",
+            values
+                .iter()
+                .map(i64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+impl PyDeviceBinding {
+    fn tensor(&self, plane: usize, position: usize) -> &Py<PyAny> {
+        &self.tensors[plane * self.count + position]
+    }
+
+    fn nplanes(&self) -> usize {
+        self.item_bytes.len()
+    }
+
+    /// Every tensor checked, as `check_device_layers` did in Python, with its texts.
+    fn check_all(&self, py: Python<'_>) -> PyResult<Checked> {
+        let t = torch(py)?;
+        let mut ptrs = Vec::with_capacity(self.tensors.len());
+        let mut rows: Option<i64> = None;
+        let mut device: Option<Bound<'_, PyAny>> = None;
+        let mut device_type = String::new();
+        for plane in 0..self.nplanes() {
+            for layer in 0..self.count {
+                let tensor = self.tensor(plane, layer).bind(py);
+                let where_ = format!("{} plane {plane} layer {layer}", self.what);
+                if !tensor.is_instance(t.tensor.bind(py))? {
+                    return Err(PyTypeError::new_err(format!(
+                        "{where_}: expected a torch.Tensor, got {}",
+                        tensor.get_type().name()?
+                    )));
+                }
+                let dev = tensor.getattr("device")?;
+                let dev_type: String = dev.getattr("type")?.extract()?;
+                if dev_type != "cpu" && dev_type != "cuda" {
+                    return Err(PyValueError::new_err(format!(
+                        "{where_}: device pools must be on CPU or CUDA, got {}",
+                        dev.str()?
+                    )));
+                }
+                match &device {
+                    None => {
+                        device = Some(dev.clone());
+                        device_type = dev_type.clone();
+                    }
+                    Some(first) if dev_type != device_type => {
+                        return Err(PyValueError::new_err(format!(
+                            "{where_}: device tensors mix {device_type} and {dev_type}"
+                        )));
+                    }
+                    Some(first) if !first.eq(&dev)? => {
+                        // One call runs on one GPU's stream; another GPU's layer is not its memory.
+                        return Err(PyValueError::new_err(format!(
+                            "{where_}: device tensors mix {} and {}",
+                            first.str()?,
+                            dev.str()?
+                        )));
+                    }
+                    Some(_) => {}
+                }
+                let shape: Vec<i64> = tensor.getattr("shape")?.extract()?;
+                if shape.is_empty() {
+                    return Err(PyValueError::new_err(format!(
+                        "{where_}: expected a tensor with a token dimension"
+                    )));
+                }
+                if !tensor.call_method0("is_contiguous")?.is_truthy()? {
+                    return Err(PyValueError::new_err(format!(
+                        "{where_}: device layer tensors must be contiguous"
+                    )));
+                }
+                t.check_storage.bind(py).call1((tensor, &where_))?;
+                let element: i64 = tensor.call_method0("element_size")?.extract()?;
+                let row_bytes = shape[1..]
+                    .iter()
+                    .fold(element as i128, |acc, &d| acc * d as i128);
+                if let Some(like) = self.like.get(plane) {
+                    let dtype = tensor.getattr("dtype")?;
+                    if !dtype.eq(like.dtype.bind(py))? {
+                        return Err(PyValueError::new_err(format!(
+                            "{where_}: dtype {} differs from the host pool's {}",
+                            dtype.str()?,
+                            like.dtype.bind(py).str()?
+                        )));
+                    }
+                    if let Some((heads, dim)) = like.split {
+                        if shape.len() == 3 && (shape[1], shape[2]) != (heads, dim) {
+                            return Err(PyValueError::new_err(format!(
+                                "{where_}: head split {} (heads, head_dim) differs from the host \
+                                 pool's ({heads}, {dim})",
+                                py_tuple_text(&shape[1..])
+                            )));
+                        }
+                    }
+                }
+                let want = self.item_bytes[plane];
+                if row_bytes != want as i128 {
+                    return Err(PyValueError::new_err(format!(
+                        "{where_}: device rows are {row_bytes} bytes but the host pool's item \
+                         size is {want} bytes (dtype or head geometry differs from the host pool)"
+                    )));
+                }
+                rows = Some(rows.map_or(shape[0], |r| r.min(shape[0])));
+                ptrs.push(tensor.call_method0("data_ptr")?.extract()?);
+            }
+        }
+        let cuda = match (&device, device_type.as_str()) {
+            (Some(dev), "cuda") => Some(dev.clone().unbind()),
+            _ => None,
+        };
+        Ok(Checked {
+            ptrs,
+            rows: rows.unwrap_or(0).max(0) as usize,
+            cuda,
+        })
+    }
+
+    /// The pointers of `positions` (plane-major per position), re-checking every tensor when
+    /// one of them no longer points where it did (or nothing was checked yet).
+    fn device_ptrs(
+        &self,
+        py: Python<'_>,
+        positions: &[usize],
+    ) -> PyResult<(Vec<u64>, usize, Option<Py<PyAny>>)> {
+        let mut state = self
+            .checked
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
+        let mut out = Vec::with_capacity(positions.len() * self.nplanes());
+        if let Some(checked) = state.as_ref() {
+            'current: {
+                for plane in 0..self.nplanes() {
+                    for &pos in positions {
+                        let ptr: u64 = self.data_ptr[plane * self.count + pos]
+                            .bind(py)
+                            .call0()?
+                            .extract()?;
+                        if ptr != checked.ptrs[plane * self.count + pos] {
+                            break 'current;
+                        }
+                        out.push(ptr);
+                    }
+                }
+                let cuda = checked.cuda.as_ref().map(|d| d.clone_ref(py));
+                return Ok((out, checked.rows, cuda));
+            }
+        }
+        *state = None;
+        let checked = self.check_all(py)?;
+        out.clear();
+        for plane in 0..self.nplanes() {
+            for &pos in positions {
+                out.push(checked.ptrs[plane * self.count + pos]);
+            }
+        }
+        let result = (
+            out,
+            checked.rows,
+            checked.cuda.as_ref().map(|d| d.clone_ref(py)),
+        );
+        *state = Some(checked);
+        Ok(result)
+    }
+
+    fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Engine> {
+        match cuda {
+            Some(device) => {
+                let stream: u64 = py
+                    .import("torch.cuda")?
+                    .call_method1("current_stream", (device.bind(py),))?
+                    .getattr("cuda_stream")?
+                    .extract()?;
+                Ok(Engine::Cuda { stream })
+            }
+            None => self.cpu_engine.clone().map_err(PyValueError::new_err),
+        }
+    }
+
+    fn backend(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<Backend> {
+        let spec = &self.spec.get().spec;
+        let result = match io_backend.cast::<PyString>() {
+            Ok(text) => {
+                let name = text.to_cow()?;
+                spec.check_pair(Some(&name), &name)
+            }
+            Err(_) => spec.check_pair(None, &io_backend.str()?.to_cow()?),
+        };
+        result.map_err(|e| to_py(py, e))
+    }
+
+    fn live_core(&self, py: Python<'_>) -> PyResult<Py<PyPoolCore>> {
+        let core = self
+            .core
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
+        core.as_ref().map(|c| c.clone_ref(py)).ok_or_else(|| {
+            PyRuntimeError::new_err(format!(
+                "{} has been destroyed; it cannot transfer",
+                self.name
+            ))
+        })
+    }
+
+    /// Runs one core call with both index arrays in the form the core reads.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        core: &PyPoolCore,
+        backend: Backend,
+        op: Op,
+        ptrs: Vec<u64>,
+        rows: usize,
+        host: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        engine: Engine,
+    ) -> PyResult<()> {
+        // CPU device pools and the direct backend read indices on the host; a CUDA kernel reads
+        // device-resident ones where they are (and bounds-checks them itself).
+        let host_side = !matches!((engine, backend), (Engine::Cuda { .. }, Backend::Kernel));
+        let (h, _h_keep) = index_array(py, host, host_side)?;
+        let (d, _d_keep) = index_array(py, device, host_side)?;
+        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
+        // binding holds (so they stay alive for the call) and checked to be contiguous, on
+        // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
+        // the index arrays come from live contiguous int32/int64 tensors held in this frame
+        // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
+        // current stream, in whose order torch's caching allocator reuses freed memory.
+        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine) }
+    }
+}
+
+/// An index argument as the core reads it: the fast path reads a contiguous 1-D int32/int64
+/// tensor in place (checking that its storage holds it); everything else goes through
+/// `as_index_array`, whose result the caller keeps alive (the second element).
+fn index_array<'py>(
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+    host_side: bool,
+) -> PyResult<(IndexArray, Option<Bound<'py, PyAny>>)> {
+    let t = torch(py)?;
+    if let Some(array) = fast_index(py, t, value, host_side)? {
+        return Ok((array, None));
+    }
+    let target = if host_side {
+        t.cpu.bind(py).clone()
+    } else {
+        py.None().into_bound(py)
+    };
+    let converted = t.as_index_array.bind(py).call1((value, target))?;
+    let ptr: u64 = converted.call_method0("data_ptr")?.extract()?;
+    let len: usize = converted.call_method0("numel")?.extract()?;
+    let width = match converted.call_method0("element_size")?.extract::<usize>()? {
+        4 => IndexWidth::I32,
+        _ => IndexWidth::I64,
+    };
+    let on_device: bool = converted.getattr("is_cuda")?.extract()?;
+    Ok((
+        IndexArray {
+            ptr,
+            len,
+            width,
+            on_device,
+        },
+        Some(converted),
+    ))
+}
+
+fn fast_index(
+    py: Python<'_>,
+    t: &Torch,
+    value: &Bound<'_, PyAny>,
+    host_side: bool,
+) -> PyResult<Option<IndexArray>> {
+    if !value.is_instance(t.tensor.bind(py))? {
+        return Ok(None);
+    }
+    let dtype = value.getattr(pyo3::intern!(py, "dtype"))?;
+    let width = if dtype.is(t.int64.bind(py)) {
+        IndexWidth::I64
+    } else if dtype.is(t.int32.bind(py)) {
+        IndexWidth::I32
+    } else {
+        return Ok(None);
+    };
+    let shape = value.getattr(pyo3::intern!(py, "shape"))?;
+    let shape = shape.cast::<PyTuple>()?;
+    if shape.len() != 1 {
+        return Ok(None);
+    }
+    let len: usize = shape.get_item(0)?.extract()?;
+    let on_device = value.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()?;
+    if on_device && host_side {
+        return Ok(None);
+    }
+    if !on_device && !value.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+        return Ok(None); // meta and other devices: as_index_array refuses them with its text
+    }
+    if !value
+        .call_method0(pyo3::intern!(py, "is_contiguous"))?
+        .is_truthy()?
+    {
+        return Ok(None);
+    }
+    if len > 0 {
+        let offset: u64 = value
+            .call_method0(pyo3::intern!(py, "storage_offset"))?
+            .extract()?;
+        let nbytes: u64 = value
+            .call_method0(pyo3::intern!(py, "untyped_storage"))?
+            .call_method0(pyo3::intern!(py, "nbytes"))?
+            .extract()?;
+        let need = (offset as u128 + len as u128) * width.bytes() as u128;
+        if need > nbytes as u128 {
+            t.check_storage.bind(py).call1((value, "index tensor"))?;
+        }
+    }
+    let ptr: u64 = value
+        .call_method0(pyo3::intern!(py, "data_ptr"))?
+        .extract()?;
+    Ok(Some(IndexArray {
+        ptr,
+        len,
+        width,
+        on_device,
+    }))
+}
+
+#[pymethods]
+impl PyDeviceBinding {
+    /// `planes`: per plane, the device layer tensors (owned target layers in host order, then
+    /// one per packed draft). `like`: per plane, `(dtype, (heads, head_dim) or None)`.
+    #[new]
+    #[pyo3(signature = (core, spec, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        core: Option<Py<PyPoolCore>>,
+        spec: Py<PyPoolSpec>,
+        planes: Vec<Vec<Py<PyAny>>>,
+        owned_slots: Vec<i64>,
+        device_layer_num: i64,
+        target_layer_num: usize,
+        host_layers: Option<Vec<usize>>,
+        like: Vec<LikeArg>,
+        what: &str,
+        name: &str,
+    ) -> PyResult<Self> {
+        let item_bytes: Vec<u64> = {
+            let s = &spec.get().spec;
+            (0..s.planes().len()).map(|p| s.item_bytes(p)).collect()
+        };
+        if planes.len() != item_bytes.len() {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {} planes of device layers for a host pool of {}",
+                planes.len(),
+                item_bytes.len()
+            )));
+        }
+        let count = planes.first().map_or(0, Vec::len);
+        let drafts = count.checked_sub(owned_slots.len());
+        let Some(drafts) = drafts.filter(|_| planes.iter().all(|p| p.len() == count)) else {
+            return Err(PyValueError::new_err(format!(
+                "{what}: every plane needs one tensor per owned layer and draft"
+            )));
+        };
+        if owned_slots.len() > target_layer_num {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {} owned layers do not fit {target_layer_num} host layers",
+                owned_slots.len()
+            )));
+        }
+        // Owned target `k` is host layer `k` unless `host_layers` says otherwise (a device pool
+        // handed to one call, holding only some of the layers).
+        if let Some(h) = &host_layers {
+            if h.len() != owned_slots.len() || h.iter().any(|&l| l >= target_layer_num) {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: host_layers {h:?} must name one host layer below \
+                     {target_layer_num} per owned slot ({} slots)",
+                    owned_slots.len()
+                )));
+            }
+        }
+        let targets: HashMap<i64, (usize, usize)> = owned_slots
+            .iter()
+            .enumerate()
+            .map(|(k, &slot)| (slot, (host_layers.as_ref().map_or(k, |h| h[k]), k)))
+            .collect();
+        let drafts: HashMap<i64, (usize, usize)> = (0..drafts)
+            .map(|i| {
+                (
+                    device_layer_num + i as i64,
+                    (target_layer_num + i, owned_slots.len() + i),
+                )
+            })
+            .collect();
+        let mut backup_order: Vec<(usize, usize)> =
+            targets.values().chain(drafts.values()).copied().collect();
+        backup_order.sort_unstable();
+        backup_order.dedup();
+        let host_layer_num = target_layer_num + drafts.len();
+        let complete = backup_order.len() == host_layer_num
+            && backup_order.iter().enumerate().all(|(i, &(h, _))| h == i);
+        let tensors: Vec<Py<PyAny>> = planes.into_iter().flatten().collect();
+        // A non-tensor has no `data_ptr`; its bound method is then a stand-in that the first
+        // use never calls, because the full check refuses the object first.
+        let data_ptr = tensors
+            .iter()
+            .map(|t| {
+                t.bind(py)
+                    .getattr("data_ptr")
+                    .map(Bound::unbind)
+                    .unwrap_or_else(|_| py.None())
+            })
+            .collect();
+        let like = like
+            .into_iter()
+            .map(|(dtype, split)| Like { dtype, split })
+            .collect();
+        Ok(Self {
+            core: Mutex::new(core),
+            spec,
+            name: name.to_owned(),
+            what: what.to_owned(),
+            tensors,
+            data_ptr,
+            count,
+            item_bytes,
+            like,
+            targets,
+            drafts,
+            device_layer_num,
+            backup_order,
+            complete,
+            host_layer_num,
+            cpu_engine: cpu_engine_from_env(),
+            checked: Mutex::new(None),
+        })
+    }
+
+    /// Host layer `layer_id` (a controller id) -> its device layer. False, with nothing read,
+    /// for a target layer this pool does not hold (SGLang returns without copying); a draft id
+    /// outside the packed drafts is refused.
+    #[pyo3(signature = (layer_id, host_indices, device_indices, io_backend, is_draft = false))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        layer_id: &Bound<'_, PyAny>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        io_backend: &Bound<'_, PyAny>,
+        is_draft: bool,
+    ) -> PyResult<bool> {
+        let Some((host_layer, position)) = self.lookup_entry(py, layer_id, is_draft)? else {
+            return Ok(false);
+        };
+        let backend = self.backend(py, io_backend)?;
+        let core = self.live_core(py)?;
+        let (ptrs, rows, cuda) = self.device_ptrs(py, &[position])?;
+        let engine = self.engine(py, &cuda)?;
+        self.run(
+            py,
+            core.get(),
+            backend,
+            Op::Load { host_layer },
+            ptrs,
+            rows,
+            host_indices,
+            device_indices,
+            engine,
+        )?;
+        Ok(true)
+    }
+
+    /// Every held device layer -> host: one core call when every host layer has a device
+    /// layer, else one per held layer (they share the indices, so the first call's validation,
+    /// which precedes its first byte, covers them all).
+    fn backup(
+        &self,
+        py: Python<'_>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        io_backend: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let backend = self.backend(py, io_backend)?;
+        let core = self.live_core(py)?;
+        if self.backup_order.is_empty() {
+            return Ok(());
+        }
+        let positions: Vec<usize> = self.backup_order.iter().map(|&(_, p)| p).collect();
+        let (ptrs, rows, cuda) = self.device_ptrs(py, &positions)?;
+        let engine = self.engine(py, &cuda)?;
+        if self.complete {
+            return self.run(
+                py,
+                core.get(),
+                backend,
+                Op::Backup,
+                ptrs,
+                rows,
+                host_indices,
+                device_indices,
+                engine,
+            );
+        }
+        let n = positions.len();
+        for (k, &(host_layer, _)) in self.backup_order.iter().enumerate() {
+            let layer_ptrs = (0..self.nplanes()).map(|p| ptrs[p * n + k]).collect();
+            self.run(
+                py,
+                core.get(),
+                backend,
+                Op::BackupLayer { host_layer },
+                layer_ptrs,
+                rows,
+                host_indices,
+                device_indices,
+                engine,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The host layer of controller layer `layer_id`, or None for a target layer this pool
+    /// does not hold.
+    #[pyo3(signature = (layer_id, is_draft = false))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        layer_id: &Bound<'_, PyAny>,
+        is_draft: bool,
+    ) -> PyResult<Option<usize>> {
+        Ok(self
+            .lookup_entry(py, layer_id, is_draft)?
+            .map(|(host, _)| host))
+    }
+
+    /// `(controller layer id, host layer)` of every owned target layer, by host layer.
+    #[getter]
+    fn targets(&self) -> Vec<(i64, usize)> {
+        let mut out: Vec<(i64, usize)> = self.targets.iter().map(|(&s, &(h, _))| (s, h)).collect();
+        out.sort_unstable_by_key(|&(_, h)| h);
+        out
+    }
+
+    #[getter]
+    fn host_layer_num(&self) -> usize {
+        self.host_layer_num
+    }
+
+    /// Whether every host layer has a device layer (one all-layer core call backs up all).
+    #[getter]
+    fn complete(&self) -> bool {
+        self.complete
+    }
+
+    /// The device of the first device tensor (unchecked; `torch.device("cpu")` without any).
+    #[getter]
+    fn device(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        match self.tensors.first() {
+            Some(t) => match t.bind(py).getattr("device") {
+                Ok(d) => Ok(d.unbind()),
+                Err(_) => Ok(torch(py)?.cpu.clone_ref(py)),
+            },
+            None => Ok(torch(py)?.cpu.clone_ref(py)),
+        }
+    }
+
+    /// Drops the core (the pool was destroyed): later transfers raise.
+    fn release(&self) -> PyResult<()> {
+        let mut core = self
+            .core
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
+        *core = None;
+        Ok(())
+    }
+}
+
+impl PyDeviceBinding {
+    fn lookup_entry(
+        &self,
+        py: Python<'_>,
+        layer_id: &Bound<'_, PyAny>,
+        is_draft: bool,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let key = layer_key(layer_id)?;
+        if !is_draft {
+            return Ok(self.targets.get(&key).copied());
+        }
+        match self.drafts.get(&key) {
+            Some(&entry) => Ok(Some(entry)),
+            None => {
+                let first = self.device_layer_num;
+                let message = format!(
+                    "is_draft layer_id {key} is not a packed MTP draft layer: this host pool \
+                     holds drafts at layer ids [{first}, {})",
+                    first + self.drafts.len() as i64
+                );
+                Err(PyErr::from_type(
+                    layer_index_error_type(py)?.clone(),
+                    message,
+                ))
+            }
+        }
+    }
+}

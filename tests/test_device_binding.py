@@ -1,0 +1,104 @@
+"""The core's device binding (`_core.DeviceBinding`): checked device layers must never serve stale
+pointers or shapes, and every device refusal is raised before a byte moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hostkv_rs import (
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
+    _core,
+)
+
+
+def _pools():
+    dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    return dev, host
+
+
+def test_repeated_loads_follow_a_tensor_whose_storage_was_swapped():
+    dev, host = _pools()
+    h = host.alloc(16)
+    d = torch.arange(16, 32)
+    host.kv_buffer.view(torch.uint8).fill_(7)
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")  # primes the cache
+    replacement = torch.zeros_like(dev.k_buffer[1])
+    dev.k_buffer[1].set_(replacement)  # same Python object, new memory
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    assert torch.equal(replacement.view(torch.uint8)[16:32], host.k_buffer[1][h].view(torch.uint8))
+
+
+def test_a_reshaped_tensor_is_checked_again():
+    dev, host = _pools()
+    h = host.alloc(16)
+    d = torch.arange(16, 32)
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    dev.k_buffer[1].set_(torch.zeros(80, 4, 8, dtype=torch.bfloat16))  # rows no longer match
+    with pytest.raises(ValueError, match=r"head split \(4, 8\) \(heads, head_dim\) differs"):
+        host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+
+
+def test_a_new_device_pool_is_not_confused_with_a_dead_one():
+    dev, host = _pools()
+    h = host.alloc(16)
+    d = torch.arange(16, 32)
+    host.kv_buffer.view(torch.uint8).fill_(3)
+    host.load_to_device_per_layer(dev, h, d, 0, "direct")
+    del dev
+    dev2 = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+    host.load_to_device_per_layer(dev2, h, d, 0, "direct")
+    assert bool((dev2.k_buffer[0][16:32].view(torch.uint8) == 3).all())
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that reports another device, to reach device checks without a GPU."""
+
+    reported = None
+
+    @property
+    def device(self):
+        return self.reported
+
+
+def _reporting(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    fake = tensor.as_subclass(_OnDevice)
+    fake.reported = torch.device(device)
+    return fake
+
+
+def test_device_layers_on_two_gpus_are_refused():
+    dev = MLATokenToKVPool(64, 16, torch.bfloat16, 8, 4, 2)
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    layers = [_reporting(torch.zeros_like(t), f"cuda:{i}") for i, t in enumerate(dev.kv_buffer)]
+    binding = _core.DeviceBinding(host._pool_core, host._spec, [layers], [0, 1], 2, 2)
+    with pytest.raises(ValueError, match="mix cuda:0 and cuda:1"):
+        binding.backup(torch.arange(16), torch.arange(16), "kernel")
+
+
+def test_a_binding_refuses_a_layer_map_that_does_not_fit_the_pool():
+    dev, host = _pools()
+    planes = [list(dev.k_buffer), list(dev.v_buffer)]
+    with pytest.raises(ValueError, match="one tensor per owned layer and draft"):
+        _core.DeviceBinding(
+            host._pool_core, host._spec, [planes[0], planes[1][:2]], [0, 1, 2], 3, 3
+        )
+    with pytest.raises(ValueError, match="4 owned layers do not fit 3 host layers"):
+        _core.DeviceBinding(
+            host._pool_core, host._spec, [p + p[:1] for p in planes], [0, 1, 2, 3], 4, 3
+        )
+    with pytest.raises(ValueError, match="1 planes of device layers for a host pool of 2"):
+        _core.DeviceBinding(host._pool_core, host._spec, planes[:1], [0, 1, 2], 3, 3)
+
+
+def test_a_destroyed_pool_refuses_transfers_through_its_binding():
+    dev, host = _pools()
+    idx = torch.arange(16)
+    host.destroy()
+    with pytest.raises(RuntimeError, match="MHATokenToKVPoolHost has been destroyed"):
+        host.load_to_device_per_layer(dev, idx, idx, 0, "kernel")
+    with pytest.raises(RuntimeError, match="MHATokenToKVPoolHost has been destroyed"):
+        host.backup_from_device_all_layer(dev, idx, idx, "kernel")
