@@ -8,7 +8,7 @@
 mod direct;
 mod driver;
 mod emulate;
-mod errword;
+mod error_record;
 mod launch;
 mod module;
 mod params;
@@ -61,7 +61,7 @@ pub fn try_execute(req: &TransferRequest, stream: u64) -> Result<()> {
 fn run(req: &TransferRequest, stream: u64) -> Result<()> {
     let pr = probe::ready()?;
     guard("hostkv_rs CUDA transfer", || {
-        errword::take()?;
+        error_record::take()?;
         let c = plan::validate(req)?;
         if c.len == 0 || c.layer_count == 0 {
             return Ok(());
@@ -179,5 +179,5 @@ pub fn check_device_errors() -> Result<()> {
     if !probe::initialised_here() {
         return Ok(());
     }
-    guard("check_device_errors", errword::take)
+    guard("check_device_errors", error_record::take)
 }

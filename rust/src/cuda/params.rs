@@ -194,8 +194,8 @@ pub(crate) fn check_grid(n: u64, quota: u32) -> u32 {
 }
 
 /// The message for bad device-resident indices the kernels recorded: the published record's
-/// details (`None`: not recorded, see `errword`) and how many launches were refused since the
-/// last report.
+/// details (`None`: not recorded, see `error_record`) and how many launches were refused since
+/// the last report.
 pub(crate) fn refused_message(detail: Option<(u64, u64, u64)>, refused: u64) -> String {
     match detail {
         Some((side, value, bound)) if refused <= 1 => bad_index_message(side, value, bound),
