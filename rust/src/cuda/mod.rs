@@ -1,5 +1,5 @@
 //! CUDA path: driver probe, pinned registration, PTX kernel launches, batched direct copies, and
-//! the CPU emulation of the kernels. See docs/cuda.md.
+//! (feature `emulator`) the CPU emulation of the kernels. See docs/cuda.md.
 //!
 //! Nothing here touches CUDA until one of these functions is called, every driver call is
 //! preceded by `is_culib_present` (cudarc panics instead of failing when libcuda is missing) and
@@ -7,6 +7,7 @@
 
 mod direct;
 mod driver;
+#[cfg(feature = "emulator")]
 mod emulate;
 mod error_record;
 mod launch;
@@ -18,7 +19,8 @@ mod register;
 mod registry;
 mod staging;
 
-#[cfg(test)]
+// The kernels against the CPU engine: they need the emulator.
+#[cfg(all(test, feature = "emulator"))]
 mod tests;
 
 use cudarc::driver::sys;
@@ -136,8 +138,20 @@ fn refuse_capture(stream: u64) -> Result<()> {
 /// Run the kernel backend's `.cu` code under the CPU emulation shim (device pointers are host
 /// pointers). Used by tests to check the real kernel code without a GPU. The block quota comes
 /// from `HOSTKV_BLOCK_QUOTA` as on a GPU. A bad `on_device` index is reported at once.
+#[cfg(feature = "emulator")]
 pub fn emulate(req: &TransferRequest) -> Result<()> {
     emulate::emulate_with_quota(req, params::block_quota()?)
+}
+
+/// Built without the `emulator` feature (the wheel): refuses, saying how to get the emulator.
+#[cfg(not(feature = "emulator"))]
+pub fn emulate(_req: &TransferRequest) -> Result<()> {
+    Err(Error::Unsupported(
+        "the CUDA kernel emulator is not built into this hostkv_rs core (engine 'emulated' \
+         needs the cargo feature `emulator`: scripts/dev_build.sh, or `maturin build --features \
+         python,emulator`); use engine 'plan'"
+            .into(),
+    ))
 }
 
 /// Register `[ptr, ptr+len)` with cuMemHostRegister(PORTABLE|DEVICEMAP) in chunks that are whole

@@ -9,6 +9,7 @@ pub(crate) const KERNEL_TRANSFER: &[u8] = b"hkv_transfer\0";
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::params;
 
     const CU: &str = include_str!("../../kernels/hostkv_transfer.cu");
     const SHIM: &str = include_str!("../../kernels/emu_shim.h");
@@ -144,5 +145,26 @@ mod tests {
             );
         }
         assert!(PTX.ends_with('\0') && !PTX[..PTX.len() - 1].contains('\0'));
+    }
+
+    /// The copy kernel leaves room for the forward pass: 256-thread blocks compiled for 4 blocks
+    /// per SM (at most 64 registers per thread, a quarter of the register file per block), and
+    /// the quota keeps meaning SGLang's "1024-thread blocks' worth of warps".
+    #[test]
+    fn kernels_are_compiled_and_launched_as_small_blocks() {
+        let ptx = PTX;
+        for entry in ["hkv_check_indices", "hkv_transfer"] {
+            let at = ptx
+                .find(&format!(".entry {entry}("))
+                .expect("entry in the PTX");
+            let body = &ptx[at..at + ptx[at..].find('{').expect("entry body")];
+            assert!(body.contains(".maxntid 256, 1, 1"), "{entry}: {body}");
+            assert!(body.contains(".minnctapersm 4"), "{entry}: {body}");
+        }
+        assert_eq!((params::BLOCK_THREADS, params::BLOCKS_PER_QUOTA), (256, 4));
+        // Quota 2 (SGLang's default): 64 warps at most, like two 1024-thread blocks.
+        assert_eq!(params::transfer_grid(1 << 20, 2), 8);
+        assert_eq!(params::transfer_grid(3, 2), 1);
+        assert_eq!(params::check_grid(1 << 20, 1), 4);
     }
 }
