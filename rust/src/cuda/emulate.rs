@@ -9,7 +9,7 @@ use super::error_record;
 use super::params::{self, HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
-use crate::transfer::{DeviceMemory, TransferRequest};
+use crate::request::{DeviceMemory, TransferRequest};
 
 extern "C" {
     fn hkv_emu_launch(

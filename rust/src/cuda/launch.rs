@@ -12,7 +12,7 @@ use super::probe::Probe;
 use super::{error_record, module, probe, staging};
 use crate::error::{Error, Result};
 use crate::plan::Checked;
-use crate::transfer::TransferRequest;
+use crate::request::TransferRequest;
 
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16

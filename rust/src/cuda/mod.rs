@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
-use crate::transfer::TransferRequest;
+use crate::request::TransferRequest;
 use driver::guard;
 
 /// True when libcuda can be loaded and a device answers. Never panics.

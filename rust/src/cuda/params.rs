@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::plan::Checked;
-use crate::transfer::{IndexWidth, TransferRequest};
+use crate::request::{IndexWidth, TransferRequest};
 
 /// Device layer pointers carried inside the parameter block (`HKV_INLINE_PTRS`).
 pub(crate) const INLINE_PTRS: usize = 256;

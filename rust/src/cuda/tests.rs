@@ -9,7 +9,7 @@ use super::params::{
 };
 use crate::error::Error;
 use crate::plan;
-use crate::transfer::{
+use crate::request::{
     Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
     TransferRequest,
 };

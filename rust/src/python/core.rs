@@ -7,7 +7,7 @@ use super::args::{index_array, IndexArg};
 use super::errors::{to_py, transfer_err};
 use crate::error::Error;
 use crate::layout::PlaneLayout;
-use crate::transfer::{Backend, DeviceSide, HostGeometry, Layout, Op, TransferRequest};
+use crate::request::{Backend, DeviceSide, HostGeometry, Layout, Op, TransferRequest};
 use crate::{cpu, cuda, plan};
 
 /// Plans that move more than this release the GIL while copying; smaller ones are cheaper to run
@@ -58,9 +58,9 @@ impl PyPoolCore {
         })?;
         // `device` other than "cpu" / "cuda" is refused below, before the request is used.
         let memory = if device == "cuda" {
-            crate::transfer::DeviceMemory::Cuda
+            crate::request::DeviceMemory::Cuda
         } else {
-            crate::transfer::DeviceMemory::Host
+            crate::request::DeviceMemory::Host
         };
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
