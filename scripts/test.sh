@@ -25,22 +25,29 @@ $PY -c "import importlib.metadata as m, sys; sys.exit(m.version('${MOONCAKE%%=*}
 
 echo "== lint"
 cargo fmt --all -- --check
+# With and without the kernel emulator: the release wheel leaves it out, the tests need it.
 cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --all-targets --locked --features emulator -- -D warnings
 PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python --lib --locked -- -D warnings
+PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python,emulator --lib --locked -- -D warnings
 $PY -m ruff check python tests
 
 echo "== cargo test"
-cargo test --locked
+cargo test --locked --features emulator
 cargo bench --locked --no-run
 
 echo "== build and install the wheel"
 rm -rf target/wheels
-$PY -m maturin build --release --locked -o target/wheels
+# With the kernel emulator, which the emulation tests run; `--features` replaces pyproject's list,
+# so `python` is named again. The release wheel (`maturin build --release`, `pip install .`) is
+# the same build without `emulator`.
+$PY -m maturin build --release --locked --features python,emulator -o target/wheels
 $PY -m pip install -q --force-reinstall --no-deps target/wheels/hostkv_rs-*.whl
 
 echo "== pytest"
-# Run from tests/ so `import hostkv_rs` is the installed wheel, not the source tree.
-cd tests && $PY -m pytest -q -p no:cacheprovider
+# Run from tests/ so `import hostkv_rs` is the installed wheel, not the source tree. The emulation
+# tests fail instead of skipping if the wheel lacks the emulator.
+cd tests && HOSTKV_REQUIRE_EMULATION=1 $PY -m pytest -q -p no:cacheprovider
 
 echo "== SGLang releases"
 # SGLang's own construction path, controllers and classes against ours, per release, each in a

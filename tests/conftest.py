@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,9 +32,19 @@ def _emulation_unavailable() -> str | None:
 
 
 @pytest.fixture
-def emulated_engine(monkeypatch):
-    """Run the pools' CPU transfers through the kernel emulation (HOSTKV_CPU_ENGINE=emulated)."""
+def emulation_built():
+    """Skip unless the core carries the kernel emulator (cargo feature `emulator`; the release
+    wheel leaves it out). Under HOSTKV_REQUIRE_EMULATION=1 (scripts/test.sh) fail instead, so CI
+    cannot lose the emulation tests to a build without it."""
     reason = _emulation_unavailable()
-    if reason is not None:
-        pytest.skip(f"kernel emulation is not built: {reason}")
+    if reason is None:
+        return
+    if os.environ.get("HOSTKV_REQUIRE_EMULATION") == "1":
+        pytest.fail(f"HOSTKV_REQUIRE_EMULATION=1 but kernel emulation is not built: {reason}")
+    pytest.skip(f"kernel emulation is not built: {reason}")
+
+
+@pytest.fixture
+def emulated_engine(emulation_built, monkeypatch):
+    """Run the pools' CPU transfers through the kernel emulation (HOSTKV_CPU_ENGINE=emulated)."""
     monkeypatch.setenv("HOSTKV_CPU_ENGINE", "emulated")

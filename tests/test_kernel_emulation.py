@@ -14,6 +14,8 @@ from reference import host_segments
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
+pytestmark = pytest.mark.usefixtures("emulation_built")
+
 
 class Case:
     """Host planes and device layers as plain uint8 tensors (device pointers are host pointers

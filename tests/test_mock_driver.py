@@ -1,8 +1,8 @@
 """The CUDA driver code of the Rust core (rust/src/cuda) run end to end on the CPU against a
-stand-in libcuda.so (rust/kernels/mock_libcuda.cpp): probe, context binding, pinned registration
-and its rollback, PTX module load, kernel launches, staging buffers recycled through events, the
-device error record, and the direct backend's batch / per-copy submission for 12.x and 13.x
-drivers.
+stand-in libcuda.so (tests/mock_driver/mock_libcuda.cpp): probe, context binding, pinned
+registration and its rollback, PTX module load, kernel launches, staging buffers recycled through
+events, the device error record, and the direct backend's batch / per-copy submission for 12.x
+and 13.x drivers.
 
 The mock queues work per stream and runs it only when something synchronises, so a host buffer
 reused before the queued work ran shows up as wrong bytes; it records protocol violations (a call
@@ -22,15 +22,16 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The mock runs the real kernels, so it includes them (and the emulation shim) from the crate.
 KERNELS = os.path.join(ROOT, "rust", "kernels")
-MOCK_SRC = os.path.join(KERNELS, "mock_libcuda.cpp")
+MOCK_SRC = os.path.join(ROOT, "tests", "mock_driver", "mock_libcuda.cpp")
 
 
 @pytest.fixture(scope="module")
 def mock_dir(tmp_path_factory):
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx or not os.path.exists(MOCK_SRC):
-        pytest.skip("needs a C++ compiler and rust/kernels/mock_libcuda.cpp")
+        pytest.skip("needs a C++ compiler and tests/mock_driver/mock_libcuda.cpp")
     out = tmp_path_factory.mktemp("mock_cuda")
     cmd = [
         cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",

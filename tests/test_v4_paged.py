@@ -203,8 +203,12 @@ def test_device_buffers_of_any_dtype_count_in_bytes():
 @pytest.mark.parametrize("L, item, P", [(3, 656, 4), (7, 1152, 1), (5, 13, 64)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("engine", ["plan", "emulated"])
-def test_page_round_trip_is_byte_exact(backend, layout, L, item, P, dtype, engine, monkeypatch):
+def test_page_round_trip_is_byte_exact(
+    backend, layout, L, item, P, dtype, engine, monkeypatch, request
+):
     # "emulated" runs the CUDA kernels / batched-copy code under the CPU shim.
+    if engine == "emulated":
+        request.getfixturevalue("emulation_built")
     monkeypatch.setenv("HOSTKV_CPU_ENGINE", engine)
     pages, dev_pages = 6, 7
     pool, dev = make_pool(layout, L=L, item=item, pages=pages, P=P, dev_pages=dev_pages)
@@ -330,7 +334,11 @@ def c4_copy(dst: torch.Tensor, dst_tok: int, src: torch.Tensor, src_tok: int):
 @pytest.mark.parametrize("count", [1, 37, 65, 127])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("engine", ["plan", "emulated"])
-def test_token_granular_round_trip_is_byte_exact(backend, count, dtype, engine, monkeypatch):
+def test_token_granular_round_trip_is_byte_exact(
+    backend, count, dtype, engine, monkeypatch, request
+):
+    if engine == "emulated":
+        request.getfixturevalue("emulation_built")
     monkeypatch.setenv("HOSTKV_CPU_ENGINE", engine)
     L, pages, dev_pages = 3, 3, 4
     assert C4_ROW == 37440

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::plan::{CopyOp, Plan};
-use crate::transfer::DeviceMemory;
+use crate::request::DeviceMemory;
 
 /// Below this many bytes one thread is faster, measured with `cargo bench --bench engine --
 /// cpu_engine_split` (docs/benchmarks.md): on 2 cores, 256-512 KiB plans took 2x longer split
@@ -437,7 +437,7 @@ pub mod workers {
 mod tests {
     use super::*;
     use crate::plan;
-    use crate::transfer::{
+    use crate::request::{
         Backend, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
     };
 

@@ -5,7 +5,7 @@
 //! byte size, which is known to fit in a `u64`.
 
 use crate::error::{Error, Result};
-use crate::transfer::Layout;
+use crate::request::Layout;
 
 fn geometry_overflow(what: &str) -> Error {
     Error::Geometry(format!(

@@ -7,7 +7,7 @@ pub mod host_mem;
 pub mod layout;
 pub mod plan;
 pub mod pool;
-pub mod transfer;
+pub mod request;
 
 #[cfg(feature = "python")]
 mod python;

@@ -17,7 +17,7 @@ use std::ops::Range;
 pub use crate::error::Side;
 use crate::error::{Error, Result, TransferError};
 use crate::layout::PlaneLayout;
-use crate::transfer::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
+use crate::request::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
 
 /// Copy `len` bytes from address `src` to address `dst`. Plain data: nothing dereferences a
 /// `CopyOp` except the engines, for copies a [`Plan`] produced.
@@ -865,7 +865,7 @@ pub fn total_bytes(ops: &[CopyOp]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer::{DeviceSide, HostGeometry};
+    use crate::request::{DeviceSide, HostGeometry};
 
     type Parts = (
         HostGeometry,
@@ -1791,7 +1791,7 @@ mod counting_alloc {
 mod footprint_tests {
     use super::counting_alloc;
     use super::*;
-    use crate::transfer::{DeviceSide, HostGeometry};
+    use crate::request::{DeviceSide, HostGeometry};
 
     /// One transfer over freshly allocated pools: `(layout, backend, layers, rows, page, heads,
     /// item bytes per plane, op)`, host rows `from` -> device rows `to` (or back for a backup).

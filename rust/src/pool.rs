@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::PlaneLayout;
-use crate::transfer::{Backend, Layout};
+use crate::request::{Backend, Layout};
 
 /// Which SGLang host pool this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use super::probe;
 use super::registry::{self, Entered};
 use crate::error::{Error, Result};
 use crate::plan::{self, Checked, CopyOp, IndexView, Side};
-use crate::transfer::TransferRequest;
+use crate::request::TransferRequest;
 
 type BatchV1 = unsafe extern "C" fn(
     *mut sys::CUdeviceptr,

@@ -5,11 +5,11 @@
 
 use std::ffi::{c_int, c_uint};
 
-use super::errword;
+use super::error_record;
 use super::params::{self, HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS};
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
-use crate::transfer::{DeviceMemory, TransferRequest};
+use crate::request::{DeviceMemory, TransferRequest};
 
 extern "C" {
     fn hkv_emu_launch(
@@ -87,7 +87,7 @@ pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()
     }
     let mut reported = 0;
     // SAFETY: the kernels have returned; the record is ours.
-    match unsafe { errword::consume(&mut *record, &mut reported) } {
+    match unsafe { error_record::consume(&mut *record, &mut reported) } {
         None => Ok(()),
         Some(msg) => Err(Error::transfer(msg)),
     }

@@ -9,10 +9,10 @@ use cudarc::driver::sys;
 use super::driver::{check, code, describe};
 use super::params::{self, HkvParams, BLOCK_THREADS};
 use super::probe::Probe;
-use super::{errword, module, probe, staging};
+use super::{error_record, module, probe, staging};
 use crate::error::{Error, Result};
 use crate::plan::Checked;
-use crate::transfer::TransferRequest;
+use crate::request::TransferRequest;
 
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
@@ -135,7 +135,7 @@ pub(crate) fn run(
         let nbytes = c.planes[p].map(|pl| pl.nbytes).unwrap_or(0);
         m.params.host_base[p] = device_view_of_plane(p, m.params.host_base[p], nbytes)?;
     }
-    (m.params.err, m.params.dev_err) = errword::device_ptrs(ctx)?;
+    (m.params.err, m.params.dev_err) = error_record::device_ptrs(ctx)?;
 
     // Lay out the staging pair: [layer table][host indices][device indices], 16-aligned.
     let table_bytes = m.table.as_ref().map_or(0, |t| t.len() * 8);
@@ -192,7 +192,7 @@ pub(crate) fn run(
 
     // Every launch gets a sequence number: its slot in the abort ring marks it refused (and
     // counted) at most once.
-    m.params.abort_seq = errword::next_seq();
+    m.params.abort_seq = error_record::next_seq();
     if result.is_ok() && (req.host_idx().on_device || req.dev_idx().on_device) {
         let grid = params::check_grid(m.params.n, quota);
         result = launch(kernels.check, &m.params, grid, stream);

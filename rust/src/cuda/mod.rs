@@ -1,5 +1,5 @@
 //! CUDA path: driver probe, pinned registration, PTX kernel launches, batched direct copies, and
-//! the CPU emulation of the kernels. See docs/cuda.md.
+//! (feature `emulator`) the CPU emulation of the kernels. See docs/cuda.md.
 //!
 //! Nothing here touches CUDA until one of these functions is called, every driver call is
 //! preceded by `is_culib_present` (cudarc panics instead of failing when libcuda is missing) and
@@ -7,8 +7,9 @@
 
 mod direct;
 mod driver;
+#[cfg(feature = "emulator")]
 mod emulate;
-mod errword;
+mod error_record;
 mod launch;
 mod module;
 mod params;
@@ -18,14 +19,15 @@ mod register;
 mod registry;
 mod staging;
 
-#[cfg(test)]
+// The kernels against the CPU engine: they need the emulator.
+#[cfg(all(test, feature = "emulator"))]
 mod tests;
 
 use cudarc::driver::sys;
 
 use crate::error::{Error, Result};
 use crate::plan::{self, Strategy};
-use crate::transfer::TransferRequest;
+use crate::request::TransferRequest;
 use driver::guard;
 
 /// True when libcuda can be loaded and a device answers. Never panics.
@@ -61,7 +63,7 @@ pub fn try_execute(req: &TransferRequest, stream: u64) -> Result<()> {
 fn run(req: &TransferRequest, stream: u64) -> Result<()> {
     let pr = probe::ready()?;
     guard("hostkv_rs CUDA transfer", || {
-        errword::take()?;
+        error_record::take()?;
         let c = plan::validate(req)?;
         if c.len == 0 || c.layer_count == 0 {
             return Ok(());
@@ -136,8 +138,20 @@ fn refuse_capture(stream: u64) -> Result<()> {
 /// Run the kernel backend's `.cu` code under the CPU emulation shim (device pointers are host
 /// pointers). Used by tests to check the real kernel code without a GPU. The block quota comes
 /// from `HOSTKV_BLOCK_QUOTA` as on a GPU. A bad `on_device` index is reported at once.
+#[cfg(feature = "emulator")]
 pub fn emulate(req: &TransferRequest) -> Result<()> {
     emulate::emulate_with_quota(req, params::block_quota()?)
+}
+
+/// Built without the `emulator` feature (the wheel): refuses, saying how to get the emulator.
+#[cfg(not(feature = "emulator"))]
+pub fn emulate(_req: &TransferRequest) -> Result<()> {
+    Err(Error::Unsupported(
+        "the CUDA kernel emulator is not built into this hostkv_rs core (engine 'emulated' \
+         needs the cargo feature `emulator`: scripts/dev_build.sh, or `maturin build --features \
+         python,emulator`); use engine 'plan'"
+            .into(),
+    ))
 }
 
 /// Register `[ptr, ptr+len)` with cuMemHostRegister(PORTABLE|DEVICEMAP) in chunks that are whole
@@ -179,5 +193,5 @@ pub fn check_device_errors() -> Result<()> {
     if !probe::initialised_here() {
         return Ok(());
     }
-    guard("check_device_errors", errword::take)
+    guard("check_device_errors", error_record::take)
 }

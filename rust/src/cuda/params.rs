@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::plan::Checked;
-use crate::transfer::{IndexWidth, TransferRequest};
+use crate::request::{IndexWidth, TransferRequest};
 
 /// Device layer pointers carried inside the parameter block (`HKV_INLINE_PTRS`).
 pub(crate) const INLINE_PTRS: usize = 256;
@@ -194,8 +194,8 @@ pub(crate) fn check_grid(n: u64, quota: u32) -> u32 {
 }
 
 /// The message for bad device-resident indices the kernels recorded: the published record's
-/// details (`None`: not recorded, see `errword`) and how many launches were refused since the
-/// last report.
+/// details (`None`: not recorded, see `error_record`) and how many launches were refused since
+/// the last report.
 pub(crate) fn refused_message(detail: Option<(u64, u64, u64)>, refused: u64) -> String {
     match detail {
         Some((side, value, bound)) if refused <= 1 => bad_index_message(side, value, bound),

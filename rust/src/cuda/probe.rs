@@ -523,3 +523,25 @@ pub(crate) fn synchronize_device(ordinal: c_int) -> Result<()> {
     // SAFETY: a context is current.
     check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cuda;
+    use crate::error::Error;
+
+    #[test]
+    fn probe_never_panics_and_explains_itself() {
+        let info = cuda::runtime_info();
+        assert!(
+            info.starts_with("CUDA available") || info.starts_with("CUDA unavailable"),
+            "{info}"
+        );
+        assert_eq!(cuda::available(), info.starts_with("CUDA available"));
+        if !cuda::available() {
+            assert!(cuda::check_device_errors().is_ok());
+            // SAFETY: CUDA is unavailable, so nothing is registered (the address is never used).
+            let e = unsafe { cuda::register_host(4096, 4096, 0, 1 << 30) }.unwrap_err();
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+        }
+    }
+}

@@ -5,12 +5,11 @@ use std::mem::offset_of;
 
 use super::emulate::{emulate_with_quota, hkv_params_layout};
 use super::params::{
-    HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCKS_PER_QUOTA, BLOCK_THREADS,
-    INLINE_PTRS,
+    HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS, INLINE_PTRS,
 };
 use crate::error::Error;
 use crate::plan;
-use crate::transfer::{
+use crate::request::{
     Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
     TransferRequest,
 };
@@ -270,27 +269,6 @@ fn params_layout_matches_the_cuda_struct() {
     );
 }
 
-/// The copy kernel leaves room for the forward pass: 256-thread blocks compiled for 4 blocks per
-/// SM (at most 64 registers per thread, a quarter of the register file per block), and the
-/// quota keeps meaning SGLang's "1024-thread blocks' worth of warps".
-#[test]
-fn kernels_are_compiled_and_launched_as_small_blocks() {
-    let ptx = super::ptx::PTX;
-    for entry in ["hkv_check_indices", "hkv_transfer"] {
-        let at = ptx
-            .find(&format!(".entry {entry}("))
-            .expect("entry in the PTX");
-        let body = &ptx[at..at + ptx[at..].find('{').expect("entry body")];
-        assert!(body.contains(".maxntid 256, 1, 1"), "{entry}: {body}");
-        assert!(body.contains(".minnctapersm 4"), "{entry}: {body}");
-    }
-    assert_eq!((BLOCK_THREADS, BLOCKS_PER_QUOTA), (256, 4));
-    // Quota 2 (SGLang's default): 64 warps at most, like two 1024-thread blocks.
-    assert_eq!(super::params::transfer_grid(1 << 20, 2), 8);
-    assert_eq!(super::params::transfer_grid(3, 2), 1);
-    assert_eq!(super::params::check_grid(1 << 20, 1), 4);
-}
-
 #[test]
 fn layer_first_and_page_first_every_item_size() {
     for layout in [
@@ -468,20 +446,4 @@ fn direct_requests_emulate_the_copy_engine_plan() {
     let req = request_with(&c, &mut got, &hi, &di, Backend::Direct, false);
     emulate_with_quota(&req, 2).unwrap();
     assert!(want.host == got.host && want.dev == got.dev && want.host != b.pools.host);
-}
-
-#[test]
-fn probe_never_panics_and_explains_itself() {
-    let info = super::runtime_info();
-    assert!(
-        info.starts_with("CUDA available") || info.starts_with("CUDA unavailable"),
-        "{info}"
-    );
-    assert_eq!(super::available(), info.starts_with("CUDA available"));
-    if !super::available() {
-        assert!(super::check_device_errors().is_ok());
-        // SAFETY: CUDA is unavailable, so nothing is registered (the address is never used).
-        let e = unsafe { super::register_host(4096, 4096, 0, 1 << 30) }.unwrap_err();
-        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
-    }
 }

@@ -4,7 +4,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::errors::{transfer_err, type_err};
-use crate::transfer::{IndexArray, IndexWidth};
+use crate::request::{IndexArray, IndexWidth};
 
 /// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
 /// naming the parameter, the value and the range otherwise (never a bare OverflowError).

@@ -24,7 +24,7 @@ use pyo3::types::{PyString, PyTuple, PyType};
 use super::core::{Engine, PyPoolCore};
 use super::errors::{layer_index_error_type, to_py};
 use super::spec::PyPoolSpec;
-use crate::transfer::{Backend, IndexArray, IndexWidth, Op};
+use crate::request::{Backend, IndexArray, IndexWidth, Op};
 
 /// The torch objects a binding compares against, looked up once per process.
 struct Torch {

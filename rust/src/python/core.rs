@@ -8,7 +8,7 @@ use super::errors::{to_py, transfer_err};
 use super::memory::host_memory;
 use crate::error::Error;
 use crate::layout::PlaneLayout;
-use crate::transfer::{
+use crate::request::{
     Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest,
 };
 use crate::{cpu, cuda, plan};

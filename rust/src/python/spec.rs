@@ -93,8 +93,8 @@ impl PyPoolSpec {
         let name = text.map(|t| t.to_cow()).transpose()?;
         let shown = io_backend.str()?.to_cow()?.into_owned();
         match self.spec.check_pair(name.as_deref(), &shown) {
-            Ok(crate::transfer::Backend::Kernel) => Ok("kernel"),
-            Ok(crate::transfer::Backend::Direct) => Ok("direct"),
+            Ok(crate::request::Backend::Kernel) => Ok("kernel"),
+            Ok(crate::request::Backend::Direct) => Ok("direct"),
             Err(e) => Err(to_py(py, e)),
         }
     }

@@ -36,8 +36,10 @@
 // before each launch/copy is queued: widens race windows), MOCK_ALLOW_GIL. The test reads
 // counters through the mock_* functions (ctypes).
 //
-// Build: g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I rust/kernels mock_libcuda.cpp
-//        -o <dir>/libcuda.so -ldl, then run the process under test with LD_LIBRARY_PATH=<dir>.
+// Build, from the repository root (the kernels and the shim come from rust/kernels):
+//   g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I rust/kernels \
+//       tests/mock_driver/mock_libcuda.cpp -o <dir>/libcuda.so -ldl
+// then run the process under test with LD_LIBRARY_PATH=<dir>.
 
 #include <dlfcn.h>
 #include <unistd.h>
