@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 echo "== install test dependencies"
-$PY -m pip install -q "maturin>=1.14,<2" torch numpy psutil pytest hypothesis pytest-benchmark ruff
+$PY -m pip install -q "maturin>=1.14,<2" torch numpy psutil pytest hypothesis pytest-benchmark ruff mypy
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # Mooncake Store for the hostkv_rs.l3 tests (tests/test_l3_mooncake.py; they skip, with the reason,
 # where this fails): the wheel, and the two Debian libraries its native code loads (no RDMA needed).
@@ -43,6 +43,11 @@ rm -rf target/wheels
 # the same build without `emulator`.
 $PY -m maturin build --release --locked --features python,emulator -o target/wheels
 $PY -m pip install -q --force-reinstall --no-deps target/wheels/hostkv_rs-*.whl
+
+echo "== typed interface"
+# The core's stub (python/hostkv_rs/_core.pyi) against the installed module, from tests/ so the
+# wheel is what is imported.
+(cd tests && $PY -m mypy.stubtest --mypy-config-file ../pyproject.toml hostkv_rs._core)
 
 echo "== pytest"
 # Run from tests/ so `import hostkv_rs` is the installed wheel, not the source tree. The emulation

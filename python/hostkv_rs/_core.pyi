@@ -1,0 +1,215 @@
+"""Type stubs for the Rust core (`rust/src/python/`). Checked against the built module by
+`python -m mypy.stubtest hostkv_rs._core` in the test command."""
+
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+import torch
+
+__all__ = [
+    "C4_PAGE_TOKENS",
+    "C4_ROW_BYTES",
+    "C4_SCALE_BYTES",
+    "C4_VALUE_BYTES",
+    "DeviceBinding",
+    "HostRegion",
+    "LayerIndexError",
+    "PageIndexError",
+    "PoolCore",
+    "PoolSpec",
+    "TransferError",
+    "__version__",
+    "check_device_errors",
+    "cuda_available",
+    "runtime_info",
+]
+
+__version__: Final[str]
+
+C4_PAGE_TOKENS: Final[int]
+C4_VALUE_BYTES: Final[int]
+C4_SCALE_BYTES: Final[int]
+C4_ROW_BYTES: Final[int]
+
+class TransferError(ValueError, RuntimeError):
+    """Bad transfer arguments; nothing was written. Structured refusals carry `kind` and, as
+    they apply, `side`, `position`, `value`, `bound`, `host_len`, `device_len`, `len`,
+    `page_size`, `page`, `layer`."""
+
+    kind: str
+    side: str
+    position: int
+    value: int
+    bound: int
+
+class LayerIndexError(TransferError, IndexError): ...
+class PageIndexError(TransferError, IndexError): ...
+
+def cuda_available() -> bool: ...
+def runtime_info() -> str: ...
+def check_device_errors() -> None: ...
+
+# What a core plane may be: memory the core then keeps alive.
+_PlaneMemory = HostRegion | torch.Tensor | tuple[HostRegion | torch.Tensor, int]
+# (address, length, itemsize, on_device) of a contiguous int32/int64 index array.
+_IndexArg = tuple[int, int, int, bool]
+
+@final
+class HostRegion:
+    def __new__(
+        cls,
+        nbytes: int,
+        *,
+        hugepage: str = "",
+        hugepage_mode: str = "prefer",
+        numa_node: int | None = None,
+        pretouch_threads: int | None = None,
+    ) -> HostRegion: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def hugepage_tier(self) -> str: ...
+    @property
+    def numa_node(self) -> int | None: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def registered_ranges(self) -> list[tuple[int, int]]: ...
+    def register_cuda(self, granularity: int = 0, chunk_limit: int = ...) -> None: ...
+    def unregister_cuda(self) -> None: ...
+    def __len__(self) -> int: ...
+    # Also a writable 1-D byte buffer (the buffer protocol; `__buffer__` from Python 3.12).
+
+@final
+class PoolCore:
+    def __new__(
+        cls,
+        layout: str,
+        num_layers: int,
+        rows: int,
+        page_size: int,
+        item_bytes: Sequence[int],
+        planes: Sequence[_PlaneMemory],
+        head_num: int = 1,
+    ) -> PoolCore: ...
+    @staticmethod
+    def plane_nbytes(
+        layout: str,
+        num_layers: int,
+        rows: int,
+        page_size: int,
+        item_bytes: int,
+        head_num: int = 1,
+    ) -> int: ...
+    def offset(self, plane: int, row: int, layer: int, head: int = 0) -> int: ...
+    @property
+    def layout(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def head_num(self) -> int: ...
+    @property
+    def item_bytes(self) -> list[int]: ...
+    @property
+    def plane_addrs(self) -> list[int]: ...
+    # The raw entry points (tests, benchmarks): device pointers are the caller's promise.
+    def backup(
+        self,
+        backend: str,
+        device_ptrs: Sequence[int],
+        device_rows: int,
+        host_idx: _IndexArg,
+        dev_idx: _IndexArg,
+        device: str,
+        stream: int,
+        engine: str = "plan",
+        host_layer: int | None = None,
+    ) -> None: ...
+    def load(
+        self,
+        backend: str,
+        host_layer: int,
+        device_ptrs: Sequence[int],
+        device_rows: int,
+        host_idx: _IndexArg,
+        dev_idx: _IndexArg,
+        device: str,
+        stream: int,
+        engine: str = "plan",
+    ) -> None: ...
+
+@final
+class PoolSpec:
+    def __new__(
+        cls,
+        kind: str,
+        layout: str,
+        num_layers: int,
+        rows: int,
+        page_size: int,
+        dims: Sequence[int],
+        itemsize: int,
+        head_num: int | None = None,
+        dcp_size: int | None = None,
+        dcp_rank: int | None = None,
+        name: str = "",
+    ) -> PoolSpec: ...
+    def shape(self, plane: int) -> list[int]: ...
+    @property
+    def item_bytes(self) -> list[int]: ...
+    @property
+    def plane_nbytes(self) -> list[int]: ...
+    @property
+    def page_num(self) -> int: ...
+    def check_pair(self, io_backend: object) -> str: ...
+    def check_token_pair(self, io_backend: object) -> None: ...
+    def page_meta(
+        self, bases: Sequence[int], indices: Sequence[int]
+    ) -> tuple[list[int], list[int]]: ...
+    def split_heads_meta(
+        self, bases: Sequence[int], indices: Sequence[int], split_factor: int
+    ) -> tuple[list[int], list[int]]: ...
+    def page_view(self, index: int) -> tuple[int, list[int], list[int]]: ...
+    def contiguous_buf_infos(self, base: int) -> tuple[list[int], list[int], list[int]]: ...
+
+@final
+class DeviceBinding:
+    def __new__(
+        cls,
+        core: PoolCore | None,
+        spec: PoolSpec,
+        planes: Sequence[Sequence[torch.Tensor]],
+        owned_slots: Sequence[int],
+        device_layer_num: int,
+        target_layer_num: int,
+        *,
+        host_layers: Sequence[int] | None = None,
+        like: Sequence[tuple[torch.dtype, tuple[int, int] | None]] = ...,
+        what: str = "device pool",
+        name: str = "host pool",
+    ) -> DeviceBinding: ...
+    def load(
+        self,
+        layer_id: int,
+        host_indices: Any,
+        device_indices: Any,
+        io_backend: object,
+        is_draft: bool = False,
+    ) -> bool: ...
+    def backup(self, host_indices: Any, device_indices: Any, io_backend: object) -> None: ...
+    def lookup(self, layer_id: int, is_draft: bool = False) -> int | None: ...
+    @property
+    def targets(self) -> list[tuple[int, int]]: ...
+    @property
+    def host_layer_num(self) -> int: ...
+    @property
+    def complete(self) -> bool: ...
+    @property
+    def device(self) -> torch.device: ...
+    def release(self) -> None: ...
