@@ -2,7 +2,7 @@
 `python -m mypy.stubtest hostkv_rs._core` in the test command."""
 
 from collections.abc import Sequence
-from typing import Any, Final, final
+from typing import Any, Final, TypeAlias, final
 
 import torch
 
@@ -49,11 +49,6 @@ def cuda_available() -> bool: ...
 def runtime_info() -> str: ...
 def check_device_errors() -> None: ...
 
-# What a core plane may be: memory the core then keeps alive.
-_PlaneMemory = HostRegion | torch.Tensor | tuple[HostRegion | torch.Tensor, int]
-# (address, length, itemsize, on_device) of a contiguous int32/int64 index array.
-_IndexArg = tuple[int, int, int, bool]
-
 @final
 class HostRegion:
     def __new__(
@@ -81,6 +76,11 @@ class HostRegion:
     def unregister_cuda(self) -> None: ...
     def __len__(self) -> int: ...
     # Also a writable 1-D byte buffer (the buffer protocol; `__buffer__` from Python 3.12).
+
+# What a core plane may be: memory the core then keeps alive.
+_PlaneMemory: TypeAlias = HostRegion | torch.Tensor | tuple[HostRegion | torch.Tensor, int]
+# (address, length, itemsize, on_device) of a contiguous int32/int64 index array.
+_IndexArg: TypeAlias = tuple[int, int, int, bool]
 
 @final
 class PoolCore:
