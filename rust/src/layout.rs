@@ -389,4 +389,70 @@ mod tests {
             assert_eq!(plane_shape(&g).iter().product::<u64>(), g.nbytes);
         }
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        const LAYOUTS: [Layout; 4] = [
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+            Layout::PageHead,
+        ];
+
+        proptest! {
+            #![proptest_config(ProptestConfig {
+                cases: 2000,
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            /// Small geometries (page sizes that are not powers of two, any head count that
+            /// divides the item): every (row, layer, head) segment is where the contract puts it,
+            /// and the segments tile `[0, nbytes)` exactly, with no gap and no overlap.
+            #[test]
+            fn offsets_tile_every_plane_exactly(
+                layout in prop::sample::select(LAYOUTS.to_vec()),
+                l in 1usize..=7,
+                pages in 0usize..=4,
+                p in 1usize..=9,
+                seg in 1usize..=5,
+                h in 1usize..=4,
+            ) {
+                let heads = if layout == Layout::PageHead { h } else { 1 };
+                check_tiling(layout, l, pages * p, p, seg * heads, heads);
+                let g = pl(layout, l, pages * p, p, seg * heads, heads);
+                prop_assert_eq!(plane_shape(&g).iter().product::<u64>(), g.nbytes);
+            }
+
+            /// Any sizes at all, up to `usize::MAX`: `new` returns an error or a geometry whose
+            /// byte count is exact (checked in 128-bit arithmetic) and whose last segment ends
+            /// inside the plane. It never panics or wraps.
+            #[test]
+            fn adversarial_geometry_is_refused_or_exact(
+                layout in prop::sample::select(LAYOUTS.to_vec()),
+                l in prop_oneof![Just(0usize), 1usize..64, any::<usize>()],
+                s in prop_oneof![Just(0usize), 1usize..1024, any::<usize>()],
+                p in prop_oneof![Just(0usize), 1usize..64, any::<usize>(), Just(usize::MAX)],
+                i in prop_oneof![Just(0usize), 1usize..4096, any::<usize>()],
+                h in prop_oneof![Just(0usize), 1usize..16, any::<usize>()],
+            ) {
+                let Ok(g) = PlaneLayout::new(layout, l, s, p, i, h) else {
+                    return Ok(());
+                };
+                let exact = l as u128 * s as u128 * i as u128;
+                prop_assert_eq!(g.nbytes as u128, exact);
+                prop_assert!(p > 0 && h > 0);
+                if g.rows > 0 && g.layers > 0 && g.item > 0 {
+                    let last = g.offset(g.rows - 1, g.layers - 1, g.heads - 1).unwrap();
+                    prop_assert!(last as u128 + g.segment as u128 <= exact);
+                    // One past each end is refused, not wrapped.
+                    prop_assert!(g.offset(g.rows, 0, 0).is_err());
+                    prop_assert!(g.offset(0, g.layers, 0).is_err());
+                    prop_assert!(g.offset(0, 0, g.heads).is_err());
+                }
+            }
+        }
+    }
 }

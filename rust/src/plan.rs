@@ -1727,6 +1727,203 @@ mod tests {
             .unwrap_err();
         assert_eq!((e.to_string().as_str(), calls), ("stop", 3));
     }
+
+    /// proptest over the planner: arbitrary (layout, backend) pairs, geometries (page sizes that
+    /// are not powers of two, one or two planes, heads that may not divide the item), ops, index
+    /// widths and index values (in range, out of range, negative, repeated, broken page runs,
+    /// mismatched lengths). An independent oracle, written from the contract, says whether the
+    /// request is valid; `build` must agree, an accepted transfer must move exactly the
+    /// reference's bytes, and a refused one must move nothing.
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Whether the contract accepts `c` (host-pool-contract §2-3, transfer-semantics §2.6).
+        fn oracle_valid(c: &Case) -> bool {
+            let heads = if c.layout == Layout::PageHead {
+                c.heads
+            } else {
+                1
+            };
+            if c.items.iter().any(|i| i % heads != 0) {
+                return false;
+            }
+            let whole_pages = matches!(c.layout, Layout::PageFirstDirect | Layout::PageHead);
+            if whole_pages && c.rows % c.page != 0 {
+                return false;
+            }
+            if c.backend == Backend::Direct
+                && matches!(c.layout, Layout::PageFirst | Layout::PageHead)
+            {
+                return false;
+            }
+            if let Op::BackupLayer { host_layer } | Op::Load { host_layer } = c.op {
+                if host_layer >= c.layers {
+                    return false;
+                }
+            }
+            let n = c.host_idx.len();
+            if n != c.dev_idx.len() {
+                return false;
+            }
+            let per_item = c.backend == Backend::Kernel;
+            if !per_item && n % c.page != 0 {
+                return false;
+            }
+            let in_range =
+                |v: &[i64], bound: usize| v.iter().all(|&x| x >= 0 && (x as usize) < bound);
+            if !in_range(&c.host_idx, c.rows) || !in_range(&c.dev_idx, c.dev_rows) {
+                return false;
+            }
+            if c.backend == Backend::Direct && c.layout == Layout::PageFirstDirect {
+                // Whole pages: the host page starts at a page boundary and both sides are runs
+                // of `page` consecutive rows.
+                let p = c.page;
+                return (0..n / p).all(|k| {
+                    let h = &c.host_idx[k * p..][..p];
+                    let d = &c.dev_idx[k * p..][..p];
+                    h[0] as usize % p == 0
+                        && (0..p).all(|j| h[j] == h[0] + j as i64 && d[j] == d[0] + j as i64)
+                });
+            }
+            true
+        }
+
+        /// Index vectors: arbitrary small values (mostly refused), valid whole pages with one
+        /// position perhaps disturbed, or distinct single tokens.
+        fn indices(
+            seed: u64,
+            mode: u8,
+            rows: usize,
+            dev_rows: usize,
+            page: usize,
+            arbitrary: (Vec<i64>, Vec<i64>),
+        ) -> (Vec<i64>, Vec<i64>) {
+            let mut rng = Rng(seed | 1);
+            match mode {
+                0 => arbitrary,
+                1 | 2 => {
+                    let max = rows.min(dev_rows) / page;
+                    if max == 0 {
+                        return (vec![], vec![]);
+                    }
+                    let npages = 1 + rng.below(max as u64) as usize;
+                    let (mut h, mut d) = paged_indices(&mut rng, rows, dev_rows, page, npages);
+                    if mode == 2 {
+                        // Disturb one position (a broken run, a repeat, a value just past the
+                        // end) or shift one whole page by a row (a misaligned but unbroken run).
+                        let at = rng.below(h.len() as u64) as usize;
+                        let side = if rng.below(2) == 0 { &mut h } else { &mut d };
+                        match rng.below(5) {
+                            0 => side[at] += 1,
+                            1 => side[at] -= 1,
+                            2 => side[at] = side[0],
+                            3 => side[at] = rows.max(dev_rows) as i64,
+                            _ => {
+                                let k = at / page * page;
+                                side[k..k + page].iter_mut().for_each(|v| *v += 1);
+                            }
+                        }
+                    }
+                    (h, d)
+                }
+                _ => {
+                    let n = rows.min(dev_rows);
+                    let mut h: Vec<i64> = (0..rows as i64).collect();
+                    let mut d: Vec<i64> = (0..dev_rows as i64).collect();
+                    rng.shuffle(&mut h);
+                    rng.shuffle(&mut d);
+                    let k = rng.below(n as u64 + 1) as usize;
+                    (h[..k].to_vec(), d[..k].to_vec())
+                }
+            }
+        }
+
+        fn distinct(v: &[i64]) -> bool {
+            let mut s = v.to_vec();
+            s.sort_unstable();
+            s.windows(2).all(|w| w[0] != w[1])
+        }
+
+        prop_compose! {
+            fn any_case()(
+                pair in 0usize..6,
+                layers in 1usize..=6,
+                page in prop::sample::select(vec![1usize, 2, 3, 4, 5, 7, 8]),
+                items in prop::collection::vec(prop::sample::select(vec![1usize, 3, 16, 24]), 1..=2),
+                heads in 1usize..=8,
+                host_pages in 0usize..=4,
+                dev_pages in 0usize..=4,
+                ragged in prop::bool::weighted(0.1),
+                op in 0u8..3,
+                layer in 0usize..8,
+                wide in any::<bool>(),
+                mode in 0u8..4,
+                seed in any::<u64>(),
+                arb_h in prop::collection::vec(-2i64..40, 0..24),
+                arb_d in prop::collection::vec(-2i64..40, 0..24),
+            ) -> Case {
+                let (layout, backend) = PAIRS[pair];
+                let rows = host_pages * page + usize::from(ragged);
+                let dev_rows = dev_pages * page + 3;
+                let (host_idx, dev_idx) = indices(seed, mode, rows, dev_rows, page, (arb_h, arb_d));
+                Case {
+                    layout,
+                    backend,
+                    layers,
+                    rows,
+                    page,
+                    heads,
+                    items,
+                    dev_rows,
+                    host_idx,
+                    dev_idx,
+                    width: if wide { IndexWidth::I64 } else { IndexWidth::I32 },
+                    op: match op {
+                        0 => Op::Backup,
+                        1 => Op::BackupLayer { host_layer: layer },
+                        _ => Op::Load { host_layer: layer },
+                    },
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig {
+                cases: 3000,
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            #[test]
+            fn the_planner_accepts_exactly_valid_requests_and_moves_exactly_their_bytes(
+                c in any_case(),
+                seed in any::<u64>(),
+            ) {
+                let valid = oracle_valid(&c);
+                let mut rng = Rng(seed | 1);
+                let mut got = c.world(&mut rng);
+                let before = (got.host.clone(), got.dev.clone());
+                let result = c.run_plan(&mut got);
+                prop_assert_eq!(result.is_ok(), valid, "{:?}: {:?}", c, result.err());
+                if !valid {
+                    prop_assert!(got.host == before.0 && got.dev == before.1, "refused but wrote: {:?}", c);
+                    return Ok(());
+                }
+                let (dst, src_unchanged) = if c.op.to_host() {
+                    (&c.host_idx, got.dev == before.1)
+                } else {
+                    (&c.dev_idx, got.host == before.0)
+                };
+                prop_assert!(src_unchanged, "the source side changed: {:?}", c);
+                if distinct(dst) {
+                    let mut want = World { host: before.0, dev: before.1 };
+                    c.reference(&mut want);
+                    prop_assert!(got.host == want.host && got.dev == want.dev, "bytes differ: {:?}", c);
+                }
+            }
+        }
+    }
 }
 
 /// A global allocator that counts live heap bytes and their peak, for the footprint test. Only
