@@ -6,6 +6,8 @@ pub mod error;
 pub mod host_mem;
 pub mod layout;
 pub mod plan;
+#[cfg(any(test, feature = "fuzz"))]
+pub mod plan_fuzz;
 pub mod pool;
 pub mod request;
 
