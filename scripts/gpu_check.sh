@@ -190,7 +190,7 @@ fi
 secs=$(allow 150)
 if ((secs == 0)); then
     record bench SKIP "time budget spent"
-elif ! (cd /tmp && timeout -k 5 60 $PY -c "import hostkv_rs.cli" >/dev/null 2>&1); then
+elif ! (cd /tmp && timeout -k 5 60 $PY -c "import hostkv_rs.tools.cli" >/dev/null 2>&1); then
     record bench SKIP "hostkv-rs bench is not in this build"
 else
     echo "== bench (up to ${secs}s, log bench.log)"

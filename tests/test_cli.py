@@ -18,8 +18,8 @@ import pytest
 import torch
 
 # The package imports the Rust extension; without a build there is nothing to run.
-cli = pytest.importorskip("hostkv_rs.cli")
-presets = pytest.importorskip("hostkv_rs.presets")
+cli = pytest.importorskip("hostkv_rs.tools.cli")
+presets = pytest.importorskip("hostkv_rs.tools.presets")
 PRESETS = presets.PRESETS
 get_preset = presets.get_preset
 
@@ -147,7 +147,7 @@ def _corrupting(cls, where: str):
 
 @pytest.mark.parametrize("where", ["host", "host_stray", "device", "device_stray"])
 def test_demo_reports_mismatch_and_fails(capsys, monkeypatch, where):
-    from hostkv_rs import demo
+    from hostkv_rs.tools import demo
 
     real = demo.host_pool_class
     monkeypatch.setattr(
@@ -315,7 +315,7 @@ def test_no_subcommand_prints_help(capsys):
 
 
 def test_console_script_entry_point():
-    # pyproject.toml: hostkv-rs = "hostkv_rs.cli:main"
+    # pyproject.toml: hostkv-rs = "hostkv_rs.tools.cli:main"
     import tomllib
     from pathlib import Path
 
@@ -323,12 +323,12 @@ def test_console_script_entry_point():
     if not pyproject.exists():
         pytest.skip("source tree not available")
     scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
-    assert scripts["hostkv-rs"] == "hostkv_rs.cli:main"
+    assert scripts["hostkv-rs"] == "hostkv_rs.tools.cli:main"
     assert cli.build_parser().prog == "hostkv-rs"
 
 
 def test_bench_runs_keep_each_measurement_at_its_best():
-    from hostkv_rs import bench
+    from hostkv_rs.tools import bench
 
     def row(pages, gbps, torch_gbps, us):
         return {

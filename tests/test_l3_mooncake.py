@@ -489,7 +489,7 @@ def test_large_batches_are_split_and_stay_exact(clients):
 @needs_mooncake
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "deepseek-v3"])
 def test_demo_l3_mooncake_round_trips_and_verifies_every_byte(capsys, preset):
-    from hostkv_rs import cli
+    from hostkv_rs.tools import cli
 
     rc = cli.main(["demo", "--preset", preset, "--l3", "mooncake", "--layers", "3", "--pages", "4"])
     out = capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hostkv_rs.v4 import LogicalHostPool
@@ -146,3 +147,20 @@ def test_double_and_foreign_frees_are_refused_and_release_nothing():
     taken = torch.cat([pool.alloc(16), pool.alloc(32)])
     assert taken.unique().numel() == taken.numel() == 48
     assert pool.alloc(16) is None
+
+
+def test_logical_free_owns_a_numpy_array_it_was_given():
+    pool = LogicalHostPool(16, 4)
+    pool.alloc(16)
+    freed = np.arange(4, dtype=np.int64)
+    assert pool.free(freed) == 4
+    freed[:] = 99  # the caller reuses its buffer; the pool must not see it
+    assert pool.alloc(4).tolist() == [0, 1, 2, 3]
+
+
+def test_logical_free_refuses_float_slots_instead_of_truncating():
+    pool = LogicalHostPool(16, 2)
+    pool.alloc(16)
+    with pytest.raises(TypeError, match="integer tensors"):
+        pool.free([1.5, 2.5])
+    assert pool.num_release_slots == 0

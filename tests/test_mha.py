@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hostkv_rs import MHATokenToKVPoolHost
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import (
@@ -328,3 +328,10 @@ def test_round_trip_emulated_engine(backend, layout, emulated_engine):
         page_tokens(pages, 16),
         page_tokens(np.roll(pages, 1), 16),
     )
+
+
+def test_split_heads_factor_must_be_an_integer():
+    dev = MHATokenToKVPool(64, 4, torch.float16, 4, 8, 2)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 4, "page_head")
+    with pytest.raises(TypeError, match="split_factor must be an integer"):
+        host.get_split_heads_page_buffer_meta(torch.arange(4), 2.5)

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import (
@@ -172,7 +173,6 @@ def test_data_refs_and_ptrs():
 
 
 def test_dummy_mode(caplog):
-    from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
 
     dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
     with caplog.at_level(logging.INFO, logger="hostkv_rs"):
@@ -200,7 +200,6 @@ def test_dummy_mode(caplog):
 
 
 def test_dummy_mode_dcp_assert_text():
-    from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
 
     dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
     with pytest.raises(
@@ -247,3 +246,23 @@ def test_hisparse_request_rows():
         RuntimeError, match=re.escape("HiSparse host mem pool alloc failed for 1024 pages")
     ):
         host.alloc_paged_token_slots(big, torch.zeros(1, dtype=torch.int64), 0, 0, 4096)
+
+
+def test_mla_flat_page_on_the_meta_device_is_a_value_error():
+    dev = MLATokenToKVPool(64, 4, torch.float16, 8, 4, 2)
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 4, "layer_first")
+    page = torch.empty(host.get_dummy_flat_data_page().numel(), device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        host.set_from_flat_data_page(0, page)
+
+
+def test_hisparse_unaligned_row_end_is_refused_before_taking_slots():
+    dev = MLATokenToKVPool(64, 4, torch.float16, 8, 4, 2)
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 4, "layer_first")
+    row = torch.full((1, 16), -1, dtype=torch.int64)
+    allocated = torch.tensor([2])
+    before = host.available_size()
+    with pytest.raises(ValueError, match="not a multiple of the page size 4"):
+        host.alloc_paged_token_slots(row, allocated, 0, 0, 6)
+    assert host.available_size() == before
+    assert int(allocated[0]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 from hostkv_rs import _memory
@@ -832,3 +833,25 @@ def test_cuda_token_granular_round_trip(backend):
         for ht, dt in zip(host_tok, dev_tok):
             c4_copy(want, ht, cpu_dev[layer], dt)
         assert torch.equal(pool.kv_buffer[layer], want)
+
+
+def _small_v4_pool(pages: int = 8, item: int = 16, page_size: int = 2):
+    device = [torch.zeros(pages, item, dtype=torch.uint8) for _ in range(2)]
+    return DeepSeekV4PagedHostPool("c4", device, item, pages, page_size), device
+
+
+def test_v4_free_owns_a_numpy_array_it_was_given():
+    pool, _ = _small_v4_pool()
+    pool.alloc(pool.size)
+    freed = np.array([0, 1], dtype=np.int64)
+    pool.free(freed)
+    freed[:] = 1000  # outside the pool: handing it out later would name a slot that is not there
+    assert pool.alloc(2).tolist() == [0, 1]
+
+
+def test_v4_transfer_refuses_float_indices_instead_of_truncating():
+    pool, device = _small_v4_pool()
+    device[0][1] = 7
+    with pytest.raises(TypeError, match="integer tensors"):
+        pool.backup_from_device_all_layer(None, [2.5, 3.5], [2.7, 3.9], "direct")
+    assert int(pool.kv_buffer[0].sum()) == 0

@@ -14,13 +14,13 @@ from hostkv_rs._core import (
 from hostkv_rs._core import __version__ as __version__
 from hostkv_rs._memory import HostTensorAllocator
 from hostkv_rs.base import HostKVCache
-from hostkv_rs.device_pools import MHATokenToKVPool, MLATokenToKVPool
 from hostkv_rs.mha import (
     AsymmetricMHATokenToKVPoolHost,
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
 from hostkv_rs.mla import MLATokenToKVPoolHost
+from hostkv_rs.tools.device_pools import MHATokenToKVPool, MLATokenToKVPool
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from hostkv_rs.cli import main
+from hostkv_rs.tools.cli import main
 
 sys.exit(main())

@@ -11,9 +11,6 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-import math
-import numbers
-import operator
 import threading
 import weakref
 from functools import wraps
@@ -21,14 +18,18 @@ from functools import wraps
 import torch
 
 from hostkv_rs import _core, _handover, _memory
+from hostkv_rs._args import as_int, finite_number, positive_int, required
 from hostkv_rs._device_side import (
-    DeviceLayers,
     LayerIndexError,
     layer_key,
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs._indices import as_index_array, check_storage, index_arg
+from hostkv_rs._indices import check_storage
+from hostkv_rs._marshal import (
+    transfer_indices,
+)
+from hostkv_rs._slots import SlotFreeList, slots_in_pool
 
 logger = logging.getLogger(__name__)
 
@@ -62,37 +63,6 @@ def synchronized(func):
             return func(self, *args, **kwargs)
 
     return wrapper
-
-
-def ptr_table(tensors, device) -> torch.Tensor:
-    """SGLang's uint64 table of `data_ptr()`s on `device` (the pools' `*_data_ptrs`)."""
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
-
-
-def as_int(name: str, value) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
-
-
-def finite_number(name: str, value, allowed: str) -> float:
-    """A real number argument: TypeError for anything else (a bool included), ValueError for NaN
-    or an infinity; both name the parameter, the value and what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {allowed}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return value
-
-
-def positive_int(name: str, value) -> int:
-    value = as_int(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 def sync_fixed_hicache_size(size: int, host_size) -> int:
@@ -173,169 +143,6 @@ def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
             pool_label,
         )
     return _memory.HostTensorAllocator()
-
-
-_CPU = torch.device("cpu")
-
-
-def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
-    """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
-    the caller may keep writing to what it passed (a tensor, or a numpy array that
-    `as_index_array` only wraps) after the slots sit on a release list."""
-    slots = as_index_array(indices, _CPU).to(torch.int64)
-    if slots.numel():
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 0 or hi >= size:
-            raise ValueError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
-    return slots.clone()
-
-
-def index_list(indices) -> list[int]:
-    """Index values as a list of ints, for the core's page arithmetic."""
-    return as_index_array(indices, _CPU).tolist()
-
-
-def slot_list_text(slots: torch.Tensor, limit: int = 32) -> str:
-    """A list of slots for an error message: SGLang's `[a, b, ...]` text, capped at `limit`
-    entries (a million-slot free must not build megabytes of text)."""
-    if slots.numel() <= limit:
-        return str(slots.tolist())
-    head = ", ".join(map(str, slots[:limit].tolist()))
-    return f"[{head}, ...] ({slots.numel()} slots)"
-
-
-class SlotFreeList:
-    """SGLang's lazy-release free list: `alloc` takes from the front of `free_slots`, `free`
-    parks chunks on `release_slots`, merged only when `free_slots` runs short (one torch.cat per
-    merge, not per free; #30658). `slot_used` marks what is allocated, so a slot is never handed
-    to two owners and a double or foreign free is refused before anything is released."""
-
-    def _reset_free_list(self, n: int) -> None:
-        self.free_slots = torch.arange(n, dtype=torch.int64)
-        self.release_slots = []
-        self.num_release_slots = 0
-        self.slot_used = torch.zeros(n, dtype=torch.bool)
-
-    def available_size(self):
-        return len(self.free_slots) + self.num_release_slots
-
-    def _merge_release_slots(self):
-        if self.num_release_slots == 0:
-            return
-        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
-            self.free_slots = self.release_slots[0]
-        else:
-            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
-        self.release_slots = []
-        self.num_release_slots = 0
-
-    def _take_slots(self, need_size: int) -> torch.Tensor | None:
-        """The first `need_size` free slots (a view of the free list, as in SGLang), marked
-        used, or None when the pool is short."""
-        if need_size > self.available_size():
-            return None
-        if need_size > len(self.free_slots):
-            self._merge_release_slots()
-        selected = self.free_slots[:need_size]
-        already = self.slot_used[selected]
-        if bool(already.any()):
-            raise AssertionError(
-                f"Double-alloc detected: slots already allocated: "
-                f"{slot_list_text(selected[already])}."
-            )
-        self.free_slots = self.free_slots[need_size:]
-        self.slot_used[selected] = True
-        return selected
-
-    def _release_slots(self, slots: torch.Tensor) -> None:
-        """Give back `slots` (CPU int64, in range): all must be allocated and distinct, or
-        nothing is released (AssertionError, as SGLang's double-free detection)."""
-        if slots.numel() == 0:
-            return
-        used = self.slot_used[slots]
-        if not bool(used.all()):
-            raise AssertionError(
-                f"Double-free detected: slots not currently allocated: "
-                f"{slot_list_text(slots[~used])}."
-            )
-        unique, counts = torch.unique(slots, return_counts=True)
-        if bool((counts > 1).any()):
-            raise AssertionError(
-                f"Double-free detected: slots not currently allocated: "
-                f"{slot_list_text(unique[counts > 1])}."
-            )
-        self.slot_used[slots] = False
-        self.release_slots.append(slots)
-        self.num_release_slots += slots.numel()
-
-
-def stream_and_engine(device: torch.device) -> tuple[str, int, str]:
-    """(device type, stream, engine) for the core: torch's current stream of a CUDA device, else
-    the CPU engine chosen by HOSTKV_CPU_ENGINE. Only a CUDA device pool may touch torch.cuda:
-    CPU-only runs never initialise it."""
-    if device.type == "cuda":
-        return "cuda", torch.cuda.current_stream(device).cuda_stream, "plan"
-    return "cpu", 0, _memory.cpu_engine()
-
-
-def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx, host_layer=None) -> None:
-    """Device -> host: every layer, or only `host_layer` (then `dev.ptrs` holds one per plane)."""
-    where, stream, engine = stream_and_engine(dev.device)
-    core.backup(
-        backend,
-        dev.ptrs,
-        dev.rows,
-        index_arg(host_idx),
-        index_arg(dev_idx),
-        where,
-        stream,
-        engine,
-        host_layer,
-    )
-
-
-def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, dev_idx) -> None:
-    where, stream, engine = stream_and_engine(dev.device)
-    core.load(
-        backend,
-        host_layer,
-        dev.ptrs,
-        dev.rows,
-        index_arg(host_idx),
-        index_arg(dev_idx),
-        where,
-        stream,
-        engine,
-    )
-
-
-def transfer_indices(host_indices, device_indices, io_backend: str, device: torch.device):
-    """Index tensors in the form the core reads: contiguous int32/int64. CPU device pools and the
-    direct backend read them on the host; a CUDA kernel transfer keeps device-resident indices
-    where they are (the kernel bounds-checks them itself)."""
-    target = None if (device.type == "cuda" and io_backend == "kernel") else _CPU
-    return as_index_array(host_indices, target), as_index_array(device_indices, target)
-
-
-def check_io_pair(io_backend, layout: str, supported: dict, ascend_layouts: tuple = ()) -> None:
-    """SGLang's refusals for an (io_backend, layout) pair of the MHA and MLA pools: `supported`
-    maps each backend served here to its layouts. `kernel_ascend` needs an Ascend NPU: on one of
-    its own `ascend_layouts` it is an unsupported backend here, elsewhere an unsupported layout
-    (SGLang checks the layout first)."""
-    # isinstance first: an unhashable value (a list) must get SGLang's ValueError too.
-    if isinstance(io_backend, str) and io_backend in supported:
-        if layout not in supported[io_backend]:
-            raise ValueError(f"Unsupported layout: {layout}")
-        return
-    if io_backend == "kernel_ascend" and layout not in ascend_layouts:
-        raise ValueError(f"Unsupported layout: {layout}")
-    raise ValueError(f"Unsupported IO backend: {io_backend}")
-
-
-def _required(form: str, **values) -> None:
-    missing = [name for name, value in values.items() if value is None]
-    if missing:
-        raise TypeError(f"{form} needs {', '.join(missing)} (got None)")
 
 
 def on_destroy(pool, callback) -> None:
@@ -439,7 +246,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             self.device_capacity_tokens = device_pool.size if capacity is None else capacity
             start_layer, end_layer = device_pool.start_layer, device_pool.end_layer
         else:
-            _required(
+            required(
                 "HostKVCache without a device pool",
                 dtype=dtype,
                 device_capacity_tokens=device_capacity_tokens,

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _handover, _memory
+from hostkv_rs._args import as_int, required
 from hostkv_rs._device_side import first_device, owned_range
+from hostkv_rs._marshal import ptr_table
+from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     arg,
     cat_tables,
@@ -24,7 +27,7 @@ from hostkv_rs._sources import (
     scale_layout_value,
     scales_reason,
 )
-from hostkv_rs.base import HostKVCache, _required, as_int, index_list, ptr_table
+from hostkv_rs.base import HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         host_token_capacity=None,
     ):
         source = device_source(device_pool, buffer_info)
-        _required(
+        required(
             type(self).__name__,
             host_to_device_ratio=host_to_device_ratio,
             host_size=host_size,
@@ -90,7 +93,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if is_buffer_info(source):
             side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
-            _required(
+            required(
                 f"{type(self).__name__} from a buffer info",
                 device_capacity_tokens=device_capacity_tokens,
                 start_layer=start_layer,

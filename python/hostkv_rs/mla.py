@@ -9,7 +9,10 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _memory
+from hostkv_rs._args import as_int, required
 from hostkv_rs._device_side import first_device, owned_range, sharded_host_layer_num
+from hostkv_rs._marshal import ptr_table
+from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,
     arg,
@@ -21,7 +24,7 @@ from hostkv_rs._sources import (
     is_buffer_info,
     refuse_unserved,
 )
-from hostkv_rs.base import HostKVCache, _required, as_int, index_list, ptr_table
+from hostkv_rs.base import HostKVCache
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         host_token_capacity=None,
     ):
         source = device_source(device_pool, buffer_info)
-        _required(
+        required(
             type(self).__name__,
             host_to_device_ratio=host_to_device_ratio,
             host_size=host_size,
@@ -87,7 +90,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if is_buffer_info(source) or is_allocation_only(source):
             # 0.5.23: the draft infos may also come by position (where <= 0.5.22 had the pools).
             drafts = tuple(draft_buffer_infos) or tuple(mtp_draft_device_pools)
-            _required(
+            required(
                 f"{type(self).__name__} from a buffer info",
                 device_capacity_tokens=device_capacity_tokens,
                 start_layer=start_layer,

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import sys
 
-from hostkv_rs.presets import PRESETS
+from hostkv_rs.tools.presets import PRESETS
 
 PROG = "hostkv-rs"
 # Small enough for a few seconds on 2 CPU cores; the model's real layer count and item sizes are
@@ -200,8 +200,8 @@ def _fail(command: str, exc: BaseException) -> int:
 
 
 def cmd_demo(args) -> int:
-    from hostkv_rs.demo import DemoConfig, run_demo
-    from hostkv_rs.presets import get_preset
+    from hostkv_rs.tools.demo import DemoConfig, run_demo
+    from hostkv_rs.tools.presets import get_preset
 
     try:
         preset = get_preset(args.preset).with_overrides(
@@ -240,7 +240,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from hostkv_rs import bench
+    from hostkv_rs.tools import bench, bench_report
 
     if args.plot:
         try:
@@ -268,13 +268,13 @@ def cmd_bench(args) -> int:
         return _fail("bench", exc)
     report["command"] = " ".join([PROG, *args.argv])
     if args.json:
-        bench.emit_json(report)
+        bench_report.emit_json(report)
     elif args.markdown:
-        print(bench.format_markdown(report))
+        print(bench_report.format_markdown(report))
     else:
-        print(bench.format_table(report))
+        print(bench_report.format_table(report))
     if args.plot:
-        bench.plot(report, args.plot)
+        bench_report.plot(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 

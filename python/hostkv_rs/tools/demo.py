@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hostkv_rs import bench
-from hostkv_rs.presets import Preset, build_device_pool, host_pool_class
+from hostkv_rs.tools import torch_baseline
+from hostkv_rs.tools.presets import Preset, build_device_pool, host_pool_class
 
 
 @dataclass
@@ -102,7 +102,7 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
 
     say(f"hostkv-rs demo: {p.name} ({p.describe()}) on {cfg.device}")
     device_pool = build_device_pool(p, cfg.pages * P, P, cfg.device)
-    dplanes = bench.device_planes(device_pool, p.kind)
+    dplanes = torch_baseline.device_planes(device_pool, p.kind)
     for i, layers in enumerate(dplanes):
         dgen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 31 + i)
         for t in layers:
@@ -131,8 +131,8 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
         raise RuntimeError(f"host pool has no room for {2 * n} pages")
     host_pages = slots.clone().view(-1, P)[torch.randperm(2 * n, generator=gen)[:n]]
     host_idx = host_pages.reshape(-1)
-    src_idx = bench.page_tokens(src_pages, P)
-    dst_idx = bench.page_tokens(dst_pages, P)
+    src_idx = torch_baseline.page_tokens(src_pages, P)
+    dst_idx = torch_baseline.page_tokens(dst_pages, P)
     if cfg.backend == "direct" and cfg.layout == "layer_first":
         # the controller sorts host indices (device indices follow) so runs coalesce
         order = torch.argsort(host_idx)
@@ -144,7 +144,7 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
     tokens = n * P
     moved = tokens * sum(items) * p.layers
 
-    h_b, d_b = bench.place_indices(
+    h_b, d_b = torch_baseline.place_indices(
         host_pool, cfg.backend, cfg.layout, "backup", host_idx, src_idx, cfg.device
     )
     _sync(cfg.device)
@@ -162,7 +162,7 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
     for layers in dplanes:
         for t in layers:
             t.zero_()
-    h_l, d_l = bench.place_indices(
+    h_l, d_l = torch_baseline.place_indices(
         host_pool, cfg.backend, cfg.layout, "load", host_idx, dst_idx, cfg.device
     )
     _sync(cfg.device)
@@ -220,13 +220,13 @@ def _check_host(host_pool, kind, layout, page_size, host_idx, expected) -> tuple
     """(differing bytes at the expected host offsets, non-zero bytes anywhere else)."""
     import torch
 
-    hplanes = bench.host_planes(host_pool, kind)
-    hi = bench.host_index(layout, host_idx, page_size)
+    hplanes = torch_baseline.host_planes(host_pool, kind)
+    hi = torch_baseline.host_index(layout, host_idx, page_size)
     bad = stray = 0
     for plane, exp_layers in zip(hplanes, expected, strict=True):
         scratch = plane.clone()
         for layer, exp in enumerate(exp_layers):
-            view = bench.host_layer_view(scratch, layout, layer)
+            view = torch_baseline.host_layer_view(scratch, layout, layer)
             got = _u8_rows(view[hi].contiguous())
             bad += int((got != exp.cpu()).sum())
             view[hi] = torch.zeros((), dtype=view.dtype)

@@ -168,7 +168,7 @@ def get_preset(name: str) -> Preset:
 def build_device_pool(preset: Preset, size: int, page_size: int, device: str):
     """The reference device pool for `preset`: `size` usable token slots plus SGLang's padding page
     (slot/page 0), so usable device pages are 1..size // page_size."""
-    from hostkv_rs.device_pools import MHATokenToKVPool, MLATokenToKVPool
+    from hostkv_rs.tools.device_pools import MHATokenToKVPool, MLATokenToKVPool
 
     if preset.kind == "mla":
         return MLATokenToKVPool(

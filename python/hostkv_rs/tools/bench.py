@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import json
 import math
 import os
 import platform
@@ -24,7 +23,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from hostkv_rs.presets import Preset, build_device_pool, host_pool_class
+from hostkv_rs.tools.bench_report import size_text
+from hostkv_rs.tools.presets import Preset, build_device_pool, host_pool_class
+from hostkv_rs.tools.torch_baseline import (
+    device_planes,
+    host_planes,
+    page_tokens,
+    place_indices,
+    torch_backup,
+    torch_load,
+)
 
 # (layout, backend) pairs each pool kind supports (host-pool-contract.md §3.2-3.4).
 PAIRS: dict[str, list[tuple[str, str]]] = {
@@ -134,90 +142,6 @@ def bench_presets(matrix: Matrix, dtype: str = "bf16") -> list[Preset]:
             )
         )
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain-torch reference: the documented buffer views, indexed the way a Python pool would.
-
-
-def device_planes(device_pool, kind: str) -> list[list]:
-    """Plane-major lists of per-layer device tensors `(rows, ...)`."""
-    if kind == "mla":
-        return [list(device_pool.kv_buffer)]
-    return [list(device_pool.k_buffer), list(device_pool.v_buffer)]
-
-
-def host_planes(host_pool, kind: str) -> list:
-    """Host plane tensors in their contract shapes (host-pool-contract.md §2)."""
-    if kind == "mla":
-        return [host_pool.kv_buffer]
-    return [host_pool.k_buffer, host_pool.v_buffer]
-
-
-def host_index(layout: str, host_idx, page_size: int):
-    """Index tuple into `host_layer_view(...)` selecting the rows of `host_idx` (token slots)."""
-    if layout in ("layer_first", "page_first"):
-        return (host_idx,)
-    return (host_idx // page_size, host_idx % page_size)
-
-
-def host_layer_view(plane, layout: str, layer: int):
-    """A view of one layer of a host plane, indexable by `host_index(...)` to `(n, *item)`."""
-    if layout == "layer_first":  # (L, S, ...)
-        return plane[layer]
-    if layout == "page_first":  # (S, L, ...)
-        return plane[:, layer]
-    if layout == "page_first_direct":  # (Pn, L, P, ...)
-        return plane[:, layer]
-    if layout == "page_head":  # (Pn, H, P, L, D) -> (Pn, P, H, D)
-        return plane[:, :, :, layer].transpose(1, 2)
-    raise ValueError(f"Unsupported layout: {layout}")
-
-
-def torch_backup(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx):
-    hi = host_index(layout, host_idx, page_size)
-    for dplane, hplane in zip(dev_planes, hst_planes, strict=True):
-        for layer, dev_layer in enumerate(dplane):
-            rows = dev_layer[dev_idx]
-            if rows.device.type != "cpu":
-                rows = rows.to("cpu")
-            host_layer_view(hplane, layout, layer)[hi] = rows
-
-
-def torch_load(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx, layer):
-    hi = host_index(layout, host_idx, page_size)
-    for dplane, hplane in zip(dev_planes, hst_planes, strict=True):
-        dev_layer = dplane[layer]
-        rows = host_layer_view(hplane, layout, layer)[hi]
-        if dev_layer.device.type != "cpu":
-            rows = rows.to(dev_layer.device, non_blocking=True)
-        dev_layer[dev_idx] = rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Index placement, as HiCacheController.move_indices prepares it (contract §3.1).
-
-
-def place_indices(host_pool, backend, layout, op, host_idx, dev_idx, device):
-    import torch
-
-    if device == "cpu" or backend != "kernel":
-        return host_idx.cpu(), dev_idx.cpu()
-    dev = torch.device(device)
-    keep_host_on_cpu = (
-        op == "backup"
-        and layout == "page_first"
-        and getattr(host_pool, "can_use_write_back_jit", False)
-    )
-    return (host_idx.cpu() if keep_host_on_cpu else host_idx.to(dev)), dev_idx.to(dev)
-
-
-def page_tokens(pages, page_size):
-    """Token slots of whole pages, page by page."""
-    import torch
-
-    pages = torch.as_tensor(pages, dtype=torch.int64)
-    return (pages[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +440,7 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
         raise RuntimeError(f"CPU engine gather of {item}-byte items produced wrong bytes")
     copy_secs = median(ctx.timer.each(lambda _i: dst.copy_(src), m.repeats, m.warmup))
     return {
-        "what": f"cpu engine gather, {_size(item)} items",
+        "what": f"cpu engine gather, {size_text(item)} items",
         "item_bytes": item,
         "bytes": nbytes,
         "gbps": _gbps(nbytes, secs),
@@ -756,161 +680,3 @@ def machine_info() -> dict:
 
         info["core"] = _core.runtime_info()
     return info
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n} B"
-
-
-def _pool_row(report: dict, op: str, item: int) -> dict | None:
-    for r in report["results"]:
-        if (r["pool"], r["layout"], r["backend"], r["op"], r["pages"], r["item_bytes"]) == (
-            "mha",
-            "layer_first",
-            "kernel",
-            op,
-            1,
-            item,
-        ):
-            return r
-    return None
-
-
-def format_table(report: dict) -> str:
-    head = (
-        f"{'pool':<5} {'layout':<18} {'backend':<7} {'op':<6} {'item':>8} {'pages':>5} "
-        f"{'bytes':>9} {'GB/s':>7} {'torch':>7} {'x torch':>7} {'memcpy':>7} {'x copy':>6} "
-        f"{'us/call':>9}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in report["results"]:
-        lines.append(
-            f"{r['pool']:<5} {r['layout']:<18} {r['backend']:<7} {r['op']:<6} "
-            f"{_size(r['item_bytes']):>8} {r['pages']:>5} {_size(r['bytes']):>9} "
-            f"{r['gbps']:7.2f} {r['torch_gbps']:7.2f} {r['gbps'] / r['torch_gbps']:7.2f} "
-            f"{r['memcpy_gbps']:7.2f} {r['gbps'] / r['memcpy_gbps']:6.2f} {r['us_per_call']:9.1f}"
-        )
-    if report.get("foundation"):
-        lines += ["", "foundation (no pool in between):"]
-        for f in report["foundation"]:
-            if "torch_gbps" in f:
-                other = (
-                    f"torch.empty().zero_() {f['torch_gbps']:.2f} GB/s "
-                    f"(x{f['gbps'] / f['torch_gbps']:.2f})"
-                )
-            else:
-                other = f"memcpy {f['memcpy_gbps']:.2f} GB/s (x{f['gbps'] / f['memcpy_gbps']:.2f})"
-            line = f"  {f['what']:<44} {_size(f['bytes']):>9} {f['gbps']:7.2f} GB/s  vs {other}"
-            if f["what"].startswith("PoolCore."):
-                line += f"  {f['us_per_call']:.1f} us/call"
-                pool = _pool_row(report, f["op"], f["item_bytes"])
-                if pool is not None:
-                    line += (
-                        f"; the pool's own call: {pool['us_per_call']:.1f} us "
-                        f"(+{pool['us_per_call'] - f['us_per_call']:.1f} us in Python)"
-                    )
-            lines.append(line)
-    lines += [
-        "",
-        (
-            "GB/s: decimal GB per second of payload. backup = all layers in one call; load = one "
-            "layer per call; alloc = host pool creation incl. pre-touch (memcpy column: fill of "
-            "already faulted memory). x torch / x copy: pool GB/s over plain torch indexing / one "
-            "contiguous copy of the same bytes."
-        ),
-    ]
-    if report.get("runs", 1) > 1:
-        lines.append(
-            f"(each number: the best of {report['runs']} runs of the whole matrix, each run "
-            "taking the median of its repeats)"
-        )
-    if report.get("truncated"):
-        lines.append("(stopped early: --max-seconds reached)")
-    return "\n".join(lines)
-
-
-def format_markdown(report: dict) -> str:
-    """The same tables as Markdown, for docs/benchmarks.md."""
-    lines = [
-        (
-            "| pool | layout | backend | op | item | pages | bytes | GB/s | torch GB/s | x torch "
-            "| copy GB/s | x copy | us/call |"
-        ),
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["results"]:
-        lines.append(
-            f"| {r['pool']} | {r['layout']} | {r['backend']} | {r['op']} | {_size(r['item_bytes'])} "
-            f"| {r['pages']} | {_size(r['bytes'])} | {r['gbps']:.2f} | {r['torch_gbps']:.2f} "
-            f"| {r['gbps'] / r['torch_gbps']:.2f} | {r['memcpy_gbps']:.2f} "
-            f"| {r['gbps'] / r['memcpy_gbps']:.2f} | {r['us_per_call']:.1f} |"
-        )
-    if report.get("foundation"):
-        lines += [
-            "",
-            "| foundation | bytes | GB/s | yardstick | yardstick GB/s | ratio | us/call |",
-            "|---|---:|---:|---|---:|---:|---:|",
-        ]
-        for f in report["foundation"]:
-            name, other = (
-                ("torch.empty().zero_()", f["torch_gbps"])
-                if "torch_gbps" in f
-                else ("one contiguous copy", f["memcpy_gbps"])
-            )
-            lines.append(
-                f"| {f['what']} | {_size(f['bytes'])} | {f['gbps']:.2f} | {name} | {other:.2f} "
-                f"| {f['gbps'] / other:.2f} | {f['us_per_call']:.1f} |"
-            )
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = ["backup", "load"]
-    widest = max((sum(r["op"] == op for r in report["results"]) for op in ops), default=1)
-    fig, axes = plt.subplots(
-        len(ops), 1, figsize=(max(10, 1.05 * widest), 4.8 * len(ops)), squeeze=False
-    )
-    for ax, op in zip(axes[:, 0], ops, strict=True):
-        rows = [r for r in report["results"] if r["op"] == op]
-        if not rows:
-            continue
-        top = max(r["pages"] for r in rows)
-        rows = [r for r in rows if r["pages"] == top]
-        labels = [
-            f"{r['pool']} {_size(r['item_bytes'])}\n{r['layout']}\n{r['backend']}" for r in rows
-        ]
-        xs = range(len(rows))
-        w = 0.27
-        ax.bar([x - w for x in xs], [r["gbps"] for r in rows], w, label="hostkv_rs")
-        ax.bar(list(xs), [r["torch_gbps"] for r in rows], w, label="torch indexing")
-        ax.bar(
-            [x + w for x in xs], [r["memcpy_gbps"] for r in rows], w, label="one contiguous copy"
-        )
-        ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set_ylabel("GB/s")
-        ax.set_title(
-            f"{op}: {top} pages of {report['matrix']['page_size']} tokens ({report['device']})"
-        )
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def emit_json(report: dict, stream=None) -> None:
-    stream = stream or sys.stdout
-    json.dump(report, stream, indent=1, allow_nan=False)
-    stream.write("\n")

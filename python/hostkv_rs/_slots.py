@@ -1,0 +1,102 @@
+"""Host slot bookkeeping: SGLang's lazy-release free list with an ownership map, so a slot is
+never handed to two owners and a double or foreign free is refused before anything is released.
+Used by every pool (`HostKVCache`, the V4 paged pool and the logical pool)."""
+
+from __future__ import annotations
+
+import torch
+
+from hostkv_rs._indices import as_index_array
+
+_CPU = torch.device("cpu")
+
+
+def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
+    """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
+    the caller may keep writing to what it passed (a tensor, or a numpy array that
+    `as_index_array` only wraps) after the slots sit on a release list."""
+    slots = as_index_array(indices, _CPU).to(torch.int64)
+    if slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= size:
+            raise ValueError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
+    return slots.clone()
+
+
+def index_list(indices) -> list[int]:
+    """Index values as a list of ints, for the core's page arithmetic."""
+    return as_index_array(indices, _CPU).tolist()
+
+
+def slot_list_text(slots: torch.Tensor, limit: int = 32) -> str:
+    """A list of slots for an error message: SGLang's `[a, b, ...]` text, capped at `limit`
+    entries (a million-slot free must not build megabytes of text)."""
+    if slots.numel() <= limit:
+        return str(slots.tolist())
+    head = ", ".join(map(str, slots[:limit].tolist()))
+    return f"[{head}, ...] ({slots.numel()} slots)"
+
+
+class SlotFreeList:
+    """SGLang's lazy-release free list: `alloc` takes from the front of `free_slots`, `free`
+    parks chunks on `release_slots`, merged only when `free_slots` runs short (one torch.cat per
+    merge, not per free; #30658). `slot_used` marks what is allocated, so a slot is never handed
+    to two owners and a double or foreign free is refused before anything is released."""
+
+    def _reset_free_list(self, n: int) -> None:
+        self.free_slots = torch.arange(n, dtype=torch.int64)
+        self.release_slots = []
+        self.num_release_slots = 0
+        self.slot_used = torch.zeros(n, dtype=torch.bool)
+
+    def available_size(self):
+        return len(self.free_slots) + self.num_release_slots
+
+    def _merge_release_slots(self):
+        if self.num_release_slots == 0:
+            return
+        if len(self.free_slots) == 0 and len(self.release_slots) == 1:
+            self.free_slots = self.release_slots[0]
+        else:
+            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
+        self.release_slots = []
+        self.num_release_slots = 0
+
+    def _take_slots(self, need_size: int) -> torch.Tensor | None:
+        """The first `need_size` free slots (a view of the free list, as in SGLang), marked
+        used, or None when the pool is short."""
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self._merge_release_slots()
+        selected = self.free_slots[:need_size]
+        already = self.slot_used[selected]
+        if bool(already.any()):
+            raise AssertionError(
+                f"Double-alloc detected: slots already allocated: "
+                f"{slot_list_text(selected[already])}."
+            )
+        self.free_slots = self.free_slots[need_size:]
+        self.slot_used[selected] = True
+        return selected
+
+    def _release_slots(self, slots: torch.Tensor) -> None:
+        """Give back `slots` (CPU int64, in range): all must be allocated and distinct, or
+        nothing is released (AssertionError, as SGLang's double-free detection)."""
+        if slots.numel() == 0:
+            return
+        used = self.slot_used[slots]
+        if not bool(used.all()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: "
+                f"{slot_list_text(slots[~used])}."
+            )
+        unique, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            raise AssertionError(
+                f"Double-free detected: slots not currently allocated: "
+                f"{slot_list_text(unique[counts > 1])}."
+            )
+        self.slot_used[slots] = False
+        self.release_slots.append(slots)
+        self.num_release_slots += slots.numel()

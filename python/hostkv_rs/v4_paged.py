@@ -1,0 +1,641 @@
+"""DeepSeek V4 paged host pool: the page-row mirror of one V4 compressed sub-pool.
+
+`DeepSeekV4PagedHostPool` mirrors one V4 compressed paged sub-pool (C4, C128, indexer ...). Its
+unit is a *page row*: one device row holds one slot page (`slot_page_size` tokens) of one layer,
+`item_bytes` bytes. Rust owns the bytes (one `HostRegion`) and moves them (`PoolCore`); this
+module only builds torch views, checks arguments and maps token indices to rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from hostkv_rs import _core, _memory
+from hostkv_rs import base as pool_host_base
+from hostkv_rs._args import as_int
+from hostkv_rs._device_side import DeviceLayers, LayerIndexError
+from hostkv_rs._indices import as_index_array, check_storage
+from hostkv_rs._marshal import ptr_table, run_backup, run_load
+from hostkv_rs._slots import index_list, slots_in_pool
+from hostkv_rs.base import HostKVCache, get_allocator_from_storage, synchronized
+from hostkv_rs.hisparse import HiSparseHostPoolMixin
+
+logger = logging.getLogger(__name__)
+
+# kernel_ascend moves whole pages one layer at a time through `_host_page_view`, which SGLang
+# builds for these layouts only; with CPU (or CUDA) device buffers we run the same page-row
+# copy on the core's direct path.
+_ASCEND_LAYOUTS = ("layer_first", "page_first_direct")
+# `layer_id` of a backup: every layer.
+_ALL_LAYERS = object()
+# SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK: the staging buffer holds at most this many page rows.
+_WRITE_BACK_STAGING_PAGE_CHUNK = 64
+
+# SGLang's token-granular path is `transfer_cache_dsv4_mla` (jit_kernel/hisparse.py + csrc
+# hisparse.cuh, page arithmetic in include/sgl_kernel/deepseek_v4/kvcacheio.cuh). It ignores
+# item_bytes and assumes the page-padded C4 row on *both* sides: 64 tokens per page, the 576-byte
+# values of tokens 0..63 first, then their 8-byte scales, the row padded to a multiple of 576
+# (FlashMLA's page alignment) = 37440 bytes. Token t lives in row t // 64, value at
+# (t % 64) * 576, scale at 64 * 576 + (t % 64) * 8. We copy exactly those two segments per token
+# and layer, and refuse other geometries, where SGLang's fixed constants would address bytes
+# outside the rows.
+# The constants live in the core (rust/src/pool.rs, `c4`).
+_C4_PAGE_TOKENS = _core.C4_PAGE_TOKENS
+_C4_VALUE_BYTES = _core.C4_VALUE_BYTES
+_C4_SCALE_BYTES = _core.C4_SCALE_BYTES
+_C4_ROW_BYTES = _core.C4_ROW_BYTES
+_C4_SCALE_OFFSET = _C4_VALUE_BYTES * _C4_PAGE_TOKENS
+
+
+# A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
+PageIndexError = _core.PageIndexError
+
+
+def _region_view(region, shape, offset: int = 0) -> torch.Tensor:
+    """A uint8 view of `region` (an empty tensor for a pool without bytes)."""
+    if region is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    return _memory.region_view(region, torch.uint8, shape, offset)
+
+
+class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
+    """Host mirror of a DeepSeek V4 paged KV/indexer sub-pool, in page-row units."""
+
+    # HostKVCache.__init__ is not called (as in SGLang), so the DCP defaults live here too.
+    dcp_size = 1
+    dcp_rank = 0
+
+    @classmethod
+    def _unsupported_reason(cls, args, kwargs) -> str | None:
+        buffers = args[1] if len(args) > 1 else kwargs.get("device_buffers")
+        try:
+            first = next(iter(buffers or ()), None)
+        except TypeError:
+            return None
+        kind = getattr(getattr(first, "device", None), "type", None)
+        if kind is not None and kind not in ("cpu", "cuda", "meta"):
+            return f"device buffers on {kind!r}"
+        return None
+
+    def __init__(
+        self,
+        pool_name: str,
+        device_buffers: list[torch.Tensor],
+        item_bytes: int,
+        num_host_pages: int,
+        slot_page_size: int,
+        layout: str = "layer_first",
+        device: str = "cpu",
+        pin_memory: bool = True,
+        allocator_type: str = "default",
+        page_aligned_only: bool = False,
+    ):
+        self.pool_name = pool_name
+        device_buffers = list(device_buffers)
+        for i, buf in enumerate(device_buffers):
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(
+                    f"{pool_name}: device_buffers[{i}] must be a torch.Tensor, got "
+                    f"{type(buf).__name__}"
+                )
+        # SGLang 0.5.20+: pools whose rows are not the C4 page refuse token-granular transfers.
+        self.page_aligned_only = bool(page_aligned_only)
+        device_buffers = list(device_buffers)
+        item_bytes = as_int("item_bytes", item_bytes)
+        num_host_pages = as_int("num_host_pages", num_host_pages)
+        slot_page_size = as_int("slot_page_size", slot_page_size)
+        if item_bytes <= 0:
+            raise ValueError(f"{pool_name}: item_bytes must be positive, got {item_bytes}")
+        if num_host_pages < 0:
+            raise ValueError(
+                f"{pool_name}: num_host_pages must not be negative, got {num_host_pages}"
+            )
+        if slot_page_size <= 0:
+            raise ValueError(f"{pool_name}: slot_page_size must be positive, got {slot_page_size}")
+
+        self.layer_num = len(device_buffers)
+        self.item_bytes = item_bytes
+        self.num_host_pages = num_host_pages
+        self.slot_page_size = slot_page_size
+        self.dtype = torch.uint8
+        self.device = device
+        self.pin_memory = pin_memory
+        self.allocator_type = allocator_type
+        # SGLang's allocator object; the bytes themselves always come from a Rust HostRegion.
+        self.allocator = get_allocator_from_storage(allocator_type, pool_name)
+        self.fd = getattr(self.allocator, "fd", None)
+        self.page_size = slot_page_size
+        self.size = num_host_pages * slot_page_size
+        self.page_num = num_host_pages
+        self.layout = layout
+        self.size_per_token = item_bytes
+        self.start_layer = 0
+        self.end_layer = self.layer_num
+        self.lock = threading.RLock()
+        self.device_buffers = device_buffers
+        self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
+        self._device_rows = self._device_row_counts(device_buffers, item_bytes, "device buffer")
+
+        requested_bytes = self.layer_num * num_host_pages * item_bytes
+        # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
+        # `base.host_memory_budget_bytes` (or `_memory`'s) steers this check too.
+        available_bytes = pool_host_base.host_memory_budget_bytes()
+        if requested_bytes > available_bytes:
+            raise ValueError(
+                f"Not enough host memory for V4 paged pool {pool_name}. "
+                f"Requesting {requested_bytes / 1e9:.2f} GB but only have "
+                f"{available_bytes / 1e9:.2f} GB free."
+            )
+        # The geometry in the core: refuses another layout with SGLang's text.
+        self._spec = _core.PoolSpec(
+            "v4_paged",
+            layout,
+            self.layer_num,
+            num_host_pages,
+            slot_page_size,
+            [item_bytes],
+            1,
+            name=pool_name,
+        )
+        if device != "cpu":
+            # SGLang's HostTensorAllocator.allocate asserts the same.
+            raise AssertionError(
+                f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
+            )
+
+        # Page layouts must not split one page (all layers of a row) across two CUDA
+        # registrations; layer_first must not split one row.
+        granularity = item_bytes if layout == "layer_first" else self.layer_num * item_bytes
+        self._region = None
+        if requested_bytes > 0:
+            self._region = _memory.alloc_host_region(requested_bytes, pin_memory, granularity)
+        self._base = self._region.address if self._region is not None else 0
+
+        L, Nh, IB = self.layer_num, num_host_pages, item_bytes
+        self._flat = _region_view(self._region, (self._spec.plane_nbytes[0],))
+        self.data_refs = []
+        if layout == "layer_first":
+            # A list of per-layer (Nh, IB) tensors, as SGLang has; one region laid out
+            # layer-first underneath, the core's arithmetic.
+            self.kv_buffer = list(self._flat.view(self._spec.shape(0)).unbind(0))
+            self.data_refs = list(self.kv_buffer)
+        else:
+            self.kv_buffer = self._flat.view(self._spec.shape(0))
+        logger.info(
+            "Allocating %.2f GB host memory for V4 paged pool '%s' "
+            "(layers=%d, pages=%d, item_bytes=%d, layout=%s).",
+            requested_bytes / 1e9,
+            pool_name,
+            L,
+            Nh,
+            IB,
+            layout,
+        )
+
+        self.device_ptrs = ptr_table(device_buffers, self.gpu_device)
+        self.data_ptrs = ptr_table(self.data_refs, self.gpu_device) if self.data_refs else None
+        self.scale_kv_buffer = None
+        self.scale_device_buffers = None
+        self.scale_item_bytes = 0
+        self._scale_region = None
+        self._scale_core = None
+        self._scale_device_rows: list[int] = []
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        # SGLang allocates the page_first staging buffer on the device buffers' device even
+        # though its write-back JIT may stay off (and hostkv_rs never turns it on), so callers
+        # and memory budgets see the same buffer.
+        self.staging_buffer = None
+        if layout == "page_first":
+            self.staging_buffer = torch.empty(
+                (min(Nh, _WRITE_BACK_STAGING_PAGE_CHUNK), L, IB),
+                dtype=self.dtype,
+                device=self.gpu_device,
+            )
+        self._destroyed = False
+        self._page_core = self._make_core(Nh, IB)
+        self._token_cores = None
+        if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
+            self._token_cores = (
+                self._make_core(Nh * (IB // _C4_VALUE_BYTES), _C4_VALUE_BYTES),
+                self._make_core(Nh * (IB // _C4_SCALE_BYTES), _C4_SCALE_BYTES),
+            )
+        self.clear()
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    def _device_row_counts(self, buffers, row_bytes: int, what: str) -> list[int]:
+        """Rows of `row_bytes` in each device buffer; every buffer must be a dense tensor of
+        whole rows on the pool's device."""
+        rows = []
+        for i, buf in enumerate(buffers):
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
+            if buf.device != self.gpu_device:
+                raise ValueError(
+                    f"{self.pool_name}: {what} {i} is on {buf.device}, expected {self.gpu_device}"
+                )
+            nbytes = buf.numel() * buf.element_size()
+            check_storage(buf, f"{self.pool_name}: {what} {i}")
+            if not buf.is_contiguous() or nbytes % row_bytes != 0:
+                raise ValueError(
+                    f"{self.pool_name}: {what} {i} must be contiguous rows of "
+                    f"{row_bytes} bytes, got shape {tuple(buf.shape)} "
+                    f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
+                )
+            rows.append(nbytes // row_bytes)
+        return rows
+
+    def _make_core(self, rows: int, item: int):
+        if self._region is None:
+            return None
+        return _core.PoolCore(self.layout, self.layer_num, rows, 1, [item], [self._region])
+
+    # ---- geometry getters ------------------------------------------------------------------
+
+    def get_size_per_token(self):
+        return self.item_bytes
+
+    def get_ksize_per_token(self):
+        return self.item_bytes
+
+    def init_kv_buffer(self):
+        return self.kv_buffer
+
+    def get_hybrid_pool_buffer(self):
+        return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
+
+    def get_contiguous_buf_infos(self):
+        """Per-layer page-row buffers for PD direct-to-host transfer (layer_first only: the page
+        layouts have no per-layer host buffers, SGLang fails there on `data_ptrs = None`)."""
+        self._require_live()
+        return self._spec.contiguous_buf_infos(self._base)
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        if self.layout not in ("page_first", "page_first_direct") or self.kv_buffer is None:
+            return False
+        page_bytes = self._spec.plane_nbytes[0] // max(self._spec.page_num, 1)
+        return (
+            self.kv_buffer.data_ptr() % page_size_bytes == 0 and page_bytes % page_size_bytes == 0
+        )
+
+    # ---- slot allocator (page-row units, lazy release, no used-tracking) --------------------
+
+    def clear(self):
+        self._reset_free_list(self.size)
+
+    # available_size and the lazy merge are HostKVCache's; alloc and free differ from it (page
+    # rounding instead of an assert, no double-free tracking), as in SGLang.
+
+    @synchronized
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        need_size = as_int("need_size", need_size)
+        if need_size < 0:
+            raise ValueError(
+                f"{self.pool_name} alloc: need_size must not be negative, got {need_size}"
+            )
+        P = self.slot_page_size
+        return self._take_slots((need_size + P - 1) // P * P)
+
+    @synchronized
+    def free(self, indices) -> int:
+        """Release slots lazily (any device; no page check, as in SGLang). Stricter than SGLang
+        on purpose: a slot that is not allocated (a double free, or one never handed out) is
+        refused with the MHA/MLA pools' "Double-free detected" error and nothing is released;
+        SGLang would later hand it to two owners."""
+        slots = slots_in_pool(indices, self.size, f"{self.pool_name} free")
+        self._release_slots(slots)
+        return slots.numel()
+
+    # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
+
+    def attach_scale_buffers(self, scale_device_buffers: list, scale_item_bytes: int) -> None:
+        """Mirror per-layer scale rows (`scale_item_bytes` per device page row) next to the KV
+        rows. Only kernel_ascend transfers move them, as in SGLang."""
+        if self.scale_kv_buffer is not None:
+            raise RuntimeError(f"{self.pool_name}: scale buffers already attached")
+        self._require_live()
+        buffers = list(scale_device_buffers)
+        if len(buffers) != self.layer_num:
+            raise ValueError(
+                f"{self.pool_name}: scale_device_buffers has {len(buffers)} layers, "
+                f"expected {self.layer_num}"
+            )
+        scale_item_bytes = as_int("scale_item_bytes", scale_item_bytes)
+        if scale_item_bytes <= 0:
+            raise ValueError(
+                f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
+            )
+        device_rows = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+
+        L, Nh, SIB = self.layer_num, self.num_host_pages, scale_item_bytes
+        nbytes = L * Nh * SIB
+        logger.info(
+            "Attaching %.2f MB host memory for V4 indexer scale pool '%s' "
+            "(layers=%d, pages=%d, scale_item_bytes=%d, layout=%s).",
+            nbytes / 1e6,
+            self.pool_name,
+            L,
+            Nh,
+            SIB,
+            self.layout,
+        )
+        region, core = None, None
+        if nbytes > 0:
+            granularity = SIB if self.layout == "layer_first" else L * SIB
+            region = _memory.alloc_host_region(nbytes, self.pin_memory, granularity)
+            # (Nh, L, 1, SIB) is page_first_direct with one-row pages: row t, layer l at
+            # t*L*SIB + l*SIB.
+            core_layout = "layer_first" if self.layout == "layer_first" else "page_first_direct"
+            core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region])
+
+        if self.layout == "layer_first":
+            host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
+        else:
+            host = _region_view(region, (Nh, L, 1, SIB))
+        self._scale_region = region
+        self._scale_core = core
+        self._scale_device_rows = device_rows
+        self.scale_device_buffers = buffers
+        self.scale_item_bytes = SIB
+        self.scale_kv_buffer = host
+
+    # ---- transfers --------------------------------------------------------------------------
+
+    def _require_live(self):
+        if self._destroyed:
+            raise RuntimeError(f"{self.pool_name} host pool has been destroyed")
+
+    def _transfer_indices(self, host_indices, device_indices):
+        """Both index tensors (integer, 1-D, where they were), or None when there is nothing to
+        move."""
+        if host_indices is None or device_indices is None:
+            return None
+        host_indices = as_index_array(host_indices)
+        device_indices = as_index_array(device_indices)
+        n, m = host_indices.numel(), device_indices.numel()
+        if n != m:
+            raise ValueError(f"{self.pool_name} transfer index size mismatch: host={n}, device={m}")
+        if n == 0:
+            return None
+        return host_indices, device_indices
+
+    def _index_device(self, io_backend: str) -> torch.device:
+        # The copy engine plans direct copies on the host; kernels read indices on the GPU.
+        if self.gpu_device.type == "cuda" and io_backend == "kernel":
+            return self.gpu_device
+        return torch.device("cpu")
+
+    def _to_page_rows(self, indices: torch.Tensor) -> torch.Tensor:
+        P = self.slot_page_size
+        return indices.reshape(-1, P)[:, 0] // P
+
+    def _check_token_range(self, host: torch.Tensor, dev: torch.Tensor, dev_rows: int):
+        P = self.slot_page_size
+        for name, idx, limit in (("host", host, self.num_host_pages), ("device", dev, dev_rows)):
+            if idx.is_cuda:
+                continue  # device-resident indices are bounds-checked by the kernel
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= limit * P:
+                raise ValueError(
+                    f"{self.pool_name} token-granular transfer: {name} token indices must lie "
+                    f"in [0, {limit * P}), got min={lo}, max={hi}"
+                )
+
+    def _unaligned(self, host, dev) -> ValueError:
+        return ValueError(
+            f"{self.pool_name} expects page-aligned indices: got {host.numel()} host and "
+            f"{dev.numel()} device indices for page size {self.slot_page_size}."
+        )
+
+    def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
+        """Validate one transfer (a backup of every layer, or a load of `layer_id`)
+        and return the core calls as (core, backend, host_rows, device_rows, device_row_count),
+        or None when there is nothing to move. Everything that can be refused is refused here,
+        before any byte moves, in SGLang's order: indices, then the (layout, backend) pair, then
+        the layer."""
+        self._require_live()
+        pair = self._transfer_indices(host_indices, device_indices)
+        if pair is None:
+            return None
+        host, dev = pair
+        if self.page_aligned_only and host.numel() % self.slot_page_size != 0:
+            raise self._unaligned(host, dev)
+        if self.gpu_device.type not in ("cpu", "cuda"):
+            # The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
+            raise ValueError(
+                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
+                f"got {self.gpu_device}"
+            )
+        if host.numel() % self.slot_page_size != 0:
+            self._spec.check_token_pair(io_backend)
+            return self._token_plan(io_backend, host, dev, self._layers(layer_id))
+        if io_backend == "kernel_ascend":
+            if self.layout not in _ASCEND_LAYOUTS and (
+                layer_id is not _ALL_LAYERS or self.layer_num
+            ):
+                raise ValueError(
+                    f"{self.pool_name} _host_page_view: kernel_ascend requires layer_first or "
+                    f"page_first_direct layout, got {self.layout!r}"
+                )
+            backend = "direct"
+        else:
+            backend = self._spec.check_pair(io_backend)
+        layers = self._layers(layer_id)
+        if not layers:
+            return None  # a pool without layers has nothing to back up
+        if self._region is None:
+            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
+        target = self._index_device(backend)
+        host_rows = self._to_page_rows(as_index_array(host, target))
+        dev_rows = self._to_page_rows(as_index_array(dev, target))
+        calls = [
+            (
+                self._page_core,
+                backend,
+                host_rows,
+                dev_rows,
+                min(self._device_rows[layer] for layer in layers),
+            )
+        ]
+        if io_backend == "kernel_ascend" and self._scale_core is not None:
+            scale_rows = min(self._scale_device_rows[layer] for layer in layers)
+            # The core checks each call just before it copies; the scale rows must be known
+            # good before the KV rows move, or a refusal would leave a half-done transfer.
+            bad = (dev_rows < 0) | (dev_rows >= scale_rows)
+            if bool(bad.any()):
+                raise _core.TransferError(
+                    f"{self.pool_name} kernel_ascend: device page row "
+                    f"{int(dev_rows[bad][0])} is outside the scale device buffers "
+                    f"[0, {scale_rows})"
+                )
+            calls.append((self._scale_core, backend, host_rows, dev_rows, scale_rows))
+        return calls
+
+    def _token_plan(self, io_backend, host, dev, layers):
+        """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
+        page row (see the constants at the top), whatever the io_backend."""
+        if self._token_cores is None and self._region is not None:
+            raise ValueError(
+                f"{self.pool_name} token-granular transfers need the DSV4 C4 page row "
+                f"(slot_page_size={_C4_PAGE_TOKENS}, item_bytes={_C4_ROW_BYTES}), got "
+                f"slot_page_size={self.slot_page_size}, item_bytes={self.item_bytes}"
+            )
+        if not layers:
+            return None
+        if self._region is None:
+            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
+        P = self.slot_page_size
+        dev_rows = min(self._device_rows[layer] for layer in layers)
+        target = self._index_device(io_backend)
+        host = as_index_array(host, target).to(torch.int64)
+        dev = as_index_array(dev, target).to(torch.int64)
+        self._check_token_range(host, dev, dev_rows)
+        # The two segments of a C4 token become rows of two finer geometries over the same
+        # bytes: 576-byte value rows (65 per page row) and 8-byte scale rows (4680 per page row).
+        value_core, scale_core = self._token_cores
+        value_per_row = self.item_bytes // _C4_VALUE_BYTES
+        scale_per_row = self.item_bytes // _C4_SCALE_BYTES
+        scale_first = _C4_SCALE_OFFSET // _C4_SCALE_BYTES
+
+        def value_rows(t):
+            return (t // P) * value_per_row + t % P
+
+        def scale_rows(t):
+            return (t // P) * scale_per_row + scale_first + t % P
+
+        backend = "direct" if io_backend == "kernel_ascend" else io_backend
+        return [
+            (value_core, backend, value_rows(host), value_rows(dev), dev_rows * value_per_row),
+            (scale_core, backend, scale_rows(host), scale_rows(dev), dev_rows * scale_per_row),
+        ]
+
+    def _layers(self, layer_id) -> list[int]:
+        """Every layer for a backup, else the one checked load layer."""
+        if layer_id is _ALL_LAYERS:
+            return list(range(self.layer_num))
+        layer = as_int("layer_id", layer_id)
+        if not 0 <= layer < self.layer_num:
+            raise LayerIndexError(
+                f"{self.pool_name} layer_id {layer_id} out of range [0, {self.layer_num})"
+            )
+        return [layer]
+
+    def _run(self, calls, device_ptrs_of, layer=None):
+        """Issue the planned core calls: a backup when `layer` is None, else a load of it."""
+        for core, backend, h, d, rows in calls:
+            h, d = h.contiguous(), d.contiguous()
+            dev = DeviceLayers(device_ptrs_of(core), rows, self.gpu_device)
+            if layer is None:
+                run_backup(core, backend, dev, h, d)
+            else:
+                run_load(core, backend, layer, dev, h, d)
+
+    def _device_buffers_of(self, core) -> list[torch.Tensor]:
+        return self.scale_device_buffers if core is self._scale_core else self.device_buffers
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        calls = self._plan(io_backend, host_indices, device_indices)
+        if calls is None:
+            return
+        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
+
+    def backup_tokens_from_device_all_layer(self, host_indices, device_indices) -> None:
+        """Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode
+        backup): each token's C4 value and scale, whatever the index count, so a multiple of the
+        page size is never taken for whole pages. Needs the layer_first C4 rows; a
+        page-aligned-only pool refuses it."""
+        self._require_live()
+        pair = self._transfer_indices(host_indices, device_indices)
+        if pair is None:
+            return
+        host, dev = pair
+        if self.page_aligned_only:
+            raise self._unaligned(host, dev)
+        if self.gpu_device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
+                f"got {self.gpu_device}"
+            )
+        if self.layout != "layer_first":
+            raise ValueError(
+                f"{self.pool_name} token-granular backups need the layer_first layout (per-layer "
+                f"host rows), got {self.layout}"
+            )
+        calls = self._token_plan("kernel", host, dev, self._layers(_ALL_LAYERS))
+        if calls is None:
+            return
+        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ):
+        calls = self._plan(io_backend, host_indices, device_indices, layer_id)
+        if calls is None:
+            return
+        layer = as_int("layer_id", layer_id)
+        self._run(calls, lambda core: [self._device_buffers_of(core)[layer].data_ptr()], layer)
+
+    # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
+
+    def _page_base(self) -> torch.Tensor:
+        return self._flat
+
+    def get_data_page(self, index, flat=True):
+        self._require_live()
+        data_page = self._page_view(index)
+        if self.layout == "layer_first" and not flat:
+            # SGLang stacks the layers' rows: a copy, not a view of the pool.
+            return data_page.clone()
+        return data_page.flatten() if flat else data_page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(
+            (self.layer_num, self.item_bytes),
+            dtype=self.dtype,
+            device=self.device,
+            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
+        ).flatten()
+
+    def set_from_flat_data_page(self, index, data_page):
+        self._require_live()
+        view = self._page_view(index)
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(
+                f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
+                f"got {type(data_page).__name__}"
+            )
+        check_storage(data_page, f"{self.pool_name} set_from_flat_data_page")
+        expected = self.layer_num * self.item_bytes
+        got = data_page.numel() * data_page.element_size()
+        if got != expected:
+            raise ValueError(
+                f"{self.pool_name} set_from_flat_data_page: expected {expected} bytes "
+                f"({self.layer_num} x {self.item_bytes}), got {got}"
+            )
+        view.copy_(data_page.contiguous().view(self.dtype).reshape(view.shape))
+
+    def get_page_buffer_meta(self, indices):
+        self._require_live()
+        return self._spec.page_meta([self._base], index_list(indices))
+
+    # ---- teardown -----------------------------------------------------------------------------
+
+    def destroy(self):
+        """Unregister the CUDA host registration now rather than at exit (idempotent)."""
+        if getattr(self, "_destroyed", True):
+            return
+        self._destroyed = True
+        pool_host_base.run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching from a store
+        for region in (self._region, self._scale_region):
+            if region is not None and region.pinned:
+                region.unregister_cuda()
+        self._scale_core = None
+        self._page_core = None
+        self._token_cores = None
+        self.kv_buffer = None
+        self.data_refs = []
+        self.data_ptrs = None
