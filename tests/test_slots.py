@@ -1,5 +1,7 @@
-"""The slot allocator of host-pool-contract.md §4.1: FIFO, page-multiple requests, lazy release,
-double-alloc / double-free detection, one RLock around everything."""
+"""The slot allocator of host-pool-contract.md §4.1 (`hostkv_rs._slots`), for every pool kind:
+FIFO, page-multiple requests, lazy release, double-alloc / double-free detection, one RLock
+around everything. The V4 paged and logical pools track their slots too (stricter than SGLang,
+whose V4 and logical pools accept double frees)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,30 @@ import threading
 import pytest
 import torch
 from hostkv_rs.base import HostKVCache
+from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 from reference import make_mha, make_mla
 
+KINDS = ["mla", "mha", "asymmetric_mha", "v4_paged", "logical"]
 
-@pytest.fixture
-def pool():
-    host, _ = make_mla("layer_first", 4, ratio=2.0, device_pages=4)  # 32 -> 36 slots
-    assert host.size == 36
+
+def make_pool(kind: str):
+    """A 36-slot pool of `kind` with page size 4."""
+    if kind == "mla":
+        return make_mla("layer_first", 4, ratio=2.0, device_pages=4)[0]  # 32 -> 36 slots
+    if kind == "mha":
+        return make_mha("page_head", 4, ratio=2.0, device_pages=4)[0]
+    if kind == "asymmetric_mha":
+        return make_mha("page_first", 4, ratio=2.0, device_pages=4, v_head_dim=4)[0]
+    if kind == "v4_paged":
+        device = [torch.zeros(9, 16, dtype=torch.uint8) for _ in range(2)]
+        return DeepSeekV4PagedHostPool("c4", device, 16, 9, 4)
+    return LogicalHostPool(36, 4)
+
+
+@pytest.fixture(params=KINDS)
+def pool(request):
+    host = make_pool(request.param)
+    assert host.size == 36 and host.page_size == 4
     return host
 
 
@@ -31,10 +50,19 @@ def test_fresh_pool_hands_out_ascending_slots(pool):
 
 
 def test_page_multiple_assert(pool):
-    with pytest.raises(
-        AssertionError, match=re.escape("The requested size should be a multiple of the page size.")
-    ):
-        pool.alloc(6)
+    if isinstance(pool, DeepSeekV4PagedHostPool):
+        # SGLang's V4 pool rounds a request up to whole slot pages.
+        assert pool.alloc(6).tolist() == list(range(8))
+        pool.free(torch.arange(8))
+    elif isinstance(pool, LogicalHostPool):
+        with pytest.raises(ValueError, match="allocation must be page-aligned"):
+            pool.alloc(6)
+    else:
+        with pytest.raises(
+            AssertionError,
+            match=re.escape("The requested size should be a multiple of the page size."),
+        ):
+            pool.alloc(6)
     assert pool.available_size() == 36
     with pytest.raises(ValueError, match="must not be negative"):
         pool.alloc(-4)
@@ -96,9 +124,14 @@ def test_double_free_text_and_nothing_released(pool):
     assert bool(pool.slot_used[4:8].all())
     with pytest.raises(
         AssertionError,
-        match=re.escape("Double-free detected: slots not currently allocated: [30]."),
+        match=re.escape("Double-free detected: slots not currently allocated: [32, 33, 34, 35]."),
     ):
-        pool.free(torch.tensor([30]))
+        pool.free(torch.tensor([32, 33, 34, 35]))
+    # Every slot is still handed to one owner at a time, and no more than the pool holds.
+    assert pool.available_size() == 32
+    taken = torch.cat([a[4:], pool.alloc(32)])
+    assert taken.unique().numel() == taken.numel() == pool.size
+    assert pool.alloc(4) is None
 
 
 def test_duplicate_slot_in_one_free_is_a_double_free(pool):
@@ -125,6 +158,8 @@ def test_double_alloc_text(pool):
 
 
 def test_free_accepts_any_integer_tensor_and_returns_count(pool):
+    if isinstance(pool, LogicalHostPool):
+        pytest.skip("the logical pool frees whole pages only (test_logical_pool.py)")
     pool.alloc(12)
     assert pool.free(torch.tensor([0, 1], dtype=torch.int32)) == 2
     assert pool.free(torch.tensor([[2, 3], [4, 5]])) == 4
