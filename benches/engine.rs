@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hostkv_rs::request::{
-    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexMap, IndexWidth, Layout, Op,
     TransferRequest,
 };
 use hostkv_rs::{cpu, plan};
@@ -23,6 +23,7 @@ fn index_array(v: &[i64]) -> IndexArray {
         len: v.len(),
         width: IndexWidth::I64,
         on_device: false,
+        map: IndexMap::Identity,
     }
 }
 

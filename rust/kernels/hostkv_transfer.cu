@@ -73,6 +73,18 @@ struct HkvDeviceRecord {
     hkv_u64 abort_ring[HKV_ABORT_RING];
 };
 
+// How an index array is read (rust/src/index_map.rs): position i reads raw element
+// offset + i * stride and maps its value t to floor(t / div) * mul + (t mod div) * rem_mul + add
+// (DCP slots, V4 page rows, C4 token rows). The identity is {0, 1, 1, 1, 0, 0}.
+struct HkvIndexMap {
+    hkv_u64 offset;
+    hkv_u64 stride;
+    long long div;
+    long long mul;
+    long long rem_mul;
+    long long add;
+};
+
 struct HkvParams {
     // Plane-major device layer bases: plane p, moved layer j at [p * layer_count + j].
     hkv_u64 dev_ptrs[HKV_INLINE_PTRS];
@@ -96,6 +108,9 @@ struct HkvParams {
     hkv_u64 err;
     hkv_u64 dev_err;
     hkv_u64 abort_seq;
+    // How each index array is read; n counts mapped positions.
+    HkvIndexMap host_map;
+    HkvIndexMap dev_map;
     hkv_u32 layers;       // L of the host pool
     hkv_u32 layer_begin;  // first host layer moved
     hkv_u32 layer_count;  // layers moved: L for a backup, 1 for a load
@@ -126,11 +141,30 @@ __device__ __forceinline__ void hkv_store(T* p, T v) {
     HKV_STORE(p, v);
 }
 
-__device__ __forceinline__ long long hkv_index(hkv_u64 base, hkv_u32 wide, hkv_u64 i) {
-    if (wide) {
-        return hkv_load(reinterpret_cast<const long long*>(base) + i);
+__device__ __forceinline__ long long hkv_index(hkv_u64 base, hkv_u32 wide, const HkvIndexMap& m,
+                                               hkv_u64 i) {
+    const hkv_u64 k = m.offset + i * m.stride;
+    const long long t =
+        wide ? hkv_load(reinterpret_cast<const long long*>(base) + k)
+             : static_cast<long long>(hkv_load(reinterpret_cast<const int*>(base) + k));
+    if (m.div == 1 && m.mul == 1 && m.add == 0) {
+        return t;
     }
-    return static_cast<long long>(hkv_load(reinterpret_cast<const int*>(base) + i));
+    long long q = t / m.div;
+    long long r = t - q * m.div;
+    if (r < 0) {  // floor division: a negative index stays negative
+        r += m.div;
+        q -= 1;
+    }
+    // Saturate far past any bound instead of wrapping (div, mul, rem_mul and add are small).
+    const long long limit = 0x3fffffffffffffffLL / m.mul;
+    if (q > limit) {
+        return 0x7fffffffffffffffLL;
+    }
+    if (q < -limit) {
+        return -0x7fffffffffffffffLL;
+    }
+    return q * m.mul + r * m.rem_mul + m.add;
 }
 
 // Byte offset of (row t, layer l, head h) in one host plane; see docs/design.md "Planes". Rows
@@ -261,11 +295,11 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     const hkv_u64 stride = static_cast<hkv_u64>(gridDim.x) * blockDim.x;
     for (hkv_u64 i = static_cast<hkv_u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
          i += stride) {
-        const long long h = hkv_index(p.host_idx, p.host_idx_wide, i);
+        const long long h = hkv_index(p.host_idx, p.host_idx_wide, p.host_map, i);
         if (static_cast<hkv_u64>(h) >= p.host_rows) {
             hkv_record_bad_index(p, h, p.host_rows, HKV_SIDE_HOST);
         }
-        const long long d = hkv_index(p.dev_idx, p.dev_idx_wide, i);
+        const long long d = hkv_index(p.dev_idx, p.dev_idx_wide, p.dev_map, i);
         if (static_cast<hkv_u64>(d) >= p.dev_rows) {
             hkv_record_bad_index(p, d, p.dev_rows, HKV_SIDE_DEVICE);
         }
@@ -290,8 +324,8 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     hkv_u64 i = warp / per_item;
     hkv_u32 r = warp - static_cast<hkv_u32>(i) * per_item;
     for (; i < p.n; i += step_i) {
-        const long long hs = hkv_index(p.host_idx, p.host_idx_wide, i);
-        const long long ds = hkv_index(p.dev_idx, p.dev_idx_wide, i);
+        const long long hs = hkv_index(p.host_idx, p.host_idx_wide, p.host_map, i);
+        const long long ds = hkv_index(p.dev_idx, p.dev_idx_wide, p.dev_map, i);
         // Host-resident indices were checked on the host and device-resident ones by pass 1;
         // this re-check is what makes a write outside a pool impossible whatever happened.
         if (static_cast<hkv_u64>(hs) >= p.host_rows) {

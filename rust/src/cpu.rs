@@ -474,6 +474,7 @@ mod tests {
             len: v.len(),
             width: IndexWidth::I64,
             on_device: false,
+            map: crate::request::IndexMap::Identity,
         };
         let geom = HostGeometry {
             layout: Layout::LayerFirst,

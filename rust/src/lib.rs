@@ -4,6 +4,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod host_mem;
+pub mod index_map;
 pub mod layout;
 pub mod plan;
 #[cfg(any(test, feature = "fuzz"))]

@@ -16,6 +16,7 @@ use std::ops::Range;
 
 pub use crate::error::Side;
 use crate::error::{Error, Result, TransferError};
+use crate::index_map::{IndexMap, MapParams};
 use crate::layout::PlaneLayout;
 use crate::request::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
 
@@ -133,14 +134,15 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         )));
     }
     let (h, d) = (req.host_idx(), req.dev_idx());
-    if h.len != d.len {
+    let (host_len, dev_len) = (h.count()?, d.count()?);
+    if host_len != dev_len {
         return Err(TransferError::LengthMismatch {
-            host: h.len,
-            device: d.len,
+            host: host_len,
+            device: dev_len,
         }
         .into());
     }
-    let len = h.len;
+    let len = host_len;
     // SGLang's direct ops (transfer_kv_direct and the page-first-direct pair) all refuse a
     // partial page; its kernels do not check.
     if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
@@ -167,11 +169,11 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             if idx.ptr == 0 {
                 return Err(invalid(format!("{which} index array has a null address")));
             }
-            let span = (len as u64).checked_mul(idx.width.bytes() as u64);
+            let span = (idx.len as u64).checked_mul(idx.width.bytes() as u64);
             if span.is_none_or(|n| n > isize::MAX as u64 || idx.ptr.checked_add(n).is_none()) {
                 return Err(invalid(format!(
-                    "{which} index array of {len} elements at {:#x} is not addressable",
-                    idx.ptr
+                    "{which} index array of {} elements at {:#x} is not addressable",
+                    idx.len, idx.ptr
                 )));
             }
         }
@@ -186,25 +188,41 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     })
 }
 
-/// A read-only view of `len` int32 or int64 indices in memory that stays readable and unchanged
-/// for `'a`. Reads are unaligned (nothing promised alignment) and bounds-checked against `len`.
+/// A read-only view of `raw_len` int32 or int64 indices in memory that stays readable and
+/// unchanged for `'a`, read through an [`IndexMap`]: position `i` of the `len` positions reads a
+/// raw element and maps its value. Reads are unaligned (nothing promised alignment) and
+/// bounds-checked.
 #[derive(Clone, Copy, Debug)]
 pub struct IndexView<'a> {
     addr: u64,
     len: usize,
+    raw_len: usize,
     width: IndexWidth,
+    map: MapParams,
     _bytes: PhantomData<&'a [u8]>,
 }
 
 impl<'a> IndexView<'a> {
     /// The indices encoded in `bytes` (native endianness); a partial trailing element is ignored.
     pub fn from_bytes(bytes: &'a [u8], width: IndexWidth) -> Self {
+        let n = bytes.len() / width.bytes();
         Self {
             addr: bytes.as_ptr() as u64,
-            len: bytes.len() / width.bytes(),
+            len: n,
+            raw_len: n,
             width,
+            map: MapParams::IDENTITY,
             _bytes: PhantomData,
         }
+    }
+
+    /// The same raw elements read through `map` (replacing any earlier map).
+    pub fn with_map(self, map: IndexMap) -> Result<Self> {
+        Ok(Self {
+            len: map.count(self.raw_len)?,
+            map: map.params(),
+            ..self
+        })
     }
 
     /// The host-resident array `idx` describes.
@@ -213,13 +231,15 @@ impl<'a> IndexView<'a> {
     /// `idx.len * idx.width.bytes()` bytes at `idx.ptr` are readable CPU memory that nobody
     /// writes for `'a` (what [`TransferRequest::new`] requires of its host-resident arrays, for
     /// as long as the request is borrowed).
-    unsafe fn from_array(idx: &IndexArray) -> Self {
-        Self {
+    unsafe fn from_array(idx: &IndexArray) -> Result<Self> {
+        Ok(Self {
             addr: idx.ptr,
-            len: idx.len,
+            len: idx.count()?,
+            raw_len: idx.len,
             width: idx.width,
+            map: idx.map.params(),
             _bytes: PhantomData,
-        }
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -234,24 +254,34 @@ impl<'a> IndexView<'a> {
         self.width
     }
 
-    /// Element `i` (an int32 is sign-extended). Panics when `i >= len`.
+    /// Position `i`: its raw element (an int32 is sign-extended) through the map. Panics when
+    /// `i >= len`.
     #[inline(always)]
     pub fn get(&self, i: usize) -> i64 {
         assert!(i < self.len, "index position {i} past {}", self.len);
-        match self.width {
-            // SAFETY: `i < len`, and the view's `len` elements are readable for `'a` (a borrowed
-            // slice in `from_bytes`, the caller's promise in `from_array`); unaligned reads need
-            // no alignment.
-            IndexWidth::I32 => unsafe { (self.addr as *const i32).add(i).read_unaligned() as i64 },
+        let k = self.map.raw_position(i);
+        // `len` positions read raw elements below `raw_len` (`IndexMap::count`); checked again
+        // because the reads below rely on it.
+        assert!(
+            k < self.raw_len,
+            "raw index element {k} past {}",
+            self.raw_len
+        );
+        let raw = match self.width {
+            // SAFETY: `k < raw_len`, and the view's `raw_len` elements are readable for `'a` (a
+            // borrowed slice in `from_bytes`, the caller's promise in `from_array`); unaligned
+            // reads need no alignment.
+            IndexWidth::I32 => unsafe { (self.addr as *const i32).add(k).read_unaligned() as i64 },
             // SAFETY: as above, for 8-byte elements.
-            IndexWidth::I64 => unsafe { (self.addr as *const i64).add(i).read_unaligned() },
-        }
+            IndexWidth::I64 => unsafe { (self.addr as *const i64).add(k).read_unaligned() },
+        };
+        self.map.apply(raw)
     }
 
     fn span(&self) -> (u64, u64) {
         (
             self.addr,
-            self.addr + (self.len * self.width.bytes()) as u64,
+            self.addr + (self.raw_len * self.width.bytes()) as u64,
         )
     }
 }
@@ -369,7 +399,7 @@ pub fn index_view(req: &TransferRequest, side: Side) -> Result<IndexView<'_>> {
     // SAFETY: a host-resident array of the request: `TransferRequest::new` makes its bytes
     // readable CPU memory that stays unchanged while the request lives, and the view borrows the
     // request.
-    Ok(unsafe { IndexView::from_array(idx) })
+    unsafe { IndexView::from_array(idx) }
 }
 
 /// Validates `req` (everything [`validate`] checks, host-resident indices required) and returns
@@ -1024,12 +1054,14 @@ mod tests {
                 len: self.host_idx.len(),
                 width: self.width,
                 on_device: false,
+                map: crate::request::IndexMap::Identity,
             };
             let dev_idx = IndexArray {
                 ptr: db.as_ptr() as u64,
                 len: self.dev_idx.len(),
                 width: self.width,
                 on_device: false,
+                map: crate::request::IndexMap::Identity,
             };
             // SAFETY: every address names a buffer of `world` (planes of L*S*I bytes, device
             // layers of dev_rows*I bytes) or the returned index vectors, of the sizes stated; the
@@ -2046,12 +2078,14 @@ mod footprint_tests {
             len: p.from.len(),
             width: IndexWidth::I32,
             on_device: false,
+            map: crate::request::IndexMap::Identity,
         };
         let dev_idx = IndexArray {
             ptr: p.to.as_ptr() as u64,
             len: p.to.len(),
             width: IndexWidth::I64,
             on_device: false,
+            map: crate::request::IndexMap::Identity,
         };
         // SAFETY: planes of L*S*I bytes, device layers of S*I bytes and the two index vectors,
         // all owned by `p` (their heap buffers do not move with `p`), alive and untouched while

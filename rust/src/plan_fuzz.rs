@@ -8,7 +8,7 @@
 
 use crate::plan::{build, validate};
 use crate::request::{
-    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexMap, IndexWidth, Layout, Op,
     TransferRequest,
 };
 
@@ -41,7 +41,7 @@ impl Bytes<'_> {
 
 /// Plans and runs the request `data` describes. Header (13 bytes): pair, layers, page size,
 /// plane count, two item sizes, heads, host pages, ragged rows, device rows, op and layer, index
-/// width, length skew; then index values as signed bytes, host and device interleaved.
+/// width, length skew and index map; then index values as signed bytes, host and device interleaved.
 pub fn one_input(data: &[u8]) {
     let mut b = Bytes(data);
     let (layout, backend) = PAIRS[b.byte() as usize % PAIRS.len()];
@@ -65,7 +65,21 @@ pub fn one_input(data: &[u8]) {
     } else {
         IndexWidth::I64
     };
-    let skew = b.byte() % 4; // 3: the device array is one shorter
+    let skew_map = b.byte();
+    let skew = skew_map % 4; // 3: the device array is one shorter
+                             // Both arrays read through one index map (DCP share, page rows, C4 token rows).
+    let map = match (skew_map >> 2) % 6 {
+        0 | 1 => IndexMap::Identity,
+        2 => IndexMap::Dcp {
+            size: 2,
+            rank: u32::from(skew_map >> 5 & 1),
+        },
+        3 => IndexMap::PageRows {
+            page: page.max(1) as u32,
+        },
+        4 => IndexMap::C4Value,
+        _ => IndexMap::C4Scale,
+    };
     let mut host_idx = Vec::new();
     let mut dev_idx = Vec::new();
     while !b.0.is_empty() && host_idx.len() < 256 {
@@ -101,6 +115,7 @@ pub fn one_input(data: &[u8]) {
         len,
         width,
         on_device: false,
+        map,
     };
     let geom = HostGeometry {
         layout,

@@ -746,7 +746,7 @@ pub mod c4 {
         ((VALUE_BYTES + SCALE_BYTES) * PAGE_TOKENS).div_ceil(VALUE_BYTES) * VALUE_BYTES;
     pub const VALUES_PER_ROW: u64 = ROW_BYTES / VALUE_BYTES;
     pub const SCALES_PER_ROW: u64 = ROW_BYTES / SCALE_BYTES;
-    const SCALE_FIRST: u64 = VALUE_BYTES * PAGE_TOKENS / SCALE_BYTES;
+    pub const SCALE_FIRST: u64 = VALUE_BYTES * PAGE_TOKENS / SCALE_BYTES;
 
     /// Token `t`'s value as a row of 576-byte units.
     pub fn value_row(t: u64) -> u64 {

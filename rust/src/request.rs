@@ -11,6 +11,7 @@
 //! turns raw addresses into something safe code dereferences.
 
 use crate::error::{Error, Result};
+pub use crate::index_map::IndexMap;
 
 /// Host buffer layouts of SGLang's HiCache (see `layout.rs` for the byte arithmetic).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,6 +110,16 @@ pub struct IndexArray {
     /// (the host cannot read it, so the kernel checks bounds); in a [`DeviceMemory::Host`]
     /// request, host memory that only the emulated kernels read. The CPU engine refuses it.
     pub on_device: bool,
+    /// Which elements a transfer reads and what each becomes (DCP, V4 page rows, C4 tokens);
+    /// `len` counts raw elements, [`IndexArray::count`] the positions a transfer moves.
+    pub map: IndexMap,
+}
+
+impl IndexArray {
+    /// Positions the transfer moves (raw elements through the map), or the map's refusal.
+    pub fn count(&self) -> Result<usize> {
+        self.map.count(self.len)
+    }
 }
 
 /// Host pool geometry: shared by all planes except the item size and the base address.

@@ -342,12 +342,16 @@ pub(crate) fn run(
         (None, None) => plan::build(req)?,
         _ => {
             let h = match &host_buf {
-                Some(b) => IndexView::from_bytes(b, req.host_idx().width),
+                Some(b) => {
+                    IndexView::from_bytes(b, req.host_idx().width).with_map(req.host_idx().map)?
+                }
                 // Host-resident: the request's own array, as `plan::build` reads it.
                 None => plan::index_view(req, Side::Host)?,
             };
             let d = match &dev_buf {
-                Some(b) => IndexView::from_bytes(b, req.dev_idx().width),
+                Some(b) => {
+                    IndexView::from_bytes(b, req.dev_idx().width).with_map(req.dev_idx().map)?
+                }
                 None => plan::index_view(req, Side::Device)?,
             };
             plan::build_with(req, h, d)?

@@ -142,12 +142,12 @@ pub(crate) fn run(
     let host_idx_bytes = if req.host_idx().on_device {
         0
     } else {
-        c.len * req.host_idx().width.bytes()
+        req.host_idx().len * req.host_idx().width.bytes()
     };
     let dev_idx_bytes = if req.dev_idx().on_device {
         0
     } else {
-        c.len * req.dev_idx().width.bytes()
+        req.dev_idx().len * req.dev_idx().width.bytes()
     };
     let off_host = align16(table_bytes);
     let off_dev = off_host + align16(host_idx_bytes);
@@ -162,7 +162,8 @@ pub(crate) fn run(
         // SAFETY: the lease's host buffer holds `total` bytes that no queued copy reads any more
         // (staging::acquire), laid out as [table][host indices][device indices] with each part
         // inside it. A host-resident index array is `len * width` bytes of CPU memory
-        // (`TransferRequest::new`; `len == c.len`, checked), read here, before the call returns.
+        // (`TransferRequest::new`; its raw `len`, which the staged copy takes whole so that the
+        // kernels can apply the array's map), read here, before the call returns.
         unsafe {
             if let Some(t) = &m.table {
                 std::ptr::copy_nonoverlapping(t.as_ptr().cast::<u8>(), l.host, table_bytes);

@@ -5,12 +5,12 @@ use std::mem::offset_of;
 
 use super::emulate::{emulate_with_quota, hkv_params_layout};
 use super::params::{
-    HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS, INLINE_PTRS,
+    HkvDeviceRecord, HkvErrorRecord, HkvIndexMap, HkvParams, ABORT_RING, BLOCK_THREADS, INLINE_PTRS,
 };
 use crate::error::Error;
 use crate::plan;
 use crate::request::{
-    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexWidth, Layout, Op,
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexMap, IndexWidth, Layout, Op,
     TransferRequest,
 };
 
@@ -136,6 +136,7 @@ fn request_with(
         len: c.n,
         width: c.width,
         on_device,
+        map: crate::request::IndexMap::Identity,
     };
     assert!(host_idx.len() >= c.n * c.width.bytes() && dev_idx.len() >= c.n * c.width.bytes());
     let geom = HostGeometry {
@@ -221,7 +222,7 @@ fn both_directions(mut c: Case, quotas: &[u32], seed: u64) {
 
 #[test]
 fn params_layout_matches_the_cuda_struct() {
-    let mut v = [0u64; 32];
+    let mut v = [0u64; 40];
     // SAFETY: writes at most `cap` values.
     unsafe { hkv_params_layout(v.as_mut_ptr(), v.len() as u32) };
     let want = [
@@ -239,6 +240,9 @@ fn params_layout_matches_the_cuda_struct() {
         offset_of!(HkvParams, err),
         offset_of!(HkvParams, dev_err),
         offset_of!(HkvParams, abort_seq),
+        offset_of!(HkvParams, host_map),
+        offset_of!(HkvParams, dev_map),
+        std::mem::size_of::<HkvIndexMap>(),
         offset_of!(HkvParams, layers),
         offset_of!(HkvParams, layer_begin),
         offset_of!(HkvParams, layer_count),
@@ -446,4 +450,182 @@ fn direct_requests_emulate_the_copy_engine_plan() {
     let req = request_with(&c, &mut got, &hi, &di, Backend::Direct, false);
     emulate_with_quota(&req, 2).unwrap();
     assert!(want.host == got.host && want.dev == got.dev && want.host != b.pools.host);
+}
+
+/// Builds a kernel request over `pools` whose index arrays are `raw_h` / `raw_d` read through
+/// `maps`; `n` is ignored (the maps say how many positions move).
+fn mapped_request(
+    c: &Case,
+    pools: &mut Pools,
+    raw: (&[u8], &[u8]),
+    lens: (usize, usize),
+    maps: (IndexMap, IndexMap),
+    on_device: bool,
+) -> TransferRequest {
+    let idx = |b: &[u8], len: usize, map: IndexMap| IndexArray {
+        ptr: b.as_ptr() as u64,
+        len,
+        width: c.width,
+        on_device,
+        map,
+    };
+    assert!(raw.0.len() >= lens.0 * c.width.bytes() && raw.1.len() >= lens.1 * c.width.bytes());
+    let geom = HostGeometry {
+        layout: c.layout,
+        layers: c.layers,
+        rows: c.rows,
+        page_size: c.page,
+        heads: c.heads,
+        item_bytes: c.items[..c.planes].to_vec(),
+        plane_base: pools
+            .host
+            .iter_mut()
+            .map(|h| h.as_mut_ptr() as u64)
+            .collect(),
+    };
+    let op = if c.backup {
+        Op::Backup
+    } else {
+        Op::Load {
+            host_layer: c.host_layer,
+        }
+    };
+    let device = DeviceSide {
+        layer_ptrs: pools
+            .dev
+            .iter_mut()
+            .map(|d| d.as_mut_ptr() as u64)
+            .collect(),
+        rows: c.dev_rows,
+        memory: DeviceMemory::Host,
+    };
+    // SAFETY: the test's own buffers, of the sizes stated (asserted for the index arrays),
+    // alive and untouched while the request is used.
+    unsafe {
+        TransferRequest::new(
+            geom,
+            Backend::Kernel,
+            op,
+            device,
+            idx(raw.0, lens.0, maps.0),
+            idx(raw.1, lens.1, maps.1),
+        )
+    }
+}
+
+/// Raw index arrays for `map` whose mapped values are exactly `want`: each read element is an
+/// inverse image, and every element the map skips is -7 (a read of one would be refused).
+fn raw_for(map: IndexMap, want: &[i64]) -> Vec<i64> {
+    match map {
+        IndexMap::Identity => want.to_vec(),
+        IndexMap::Dcp { size, rank } => {
+            let s = size as i64;
+            let mut v = vec![-7; want.len() * size as usize];
+            for (i, &w) in want.iter().enumerate() {
+                v[rank as usize + i * size as usize] = w * s + (i as i64 % s);
+            }
+            v
+        }
+        IndexMap::PageRows { page } => {
+            let mut v = vec![-7; want.len() * page as usize];
+            for (i, &w) in want.iter().enumerate() {
+                v[i * page as usize] = w * page as i64;
+            }
+            v
+        }
+        IndexMap::C4Value | IndexMap::C4Scale => unreachable!("built from tokens"),
+    }
+}
+
+/// The emulated kernel (device-resident indices: pass 1 and pass 2 apply the map) and the CPU
+/// engine (the planner applies it) move exactly the rows an identity transfer of the mapped
+/// values moves: DCP shares, V4 page rows and C4 value / scale rows.
+#[test]
+fn mapped_indices_move_the_same_rows_everywhere() {
+    let mut rng = Rng(0x001d_3ec4);
+    let mut cases = 0;
+    for map in [
+        IndexMap::Dcp { size: 2, rank: 1 },
+        IndexMap::Dcp { size: 4, rank: 0 },
+        IndexMap::PageRows { page: 4 },
+        IndexMap::C4Value,
+        IndexMap::C4Scale,
+    ] {
+        for backup in [true, false] {
+            let mut c = Case::new(Layout::LayerFirst, &[8], 3);
+            c.backup = backup;
+            c.host_layer = 2;
+            let (h_raw, d_raw, h_want, d_want) = match map {
+                IndexMap::C4Value | IndexMap::C4Scale => {
+                    let per_row = if map == IndexMap::C4Value {
+                        crate::pool::c4::VALUES_PER_ROW
+                    } else {
+                        crate::pool::c4::SCALES_PER_ROW
+                    };
+                    // Two C4 page rows on each side, as rows of the finer unit.
+                    c.rows = 2 * per_row as usize;
+                    c.dev_rows = c.rows;
+                    let h = rng.distinct(128, 11);
+                    let d = rng.distinct(128, 11);
+                    let f = |t: &i64| {
+                        let t = *t as u64;
+                        (if map == IndexMap::C4Value {
+                            crate::pool::c4::value_row(t)
+                        } else {
+                            crate::pool::c4::scale_row(t)
+                        }) as i64
+                    };
+                    let (hw, dw) = (h.iter().map(f).collect(), d.iter().map(f).collect());
+                    (h, d, hw, dw)
+                }
+                _ => {
+                    let hw = rng.distinct(c.rows as u64, 9);
+                    let dw = rng.distinct(c.dev_rows as u64, 9);
+                    (raw_for(map, &hw), raw_for(map, &dw), hw, dw)
+                }
+            };
+            let b = build(&c, rng.next());
+            // Reference: identity arrays of the mapped values on the CPU engine.
+            let mut want = b.pools.clone();
+            c.n = h_want.len();
+            let (hw, dw) = (encode(&h_want, c.width), encode(&d_want, c.width));
+            run_cpu(&request(&c, &mut want, &hw, &dw));
+            assert!(want.host != b.pools.host || want.dev != b.pools.dev);
+            let (hr, dr) = (encode(&h_raw, c.width), encode(&d_raw, c.width));
+            let lens = (h_raw.len(), d_raw.len());
+            for on_device in [false, true] {
+                let mut got = b.pools.clone();
+                let req = mapped_request(&c, &mut got, (&hr, &dr), lens, (map, map), on_device);
+                if on_device {
+                    emulate_with_quota(&req, 1)
+                        .unwrap_or_else(|e| panic!("{map:?}: emulation failed: {e}"));
+                } else {
+                    run_cpu(&req);
+                }
+                assert!(
+                    got.host == want.host && got.dev == want.dev,
+                    "{map:?} backup={backup} on_device={on_device}: bytes differ"
+                );
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 20);
+}
+
+/// A mapped index that lands out of range is refused by the kernel's pass 1 with the mapped
+/// value, and nothing is written.
+#[test]
+fn a_mapped_index_out_of_range_is_refused_by_the_kernel() {
+    let c = Case::new(Layout::LayerFirst, &[8], 2);
+    let b = build(&c, 5);
+    let mut got = b.pools.clone();
+    let map = IndexMap::PageRows { page: 4 };
+    // Page row 12 of a 48-row pool is in range; page row 48 (token 192) is not.
+    let h = encode(&[48, -7, -7, -7, 192, -7, -7, -7], c.width);
+    let d = encode(&[0, -7, -7, -7, 4, -7, -7, -7], c.width);
+    let req = mapped_request(&c, &mut got, (&h, &d), (8, 8), (map, map), true);
+    let e = emulate_with_quota(&req, 1).unwrap_err().to_string();
+    assert!(e.contains("host index 48") && e.contains("[0, 48)"), "{e}");
+    assert!(got.host == b.pools.host && got.dev == b.pools.dev);
 }

@@ -65,5 +65,6 @@ pub(crate) fn index_array(
         len,
         width,
         on_device,
+        map: crate::request::IndexMap::Identity,
     })
 }

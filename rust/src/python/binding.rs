@@ -404,6 +404,7 @@ fn index_array<'py>(
             len,
             width,
             on_device,
+            map: crate::request::IndexMap::Identity,
         },
         Some(converted),
     ))
@@ -466,6 +467,7 @@ fn fast_index(
         len,
         width,
         on_device,
+        map: crate::request::IndexMap::Identity,
     }))
 }
 
