@@ -9,7 +9,9 @@ import torch
 __all__ = [
     "C4_PAGE_TOKENS",
     "C4_ROW_BYTES",
+    "C4_SCALES_PER_ROW",
     "C4_SCALE_BYTES",
+    "C4_VALUES_PER_ROW",
     "C4_VALUE_BYTES",
     "DeviceBinding",
     "HostRegion",
@@ -30,6 +32,8 @@ C4_PAGE_TOKENS: Final[int]
 C4_VALUE_BYTES: Final[int]
 C4_SCALE_BYTES: Final[int]
 C4_ROW_BYTES: Final[int]
+C4_VALUES_PER_ROW: Final[int]
+C4_SCALES_PER_ROW: Final[int]
 
 class TransferError(ValueError, RuntimeError):
     """Bad transfer arguments; nothing was written. Structured refusals carry `kind` and, as
@@ -81,6 +85,9 @@ class HostRegion:
 _PlaneMemory: TypeAlias = HostRegion | torch.Tensor | tuple[HostRegion | torch.Tensor, int]
 # (address, length, itemsize, on_device) of a contiguous int32/int64 index array.
 _IndexArg: TypeAlias = tuple[int, int, int, bool]
+# How both index arrays are read: ("dcp", size, rank), ("page_rows", P), ("c4_value",),
+# ("c4_scale",), or None for every element as is.
+_IndexMap: TypeAlias = tuple[str] | tuple[str, int] | tuple[str, int, int] | None
 
 @final
 class PoolCore:
@@ -130,6 +137,8 @@ class PoolCore:
         stream: int,
         engine: str = "plan",
         host_layer: int | None = None,
+        *,
+        index_map: _IndexMap = None,
     ) -> None: ...
     def load(
         self,
@@ -142,6 +151,8 @@ class PoolCore:
         device: str,
         stream: int,
         engine: str = "plan",
+        *,
+        index_map: _IndexMap = None,
     ) -> None: ...
 
 @final
@@ -193,6 +204,7 @@ class DeviceBinding:
         like: Sequence[tuple[torch.dtype, tuple[int, int] | None]] = ...,
         what: str = "device pool",
         name: str = "host pool",
+        index_map: _IndexMap = None,
     ) -> DeviceBinding: ...
     def load(
         self,

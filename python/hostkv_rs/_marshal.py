@@ -1,6 +1,5 @@
-"""Handing a transfer to the Rust core: index tensors in the form it reads, the CUDA stream and
-CPU engine of the call, the raw `PoolCore.load/backup` calls the V4 pools still make, and the
-`*_data_ptrs` tables."""
+"""Handing a raw transfer to the Rust core (the V4 pools' `PoolCore.load/backup` calls): the CUDA
+stream and CPU engine of the call; and the `*_data_ptrs` tables."""
 
 from __future__ import annotations
 
@@ -8,9 +7,7 @@ import torch
 
 from hostkv_rs import _memory
 from hostkv_rs._device_side import DeviceLayers
-from hostkv_rs._indices import as_index_array, index_arg
-
-_CPU = torch.device("cpu")
+from hostkv_rs._indices import index_arg
 
 
 def ptr_table(tensors, device) -> torch.Tensor:
@@ -27,8 +24,11 @@ def stream_and_engine(device: torch.device) -> tuple[str, int, str]:
     return "cpu", 0, _memory.cpu_engine()
 
 
-def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx, host_layer=None) -> None:
-    """Device -> host: every layer, or only `host_layer` (then `dev.ptrs` holds one per plane)."""
+def run_backup(
+    core, backend: str, dev: DeviceLayers, host_idx, dev_idx, host_layer=None, *, index_map=None
+) -> None:
+    """Device -> host: every layer, or only `host_layer` (then `dev.ptrs` holds one per plane).
+    `index_map` says how the core reads both index arrays (`_core.PoolCore.backup`)."""
     where, stream, engine = stream_and_engine(dev.device)
     core.backup(
         backend,
@@ -40,10 +40,13 @@ def run_backup(core, backend: str, dev: DeviceLayers, host_idx, dev_idx, host_la
         stream,
         engine,
         host_layer,
+        index_map=index_map,
     )
 
 
-def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, dev_idx) -> None:
+def run_load(
+    core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, dev_idx, *, index_map=None
+) -> None:
     where, stream, engine = stream_and_engine(dev.device)
     core.load(
         backend,
@@ -55,12 +58,5 @@ def run_load(core, backend: str, host_layer: int, dev: DeviceLayers, host_idx, d
         where,
         stream,
         engine,
+        index_map=index_map,
     )
-
-
-def transfer_indices(host_indices, device_indices, io_backend: str, device: torch.device):
-    """Index tensors in the form the core reads: contiguous int32/int64. CPU device pools and the
-    direct backend read them on the host; a CUDA kernel transfer keeps device-resident indices
-    where they are (the kernel bounds-checks them itself)."""
-    target = None if (device.type == "cuda" and io_backend == "kernel") else _CPU
-    return as_index_array(host_indices, target), as_index_array(device_indices, target)

@@ -26,9 +26,6 @@ from hostkv_rs._device_side import (
     sharded_host_layer_num,
 )
 from hostkv_rs._indices import check_storage
-from hostkv_rs._marshal import (
-    transfer_indices,
-)
 from hostkv_rs._slots import SlotFreeList, slots_in_pool
 
 logger = logging.getLogger(__name__)
@@ -577,7 +574,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
         return slots.numel()
 
     def maybe_dcp_kernel_indices(self, indices):
-        """Per-rank physical slots of DCP-widened logical slots (identity when dcp_size == 1)."""
+        """Per-rank physical slots of DCP-widened logical slots (identity when dcp_size == 1):
+        the method SGLang 0.5.18-0.5.19 pools have. Transfers do not call it: the core applies
+        the same translation while it reads the indices (`_index_map`)."""
         dcp_size = int(self.dcp_size)
         if dcp_size == 1 or indices is None:
             return indices
@@ -674,6 +673,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             self.target_layer_num,
             like=self._device_rows_like(),
             name=type(self).__name__,
+            index_map=self._index_map(),
         )
         self._captured_first = self._captured_pools[0] if self._captured_pools else None
 
@@ -697,6 +697,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             host_layers=host_layers,
             like=self._device_rows_like(),
             name=type(self).__name__,
+            index_map=self._index_map(),
         )
         try:
             weakref.finalize(device_pool, cache.clear)
@@ -741,16 +742,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
             device_pool, tensors, [s for s, _ in targets], [h for _, h in targets]
         )
 
-    def _dcp_indices(self, binding, host_indices, device_indices, io_backend: str):
-        """SGLang's DCP translation (logical widened slots -> this rank's physical slots) of
-        both index arrays; only DCP-aware pools get dcp_size > 1."""
-        self._check_io(io_backend)
-        host_idx, dev_idx = transfer_indices(
-            host_indices, device_indices, io_backend, binding.device
-        )
-        host_idx = self.maybe_dcp_kernel_indices(host_idx).contiguous()
-        dev_idx = self.maybe_dcp_kernel_indices(dev_idx).contiguous()
-        return host_idx, dev_idx
+    def _index_map(self):
+        """How the core reads both index arrays of every transfer: with dcp_size > 1 (only
+        DCP-aware pools), SGLang's translation of logical widened slots to this rank's physical
+        slots, `idx[dcp_rank::dcp_size] // dcp_size`, applied while the core reads them."""
+        if self.dcp_size == 1:
+            return None
+        return ("dcp", int(self.dcp_size), int(self.dcp_rank))
 
     def _load_planes(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
@@ -767,12 +765,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
             if binding is None:
                 return
             is_draft = False  # the one-layer binding holds the layer as a target
-        if self.dcp_size != 1:
-            if binding.lookup(layer_id, bool(is_draft)) is None:
-                return
-            host_indices, device_indices = self._dcp_indices(
-                binding, host_indices, device_indices, io_backend
-            )
         binding.load(layer_id, host_indices, device_indices, io_backend, bool(is_draft))
 
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
@@ -800,10 +792,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
             self._check_io(io_backend)
             self._live_core()
             binding = self._foreign_backup(device_pool)
-        if self.dcp_size != 1:
-            host_indices, device_indices = self._dcp_indices(
-                binding, host_indices, device_indices, io_backend
-            )
         binding.backup(host_indices, device_indices, io_backend)
 
     def _no_write_back_staging(self, *buffer_names: str) -> None:

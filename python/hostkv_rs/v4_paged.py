@@ -47,7 +47,8 @@ _C4_PAGE_TOKENS = _core.C4_PAGE_TOKENS
 _C4_VALUE_BYTES = _core.C4_VALUE_BYTES
 _C4_SCALE_BYTES = _core.C4_SCALE_BYTES
 _C4_ROW_BYTES = _core.C4_ROW_BYTES
-_C4_SCALE_OFFSET = _C4_VALUE_BYTES * _C4_PAGE_TOKENS
+_C4_VALUES_PER_ROW = _core.C4_VALUES_PER_ROW
+_C4_SCALES_PER_ROW = _core.C4_SCALES_PER_ROW
 
 
 # A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
@@ -220,8 +221,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._token_cores = None
         if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
             self._token_cores = (
-                self._make_core(Nh * (IB // _C4_VALUE_BYTES), _C4_VALUE_BYTES),
-                self._make_core(Nh * (IB // _C4_SCALE_BYTES), _C4_SCALE_BYTES),
+                self._make_core(Nh * _C4_VALUES_PER_ROW, _C4_VALUE_BYTES),
+                self._make_core(Nh * _C4_SCALES_PER_ROW, _C4_SCALE_BYTES),
             )
         self.clear()
 
@@ -389,10 +390,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return self.gpu_device
         return torch.device("cpu")
 
-    def _to_page_rows(self, indices: torch.Tensor) -> torch.Tensor:
-        P = self.slot_page_size
-        return indices.reshape(-1, P)[:, 0] // P
-
     def _check_token_range(self, host: torch.Tensor, dev: torch.Tensor, dev_rows: int):
         P = self.slot_page_size
         for name, idx, limit in (("host", host, self.num_host_pages), ("device", dev, dev_rows)):
@@ -413,8 +410,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
         """Validate one transfer (a backup of every layer, or a load of `layer_id`)
-        and return the core calls as (core, backend, host_rows, device_rows, device_row_count),
-        or None when there is nothing to move. Everything that can be refused is refused here,
+        and return the core calls as (core, backend, host indices, device indices, device row
+        count, index map), or None when there is nothing to move. The core turns token indices
+        into page rows (or C4 value / scale rows) while it reads them (the index map). Everything that can be refused is refused here,
         before any byte moves, in SGLang's order: indices, then the (layout, backend) pair, then
         the layer."""
         self._require_live()
@@ -450,30 +448,19 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if self._region is None:
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
         target = self._index_device(backend)
-        host_rows = self._to_page_rows(as_index_array(host, target))
-        dev_rows = self._to_page_rows(as_index_array(dev, target))
-        calls = [
-            (
-                self._page_core,
-                backend,
-                host_rows,
-                dev_rows,
-                min(self._device_rows[layer] for layer in layers),
-            )
-        ]
+        host, dev = as_index_array(host, target), as_index_array(dev, target)
+        page_rows = ("page_rows", self.slot_page_size)
+        rows = min(self._device_rows[layer] for layer in layers)
         if io_backend == "kernel_ascend" and self._scale_core is not None:
-            scale_rows = min(self._scale_device_rows[layer] for layer in layers)
-            # The core checks each call just before it copies; the scale rows must be known
-            # good before the KV rows move, or a refusal would leave a half-done transfer.
-            bad = (dev_rows < 0) | (dev_rows >= scale_rows)
-            if bool(bad.any()):
-                raise _core.TransferError(
-                    f"{self.pool_name} kernel_ascend: device page row "
-                    f"{int(dev_rows[bad][0])} is outside the scale device buffers "
-                    f"[0, {scale_rows})"
-                )
-            calls.append((self._scale_core, backend, host_rows, dev_rows, scale_rows))
-        return calls
+            # The core checks each call just before it copies: bounding the KV rows by the scale
+            # buffers too makes the first call's check cover both, so a refusal never leaves a
+            # half-done transfer.
+            rows = min(rows, *(self._scale_device_rows[layer] for layer in layers))
+            return [
+                (self._page_core, backend, host, dev, rows, page_rows),
+                (self._scale_core, backend, host, dev, rows, page_rows),
+            ]
+        return [(self._page_core, backend, host, dev, rows, page_rows)]
 
     def _token_plan(self, io_backend, host, dev, layers):
         """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
@@ -488,29 +475,19 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return None
         if self._region is None:
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
-        P = self.slot_page_size
         dev_rows = min(self._device_rows[layer] for layer in layers)
         target = self._index_device(io_backend)
-        host = as_index_array(host, target).to(torch.int64)
-        dev = as_index_array(dev, target).to(torch.int64)
+        host = as_index_array(host, target)
+        dev = as_index_array(dev, target)
         self._check_token_range(host, dev, dev_rows)
-        # The two segments of a C4 token become rows of two finer geometries over the same
-        # bytes: 576-byte value rows (65 per page row) and 8-byte scale rows (4680 per page row).
+        # The two segments of a C4 token are rows of two finer geometries over the same bytes:
+        # 576-byte value rows and 8-byte scale rows; the core maps each token to its row in
+        # each (index maps "c4_value" / "c4_scale", rust/src/pool.rs `c4`).
         value_core, scale_core = self._token_cores
-        value_per_row = self.item_bytes // _C4_VALUE_BYTES
-        scale_per_row = self.item_bytes // _C4_SCALE_BYTES
-        scale_first = _C4_SCALE_OFFSET // _C4_SCALE_BYTES
-
-        def value_rows(t):
-            return (t // P) * value_per_row + t % P
-
-        def scale_rows(t):
-            return (t // P) * scale_per_row + scale_first + t % P
-
         backend = "direct" if io_backend == "kernel_ascend" else io_backend
         return [
-            (value_core, backend, value_rows(host), value_rows(dev), dev_rows * value_per_row),
-            (scale_core, backend, scale_rows(host), scale_rows(dev), dev_rows * scale_per_row),
+            (value_core, backend, host, dev, dev_rows * _C4_VALUES_PER_ROW, ("c4_value",)),
+            (scale_core, backend, host, dev, dev_rows * _C4_SCALES_PER_ROW, ("c4_scale",)),
         ]
 
     def _layers(self, layer_id) -> list[int]:
@@ -526,13 +503,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def _run(self, calls, device_ptrs_of, layer=None):
         """Issue the planned core calls: a backup when `layer` is None, else a load of it."""
-        for core, backend, h, d, rows in calls:
+        for core, backend, h, d, rows, index_map in calls:
             h, d = h.contiguous(), d.contiguous()
             dev = DeviceLayers(device_ptrs_of(core), rows, self.gpu_device)
             if layer is None:
-                run_backup(core, backend, dev, h, d)
+                run_backup(core, backend, dev, h, d, index_map=index_map)
             else:
-                run_load(core, backend, layer, dev, h, d)
+                run_load(core, backend, layer, dev, h, d, index_map=index_map)
 
     def _device_buffers_of(self, core) -> list[torch.Tensor]:
         return self.scale_device_buffers if core is self._scale_core else self.device_buffers

@@ -4,7 +4,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::errors::{transfer_err, type_err};
-use crate::request::{IndexArray, IndexWidth};
+use crate::request::{IndexArray, IndexMap, IndexWidth};
 
 /// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
 /// naming the parameter, the value and the range otherwise (never a bare OverflowError).
@@ -36,6 +36,58 @@ pub(crate) fn int_in(
     }
 }
 
+/// How both index arrays of a transfer are read (`crate::index_map`): None (every element as
+/// is), `("dcp", dcp_size, dcp_rank)`, `("page_rows", page_size)`, `("c4_value",)` or
+/// `("c4_scale",)`.
+pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> {
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(IndexMap::Identity);
+    };
+    let allowed = "None, ('dcp', dcp_size, dcp_rank), ('page_rows', page_size), ('c4_value',) \
+                   or ('c4_scale',)";
+    let bad = || -> PyResult<IndexMap> {
+        Err(PyValueError::new_err(format!(
+            "index_map must be {allowed}, got {}",
+            value.repr()?
+        )))
+    };
+    let Ok(items) = value.extract::<Vec<Bound<'_, PyAny>>>() else {
+        return bad();
+    };
+    let Some(Ok(name)) = items.first().map(|n| n.extract::<String>()) else {
+        return bad();
+    };
+    let small = |i: usize, what: &str| -> PyResult<u32> {
+        Ok(int_in(&items[i], what, 0, u32::MAX as u128, "[0, 2**32)")? as u32)
+    };
+    let map = match (name.as_str(), items.len()) {
+        ("dcp", 3) => IndexMap::Dcp {
+            size: small(1, "dcp_size")?,
+            rank: small(2, "dcp_rank")?,
+        },
+        ("page_rows", 2) => IndexMap::PageRows {
+            page: small(1, "page_size")?,
+        },
+        ("c4_value", 1) => IndexMap::C4Value,
+        ("c4_scale", 1) => IndexMap::C4Scale,
+        _ => return bad(),
+    };
+    if let IndexMap::Dcp { size, rank } = map {
+        if size == 0 || rank >= size {
+            return Err(PyValueError::new_err(format!(
+                "index_map dcp_rank must lie in [0, dcp_size), got dcp_size={size}, \
+                 dcp_rank={rank}"
+            )));
+        }
+    }
+    if map == (IndexMap::PageRows { page: 0 }) {
+        return Err(PyValueError::new_err(
+            "index_map page_size must be positive, got 0",
+        ));
+    }
+    Ok(map)
+}
+
 /// An index array as the pools pass it: (address, length, itemsize, on_device).
 pub(crate) type IndexArg = (u64, i64, i64, bool);
 
@@ -43,6 +95,7 @@ pub(crate) fn index_array(
     py: Python<'_>,
     which: &str,
     (ptr, len, itemsize, on_device): IndexArg,
+    map: IndexMap,
 ) -> PyResult<IndexArray> {
     let width = match itemsize {
         4 => IndexWidth::I32,
@@ -65,6 +118,6 @@ pub(crate) fn index_array(
         len,
         width,
         on_device,
-        map: crate::request::IndexMap::Identity,
+        map,
     })
 }

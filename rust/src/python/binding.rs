@@ -21,10 +21,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
+use super::args;
 use super::core::{Engine, PyPoolCore};
 use super::errors::{layer_index_error_type, to_py};
 use super::spec::PyPoolSpec;
-use crate::request::{Backend, IndexArray, IndexWidth, Op};
+use crate::request::{Backend, IndexArray, IndexMap, IndexWidth, Op};
 
 /// The torch objects a binding compares against, looked up once per process.
 struct Torch {
@@ -102,6 +103,8 @@ pub struct PyDeviceBinding {
     /// first CPU transfer, not at construction).
     cpu_engine: Result<Engine, String>,
     checked: Mutex<Option<Checked>>,
+    /// How every transfer reads both index arrays (DCP: this rank's share).
+    index_map: IndexMap,
 }
 
 fn cpu_engine_from_env() -> Result<Engine, String> {
@@ -361,8 +364,9 @@ impl PyDeviceBinding {
         // CPU device pools and the direct backend read indices on the host; a CUDA kernel reads
         // device-resident ones where they are (and bounds-checks them itself).
         let host_side = !matches!((engine, backend), (Engine::Cuda { .. }, Backend::Kernel));
-        let (h, _h_keep) = index_array(py, host, host_side)?;
-        let (d, _d_keep) = index_array(py, device, host_side)?;
+        let (mut h, _h_keep) = index_array(py, host, host_side)?;
+        let (mut d, _d_keep) = index_array(py, device, host_side)?;
+        (h.map, d.map) = (self.index_map, self.index_map);
         // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
         // binding holds (so they stay alive for the call) and checked to be contiguous, on
         // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
@@ -476,7 +480,7 @@ impl PyDeviceBinding {
     /// `planes`: per plane, the device layer tensors (owned target layers in host order, then
     /// one per packed draft). `like`: per plane, `(dtype, (heads, head_dim) or None)`.
     #[new]
-    #[pyo3(signature = (core, spec, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool"))]
+    #[pyo3(signature = (core, spec, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -490,7 +494,9 @@ impl PyDeviceBinding {
         like: Vec<LikeArg>,
         what: &str,
         name: &str,
+        index_map: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let index_map = args::index_map(index_map)?;
         let item_bytes: Vec<u64> = {
             let s = &spec.get().spec;
             (0..s.planes().len()).map(|p| s.item_bytes(p)).collect()
@@ -580,6 +586,7 @@ impl PyDeviceBinding {
             host_layer_num,
             cpu_engine: cpu_engine_from_env(),
             checked: Mutex::new(None),
+            index_map,
         })
     }
 

@@ -3,13 +3,14 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::args::{index_array, IndexArg};
+use super::args::{self, index_array, IndexArg};
 use super::errors::{to_py, transfer_err};
 use super::memory::host_memory;
 use crate::error::Error;
 use crate::layout::PlaneLayout;
 use crate::request::{
-    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest,
+    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexMap, Layout, Op,
+    TransferRequest,
 };
 use crate::{cpu, cuda, plan};
 
@@ -156,6 +157,7 @@ impl PyPoolCore {
         device: &str,
         stream: u64,
         engine: &str,
+        map: IndexMap,
     ) -> PyResult<()> {
         let backend = Backend::parse(backend).map_err(|e| to_py(py, e))?;
         let rows = usize::try_from(device_rows).map_err(|_| {
@@ -165,8 +167,8 @@ impl PyPoolCore {
             )
         })?;
         let engine = Self::engine_arg(device, stream, engine)?;
-        let host_idx = index_array(py, "host", host_idx)?;
-        let dev_idx = index_array(py, "device", dev_idx)?;
+        let host_idx = index_array(py, "host", host_idx, map)?;
+        let dev_idx = index_array(py, "device", dev_idx, map)?;
         // SAFETY: the raw entry points are the private interface of tests and benchmarks, whose
         // promise is `run`'s: `device_ptrs` are live device layers of `device_rows` rows on
         // `device`, the index arrays contiguous arrays of the stated length and residency, all
@@ -327,7 +329,7 @@ impl PyPoolCore {
 
     /// Device layers -> host: every layer (`device_ptrs` holds `nplanes * L` layer bases), or only
     /// `host_layer` (`device_ptrs` holds `nplanes` bases) for a layer-sharded pool.
-    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", host_layer = None))]
+    #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", host_layer = None, *, index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn backup(
         &self,
@@ -341,7 +343,9 @@ impl PyPoolCore {
         stream: u64,
         engine: &str,
         host_layer: Option<i64>,
+        index_map: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let map = args::index_map(index_map)?;
         let op = match host_layer {
             None => Op::Backup,
             Some(layer) => Op::BackupLayer {
@@ -359,11 +363,12 @@ impl PyPoolCore {
             device,
             stream,
             engine,
+            map,
         )
     }
 
     /// Host layer `host_layer` -> one device layer: `device_ptrs` holds `nplanes` layer bases.
-    #[pyo3(signature = (backend, host_layer, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan"))]
+    #[pyo3(signature = (backend, host_layer, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", *, index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -377,7 +382,9 @@ impl PyPoolCore {
         device: &str,
         stream: u64,
         engine: &str,
+        index_map: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let map = args::index_map(index_map)?;
         let host_layer = self.host_layer_arg(py, host_layer)?;
         self.transfer(
             py,
@@ -390,6 +397,7 @@ impl PyPoolCore {
             device,
             stream,
             engine,
+            map,
         )
     }
 }

@@ -49,6 +49,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PageIndexError", errors::page_index_error_type(py)?)?;
     m.add("C4_PAGE_TOKENS", crate::pool::c4::PAGE_TOKENS)?;
     m.add("C4_VALUE_BYTES", crate::pool::c4::VALUE_BYTES)?;
+    m.add("C4_VALUES_PER_ROW", crate::pool::c4::VALUES_PER_ROW)?;
+    m.add("C4_SCALES_PER_ROW", crate::pool::c4::SCALES_PER_ROW)?;
     m.add("C4_SCALE_BYTES", crate::pool::c4::SCALE_BYTES)?;
     m.add("C4_ROW_BYTES", crate::pool::c4::ROW_BYTES)?;
     m.add("TransferError", errors::transfer_error_type(py)?)?;
