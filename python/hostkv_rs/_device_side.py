@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -19,13 +18,9 @@ from hostkv_rs import _core
 LayerIndexError = _core.LayerIndexError
 
 
-class DeviceLayers(NamedTuple):
-    """The device side of one raw core call (`PoolCore.backup/load`), as DeepSeek V4's pools
-    issue them."""
-
-    ptrs: list[int]
-    rows: int
-    device: torch.device
+def ptr_table(tensors, device) -> torch.Tensor:
+    """SGLang's uint64 table of `data_ptr()`s on `device` (the pools' `*_data_ptrs`)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
 
 
 def first_device(planes: Sequence[Sequence]) -> torch.device:

@@ -132,21 +132,6 @@ def pin_dummy_pages(pin_memory: bool) -> bool:
     return bool(pin_memory) and _core.cuda_available() and torch.cuda.is_available()
 
 
-_CPU_ENGINES = ("plan", "emulated")
-
-
-def cpu_engine() -> str:
-    """Engine for transfers against CPU device pools, from HOSTKV_CPU_ENGINE: "plan" (default,
-    the validated copy plan) or "emulated" (the kernel backend's CUDA code under the CPU shim;
-    for tests)."""
-    value = os.environ.get("HOSTKV_CPU_ENGINE", "").strip().lower() or "plan"
-    if value not in _CPU_ENGINES:
-        raise ValueError(
-            f"HOSTKV_CPU_ENGINE must be one of {', '.join(_CPU_ENGINES)}, got {value!r}"
-        )
-    return value
-
-
 def _numa_node() -> int | None:
     value = os.environ.get("HOSTKV_NUMA_NODE", "").strip()
     return int(value) if value else None

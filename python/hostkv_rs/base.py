@@ -1,5 +1,6 @@
-"""`HostKVCache`: SGLang's abstract HiCache host pool (sizing, memory check, slot allocator,
-`destroy`) plus the helpers every concrete pool uses to hand a transfer to the Rust core.
+"""`HostKVCache`: SGLang's abstract HiCache host pool (constructor forms, sizing and the memory
+check, slot allocator, `destroy`) and the glue between its transfer methods and the device
+binding that the Rust core holds (`_core.DeviceBinding`).
 
 The allocator and helpers only read `size`, `page_size`, `lock`, `device` and the optional
 `logical_size` / `logical_page_size` / `dcp_size`, so pools that skip `HostKVCache.__init__`

@@ -11,8 +11,7 @@ import torch
 
 from hostkv_rs import _core, _handover, _memory
 from hostkv_rs._args import as_int, required
-from hostkv_rs._device_side import first_device, owned_range
-from hostkv_rs._marshal import ptr_table
+from hostkv_rs._device_side import first_device, owned_range, ptr_table
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     arg,

@@ -10,8 +10,7 @@ import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs._args import as_int, required
-from hostkv_rs._device_side import first_device, owned_range, sharded_host_layer_num
-from hostkv_rs._marshal import ptr_table
+from hostkv_rs._device_side import first_device, owned_range, ptr_table, sharded_host_layer_num
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,

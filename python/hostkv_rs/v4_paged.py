@@ -16,9 +16,8 @@ import torch
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
 from hostkv_rs._args import as_int
-from hostkv_rs._device_side import DeviceLayers, LayerIndexError
+from hostkv_rs._device_side import LayerIndexError, ptr_table
 from hostkv_rs._indices import as_index_array, check_storage
-from hostkv_rs._marshal import ptr_table, run_backup, run_load
 from hostkv_rs._slots import index_list, slots_in_pool
 from hostkv_rs.base import HostKVCache, get_allocator_from_storage, synchronized
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
@@ -53,6 +52,14 @@ _C4_SCALES_PER_ROW = _core.C4_SCALES_PER_ROW
 
 # A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
 PageIndexError = _core.PageIndexError
+
+
+def _as_rows(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """`buf` (contiguous, whole rows; checked at construction) as uint8 rows of `row_bytes`."""
+    flat = buf.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.view(-1, row_bytes)
 
 
 def _region_view(region, shape, offset: int = 0) -> torch.Tensor:
@@ -202,8 +209,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.scale_device_buffers = None
         self.scale_item_bytes = 0
         self._scale_region = None
-        self._scale_core = None
-        self._scale_device_rows: list[int] = []
         self.can_use_jit = False
         self.can_use_write_back_jit = False
         # SGLang allocates the page_first staging buffer on the device buffers' device even
@@ -217,12 +222,26 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 device=self.gpu_device,
             )
         self._destroyed = False
-        self._page_core = self._make_core(Nh, IB)
-        self._token_cores = None
+        # The device side, held by the core (`_core.DeviceBinding`): each binding pairs a core
+        # (page rows, or the C4 token rows over the same bytes) with the device buffers seen as
+        # rows of that core's size, checked on first use; each call then passes only the layer
+        # and the indices, which the core maps to rows while it reads them.
+        page_rows = ("page_rows", slot_page_size)
+        self._page_binding = self._binding(self._make_core(Nh, [IB]), [IB], page_rows)
+        self._token_bindings = None
+        self._ascend_binding = None
         if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
-            self._token_cores = (
-                self._make_core(Nh * _C4_VALUES_PER_ROW, _C4_VALUE_BYTES),
-                self._make_core(Nh * _C4_SCALES_PER_ROW, _C4_SCALE_BYTES),
+            self._token_bindings = (
+                self._binding(
+                    self._make_core(Nh * _C4_VALUES_PER_ROW, [_C4_VALUE_BYTES]),
+                    [_C4_VALUE_BYTES],
+                    ("c4_value",),
+                ),
+                self._binding(
+                    self._make_core(Nh * _C4_SCALES_PER_ROW, [_C4_SCALE_BYTES]),
+                    [_C4_SCALE_BYTES],
+                    ("c4_scale",),
+                ),
             )
         self.clear()
 
@@ -250,10 +269,33 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             rows.append(nbytes // row_bytes)
         return rows
 
-    def _make_core(self, rows: int, item: int):
+    def _make_core(self, rows: int, items: list[int], regions: list | None = None):
+        """A core over the pool's bytes (and the scale region, for the KV + scale pair) with
+        `rows` rows of `items` bytes per layer; None for a pool without bytes."""
         if self._region is None:
             return None
-        return _core.PoolCore(self.layout, self.layer_num, rows, 1, [item], [self._region])
+        regions = regions or [self._region]
+        return _core.PoolCore(self.layout, self.layer_num, rows, 1, items, regions)
+
+    def _binding(self, core, items: list[int], index_map, buffers=None):
+        """`core`'s device side: per plane, every layer's device buffer as rows of that plane's
+        item size (views of the same memory)."""
+        planes = [
+            [_as_rows(buf, item) for buf in plane]
+            for plane, item in zip(buffers or [self.device_buffers], items, strict=True)
+        ]
+        L = self.layer_num
+        return _core.DeviceBinding(
+            core,
+            self._spec,
+            planes,
+            list(range(L)),
+            L,
+            L,
+            what=f"{self.pool_name} device buffer",
+            name=self.pool_name,
+            index_map=index_map,
+        )
 
     # ---- geometry getters ------------------------------------------------------------------
 
@@ -330,7 +372,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             raise ValueError(
                 f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
             )
-        device_rows = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+        # Checked here for clear messages; the binding bounds each transfer by these rows.
+        self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
 
         L, Nh, SIB = self.layer_num, self.num_host_pages, scale_item_bytes
         nbytes = L * Nh * SIB
@@ -344,25 +387,30 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             SIB,
             self.layout,
         )
-        region, core = None, None
+        region = None
         if nbytes > 0:
             granularity = SIB if self.layout == "layer_first" else L * SIB
             region = _memory.alloc_host_region(nbytes, self.pin_memory, granularity)
-            # (Nh, L, 1, SIB) is page_first_direct with one-row pages: row t, layer l at
-            # t*L*SIB + l*SIB.
-            core_layout = "layer_first" if self.layout == "layer_first" else "page_first_direct"
-            core = _core.PoolCore(core_layout, L, Nh, 1, [SIB], [region])
 
         if self.layout == "layer_first":
             host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
         else:
             host = _region_view(region, (Nh, L, 1, SIB))
         self._scale_region = region
-        self._scale_core = core
-        self._scale_device_rows = device_rows
         self.scale_device_buffers = buffers
         self.scale_item_bytes = SIB
         self.scale_kv_buffer = host
+        if region is not None and self._region is not None:
+            # kernel_ascend moves the KV rows and the scale rows of a page together: one core of
+            # two planes (the scale rows, (Nh, L, 1, SIB) outside layer_first, have the KV
+            # rows' offsets with one-row pages), so one check covers both before a byte moves.
+            core = self._make_core(Nh, [self.item_bytes, SIB], [self._region, region])
+            self._ascend_binding = self._binding(
+                core,
+                [self.item_bytes, SIB],
+                ("page_rows", self.slot_page_size),
+                buffers=[self.device_buffers, buffers],
+            )
 
     # ---- transfers --------------------------------------------------------------------------
 
@@ -409,12 +457,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         )
 
     def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
-        """Validate one transfer (a backup of every layer, or a load of `layer_id`)
-        and return the core calls as (core, backend, host indices, device indices, device row
-        count, index map), or None when there is nothing to move. The core turns token indices
-        into page rows (or C4 value / scale rows) while it reads them (the index map). Everything that can be refused is refused here,
-        before any byte moves, in SGLang's order: indices, then the (layout, backend) pair, then
-        the layer."""
+        """Validate one transfer (a backup of every layer, or a load of `layer_id`) and return
+        its core calls as (binding, backend, host indices, device indices), or None when there
+        is nothing to move. Everything that can be refused is refused here or by the first
+        call's check, before any byte moves, in SGLang's order: indices, then the (layout,
+        backend) pair, then the layer."""
         self._require_live()
         pair = self._transfer_indices(host_indices, device_indices)
         if pair is None:
@@ -431,6 +478,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if host.numel() % self.slot_page_size != 0:
             self._spec.check_token_pair(io_backend)
             return self._token_plan(io_backend, host, dev, self._layers(layer_id))
+        binding = self._page_binding
         if io_backend == "kernel_ascend":
             if self.layout not in _ASCEND_LAYOUTS and (
                 layer_id is not _ALL_LAYERS or self.layer_num
@@ -440,32 +488,21 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"page_first_direct layout, got {self.layout!r}"
                 )
             backend = "direct"
+            if self._ascend_binding is not None:
+                binding = self._ascend_binding
         else:
-            backend = self._spec.check_pair(io_backend)
-        layers = self._layers(layer_id)
-        if not layers:
+            backend = io_backend
+            self._spec.check_pair(io_backend)
+        if not self._layers(layer_id):
             return None  # a pool without layers has nothing to back up
         if self._region is None:
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
-        target = self._index_device(backend)
-        host, dev = as_index_array(host, target), as_index_array(dev, target)
-        page_rows = ("page_rows", self.slot_page_size)
-        rows = min(self._device_rows[layer] for layer in layers)
-        if io_backend == "kernel_ascend" and self._scale_core is not None:
-            # The core checks each call just before it copies: bounding the KV rows by the scale
-            # buffers too makes the first call's check cover both, so a refusal never leaves a
-            # half-done transfer.
-            rows = min(rows, *(self._scale_device_rows[layer] for layer in layers))
-            return [
-                (self._page_core, backend, host, dev, rows, page_rows),
-                (self._scale_core, backend, host, dev, rows, page_rows),
-            ]
-        return [(self._page_core, backend, host, dev, rows, page_rows)]
+        return [(binding, backend, host, dev)]
 
     def _token_plan(self, io_backend, host, dev, layers):
         """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
         page row (see the constants at the top), whatever the io_backend."""
-        if self._token_cores is None and self._region is not None:
+        if self._token_bindings is None and self._region is not None:
             raise ValueError(
                 f"{self.pool_name} token-granular transfers need the DSV4 C4 page row "
                 f"(slot_page_size={_C4_PAGE_TOKENS}, item_bytes={_C4_ROW_BYTES}), got "
@@ -475,20 +512,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return None
         if self._region is None:
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
-        dev_rows = min(self._device_rows[layer] for layer in layers)
         target = self._index_device(io_backend)
         host = as_index_array(host, target)
         dev = as_index_array(dev, target)
-        self._check_token_range(host, dev, dev_rows)
-        # The two segments of a C4 token are rows of two finer geometries over the same bytes:
-        # 576-byte value rows and 8-byte scale rows; the core maps each token to its row in
-        # each (index maps "c4_value" / "c4_scale", rust/src/pool.rs `c4`).
-        value_core, scale_core = self._token_cores
+        self._check_token_range(host, dev, min(self._device_rows[layer] for layer in layers))
+        # The two segments of a C4 token are rows of two finer geometries over the same bytes
+        # (576-byte values, 8-byte scales); the core maps each token to its row in each.
         backend = "direct" if io_backend == "kernel_ascend" else io_backend
-        return [
-            (value_core, backend, host, dev, dev_rows * _C4_VALUES_PER_ROW, ("c4_value",)),
-            (scale_core, backend, host, dev, dev_rows * _C4_SCALES_PER_ROW, ("c4_scale",)),
-        ]
+        values, scales = self._token_bindings
+        return [(values, backend, host, dev), (scales, backend, host, dev)]
 
     def _layers(self, layer_id) -> list[int]:
         """Every layer for a backup, else the one checked load layer."""
@@ -501,24 +533,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             )
         return [layer]
 
-    def _run(self, calls, device_ptrs_of, layer=None):
-        """Issue the planned core calls: a backup when `layer` is None, else a load of it."""
-        for core, backend, h, d, rows, index_map in calls:
-            h, d = h.contiguous(), d.contiguous()
-            dev = DeviceLayers(device_ptrs_of(core), rows, self.gpu_device)
-            if layer is None:
-                run_backup(core, backend, dev, h, d, index_map=index_map)
-            else:
-                run_load(core, backend, layer, dev, h, d, index_map=index_map)
-
-    def _device_buffers_of(self, core) -> list[torch.Tensor]:
-        return self.scale_device_buffers if core is self._scale_core else self.device_buffers
-
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         calls = self._plan(io_backend, host_indices, device_indices)
-        if calls is None:
-            return
-        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
+        for binding, backend, host, dev in calls or ():
+            binding.backup(host, dev, backend)
 
     def backup_tokens_from_device_all_layer(self, host_indices, device_indices) -> None:
         """Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode
@@ -543,18 +561,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"host rows), got {self.layout}"
             )
         calls = self._token_plan("kernel", host, dev, self._layers(_ALL_LAYERS))
-        if calls is None:
-            return
-        self._run(calls, lambda core: [b.data_ptr() for b in self._device_buffers_of(core)])
+        for binding, backend, h, d in calls or ():
+            binding.backup(h, d, backend)
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         calls = self._plan(io_backend, host_indices, device_indices, layer_id)
-        if calls is None:
-            return
-        layer = as_int("layer_id", layer_id)
-        self._run(calls, lambda core: [self._device_buffers_of(core)[layer].data_ptr()], layer)
+        for binding, backend, host, dev in calls or ():
+            binding.load(layer_id, host, dev, backend)
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
@@ -610,9 +625,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         for region in (self._region, self._scale_region):
             if region is not None and region.pinned:
                 region.unregister_cuda()
-        self._scale_core = None
-        self._page_core = None
-        self._token_cores = None
+        for binding in (self._page_binding, self._ascend_binding, *(self._token_bindings or ())):
+            if binding is not None:
+                binding.release()
         self.kv_buffer = None
         self.data_refs = []
         self.data_ptrs = None

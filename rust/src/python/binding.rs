@@ -59,7 +59,9 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
 /// The checked device side: plane-major pointers, the smallest row count, the device.
 struct Checked {
     ptrs: Vec<u64>,
-    rows: usize,
+    /// Rows of each position (the fewest over its planes): a transfer is bounded by the layers
+    /// it touches, as SGLang indexes each layer's own buffer.
+    rows: Vec<usize>,
     /// The CUDA device (a `torch.device`) whose current stream a transfer is queued on; None
     /// for CPU device pools.
     cuda: Option<Py<PyAny>>,
@@ -163,11 +165,11 @@ impl PyDeviceBinding {
     fn check_all(&self, py: Python<'_>) -> PyResult<Checked> {
         let t = torch(py)?;
         let mut ptrs = Vec::with_capacity(self.tensors.len());
-        let mut rows: Option<i64> = None;
+        let mut rows: Vec<Option<i64>> = vec![None; self.count];
         let mut device: Option<Bound<'_, PyAny>> = None;
         let mut device_type = String::new();
         for plane in 0..self.nplanes() {
-            for layer in 0..self.count {
+            for (layer, layer_rows) in rows.iter_mut().enumerate() {
                 let tensor = self.tensor(plane, layer).bind(py);
                 let where_ = format!("{} plane {plane} layer {layer}", self.what);
                 if !tensor.is_instance(t.tensor.bind(py))? {
@@ -246,7 +248,7 @@ impl PyDeviceBinding {
                          size is {want} bytes (dtype or head geometry differs from the host pool)"
                     )));
                 }
-                rows = Some(rows.map_or(shape[0], |r| r.min(shape[0])));
+                *layer_rows = Some(layer_rows.map_or(shape[0], |r| r.min(shape[0])));
                 ptrs.push(tensor.call_method0("data_ptr")?.extract()?);
             }
         }
@@ -256,9 +258,21 @@ impl PyDeviceBinding {
         };
         Ok(Checked {
             ptrs,
-            rows: rows.unwrap_or(0).max(0) as usize,
+            rows: rows
+                .into_iter()
+                .map(|r| r.unwrap_or(0).max(0) as usize)
+                .collect(),
             cuda,
         })
+    }
+
+    /// The row bound of a transfer touching `positions`.
+    fn fewest_rows(checked: &Checked, positions: &[usize]) -> usize {
+        positions
+            .iter()
+            .map(|&p| checked.rows[p])
+            .min()
+            .unwrap_or(0)
     }
 
     /// The pointers of `positions` (plane-major per position), re-checking every tensor when
@@ -288,7 +302,7 @@ impl PyDeviceBinding {
                     }
                 }
                 let cuda = checked.cuda.as_ref().map(|d| d.clone_ref(py));
-                return Ok((out, checked.rows, cuda));
+                return Ok((out, Self::fewest_rows(checked, positions), cuda));
             }
         }
         *state = None;
@@ -301,7 +315,7 @@ impl PyDeviceBinding {
         }
         let result = (
             out,
-            checked.rows,
+            Self::fewest_rows(&checked, positions),
             checked.cuda.as_ref().map(|d| d.clone_ref(py)),
         );
         *state = Some(checked);
@@ -497,9 +511,20 @@ impl PyDeviceBinding {
         index_map: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
-        let item_bytes: Vec<u64> = {
-            let s = &spec.get().spec;
-            (0..s.planes().len()).map(|p| s.item_bytes(p)).collect()
+        // Device rows are checked against the rows the core addresses (the spec's, except for
+        // the V4 pool's finer C4 token rows and its KV + indexer-scale pair).
+        let item_bytes: Vec<u64> = match &core {
+            Some(core) => core
+                .get()
+                .geom
+                .item_bytes
+                .iter()
+                .map(|&b| b as u64)
+                .collect(),
+            None => {
+                let s = &spec.get().spec;
+                (0..s.planes().len()).map(|p| s.item_bytes(p)).collect()
+            }
         };
         if planes.len() != item_bytes.len() {
             return Err(PyValueError::new_err(format!(
