@@ -443,3 +443,66 @@ def test_smoke_pool_freed_while_a_transfer_into_it_is_queued():
         env=dict(os.environ),
     )
     assert done.returncode == 0 and "CHILD OK" in done.stdout, (done.stdout + done.stderr)[-4000:]
+
+
+# ---- index maps read by the kernels (DCP shares, C4 token rows) --------------------------------
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
+def test_smoke_mla_dcp_reads_this_ranks_share_on_the_gpu(backend, layout, where):
+    # The kernels (GPU indices) and the direct backend apply `idx[rank::dcp] // dcp` while
+    # reading; the result must equal a plain transfer of the translated indices.
+    P, dcp, rank = 4, 2, 1
+    dp = MLATokenToKVPool(8 * P, P, torch.bfloat16, 264, 64, LAYERS, device="cuda")
+    pool = MLATokenToKVPoolHost(dp, 2.0, 0, dcp * P, layout, dcp_size=dcp, dcp_rank=rank)
+    fill_random_cuda(dp, 21)
+    fill_random_host(pool, 22)
+    logical_host = np.concatenate([np.arange(p * dcp * P, (p + 1) * dcp * P) for p in (3, 1)])
+    logical_dev = np.concatenate([np.arange(p * dcp * P, (p + 1) * dcp * P) for p in (2, 0)])
+    phys_host, phys_dev = logical_host[rank::dcp] // dcp, logical_dev[rank::dcp] // dcp
+    host_before, dev_before = snap_host(pool), snap_dev(dp)
+    with on_stream("side"):
+        pool.backup_from_device_all_layer(
+            dp,
+            torch.as_tensor(logical_host, device=where),
+            torch.as_tensor(logical_dev, device=where),
+            backend,
+        )
+    want = expect_backup(pool, host_before, dev_before, phys_host, phys_dev)
+    for p, (g, w) in enumerate(zip(snap_host(pool), want)):
+        assert_same(g, w, f"DCP backup plane {p}")
+    _core.check_device_errors()
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_smoke_v4_c4_token_rows_on_the_gpu(backend, where):
+    # Token-granular V4 transfers: the core maps each token to its 576-byte value row and 8-byte
+    # scale row inside the C4 page row (index maps c4_value / c4_scale).
+    from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+
+    L, pages, P, row = 2, 3, _core.C4_PAGE_TOKENS, _core.C4_ROW_BYTES
+    value, scale = _core.C4_VALUE_BYTES, _core.C4_SCALE_BYTES
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dev = [
+        torch.randint(0, 256, (pages, row), dtype=torch.uint8, device="cuda", generator=g)
+        for _ in range(L)
+    ]
+    pool = DeepSeekV4PagedHostPool("c4_kv", dev, row, pages, P)
+    h, d = [3, 70, 100], [5, 64, 127]
+    with on_stream("side"):
+        pool.backup_from_device_all_layer(
+            None, torch.tensor(h, device=where), torch.tensor(d, device=where), backend
+        )
+    for layer in range(L):
+        host, device = pool.kv_buffer[layer], dev[layer].cpu()
+        for th, td in zip(h, d):
+            for off, n in ((0, value), (P * value, scale)):
+                unit = value if n == value else scale
+                hs = (th // P, off + (th % P) * unit)
+                ds = (td // P, off + (td % P) * unit)
+                assert torch.equal(
+                    host[hs[0], hs[1] : hs[1] + n], device[ds[0], ds[1] : ds[1] + n]
+                ), (layer, th, td, n)
+    _core.check_device_errors()
