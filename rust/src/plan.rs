@@ -980,6 +980,8 @@ mod tests {
         dev_idx: Vec<i64>,
         width: IndexWidth,
         op: Op,
+        /// How both index arrays are read (the reference reads the mapped values).
+        map: IndexMap,
     }
 
     struct World {
@@ -1054,14 +1056,14 @@ mod tests {
                 len: self.host_idx.len(),
                 width: self.width,
                 on_device: false,
-                map: crate::request::IndexMap::Identity,
+                map: self.map,
             };
             let dev_idx = IndexArray {
                 ptr: db.as_ptr() as u64,
                 len: self.dev_idx.len(),
                 width: self.width,
                 on_device: false,
-                map: crate::request::IndexMap::Identity,
+                map: self.map,
             };
             // SAFETY: every address names a buffer of `world` (planes of L*S*I bytes, device
             // layers of dev_rows*I bytes) or the returned index vectors, of the sizes stated; the
@@ -1198,6 +1200,7 @@ mod tests {
             dev_idx: vec![],
             width: IndexWidth::I64,
             op: Op::Backup,
+            map: IndexMap::Identity,
         }
     }
 
@@ -1255,6 +1258,7 @@ mod tests {
                                     _ => Op::Load { host_layer },
                                 }
                             },
+                            map: IndexMap::Identity,
                         };
                         case.check(rng.next());
                         cases += 1;
@@ -1672,6 +1676,7 @@ mod tests {
                 1 => Op::BackupLayer { host_layer },
                 _ => Op::Load { host_layer },
             },
+            map: IndexMap::Identity,
         }
     }
 
@@ -1871,6 +1876,71 @@ mod tests {
             }
         }
 
+        /// The values a transfer reads through `map`, written from SGLang's expressions
+        /// (`idx[rank::size] // size`, `idx[::P] // P`, the C4 value row), or None when the raw
+        /// array is not made of whole groups.
+        fn oracle_map(map: IndexMap, raw: &[i64]) -> Option<Vec<i64>> {
+            let floor = |a: i64, b: i64| (a as f64 / b as f64).floor() as i64;
+            match map {
+                IndexMap::Identity => Some(raw.to_vec()),
+                IndexMap::Dcp { size, rank } => {
+                    let s = size as usize;
+                    (raw.len() % s == 0).then(|| {
+                        raw.iter()
+                            .skip(rank as usize)
+                            .step_by(s)
+                            .map(|&t| floor(t, s as i64))
+                            .collect()
+                    })
+                }
+                IndexMap::PageRows { page } => {
+                    let p = page as usize;
+                    (raw.len() % p == 0)
+                        .then(|| raw.iter().step_by(p).map(|&t| floor(t, p as i64)).collect())
+                }
+                IndexMap::C4Value => Some(
+                    raw.iter()
+                        .map(|&t| floor(t, 64) * 65 + (t - floor(t, 64) * 64))
+                        .collect(),
+                ),
+                IndexMap::C4Scale => None, // not drawn: its rows lie past these small pools
+            }
+        }
+
+        /// `c` with its mapped values and no map (what the reference and the validity oracle
+        /// read), or None when the map refuses the raw arrays.
+        fn shadow(c: &Case) -> Option<Case> {
+            let h = oracle_map(c.map, &c.host_idx)?;
+            let d = oracle_map(c.map, &c.dev_idx)?;
+            Some(Case {
+                host_idx: h,
+                dev_idx: d,
+                map: IndexMap::Identity,
+                ..c.clone()
+            })
+        }
+
+        /// A raw array whose `(rank, group)` elements map back to `v` under a floor-division
+        /// share of `group`: element `rank + i * group` is `v[i] * group + r` (r < group, from
+        /// `seed`), the others arbitrary (possibly negative: never read). A trailing partial group
+        /// sometimes, so the map refuses it.
+        fn spread(v: &[i64], group: u32, rank: u32, seed: u64) -> Vec<i64> {
+            let g = group as usize;
+            let mut rng = Rng(seed | 1);
+            let mut out = vec![0i64; v.len() * g];
+            for (i, x) in out.iter_mut().enumerate() {
+                *x = rng.below(100) as i64 - 7;
+                if i % g == rank as usize {
+                    let r = if g > 1 { rng.below(g as u64) as i64 } else { 0 };
+                    *x = v[i / g] * group as i64 + r;
+                }
+            }
+            if rng.below(8) == 0 {
+                out.push(1);
+            }
+            out
+        }
+
         fn distinct(v: &[i64]) -> bool {
             let mut s = v.to_vec();
             s.sort_unstable();
@@ -1891,6 +1961,7 @@ mod tests {
                 layer in 0usize..8,
                 wide in any::<bool>(),
                 mode in 0u8..4,
+                map_kind in 0u8..8,
                 seed in any::<u64>(),
                 arb_h in prop::collection::vec(-2i64..40, 0..24),
                 arb_d in prop::collection::vec(-2i64..40, 0..24),
@@ -1899,6 +1970,26 @@ mod tests {
                 let rows = host_pages * page + usize::from(ragged);
                 let dev_rows = dev_pages * page + 3;
                 let (host_idx, dev_idx) = indices(seed, mode, rows, dev_rows, page, (arb_h, arb_d));
+                let map = match map_kind {
+                    0..=3 => IndexMap::Identity,
+                    4 => IndexMap::Dcp { size: 2, rank: (seed >> 7) as u32 & 1 },
+                    5 => IndexMap::Dcp { size: 3, rank: (seed >> 7) as u32 % 3 },
+                    6 => IndexMap::PageRows { page: page as u32 },
+                    _ => IndexMap::C4Value,
+                };
+                // Under a map, raw arrays are drawn from the mapped ones' inverse images where
+                // there is one, so that mapped transfers are valid often enough to be checked.
+                let (host_idx, dev_idx) = match map {
+                    IndexMap::Dcp { size, rank } => (
+                        spread(&host_idx, size, rank, seed),
+                        spread(&dev_idx, size, rank, seed >> 3),
+                    ),
+                    IndexMap::PageRows { page } => (
+                        spread(&host_idx, page, 0, seed),
+                        spread(&dev_idx, page, 0, seed >> 3),
+                    ),
+                    _ => (host_idx, dev_idx),
+                };
                 Case {
                     layout,
                     backend,
@@ -1916,6 +2007,7 @@ mod tests {
                         1 => Op::BackupLayer { host_layer: layer },
                         _ => Op::Load { host_layer: layer },
                     },
+                    map,
                 }
             }
         }
@@ -1932,7 +2024,8 @@ mod tests {
                 c in any_case(),
                 seed in any::<u64>(),
             ) {
-                let valid = oracle_valid(&c);
+                let shadow_case = shadow(&c);
+                let valid = shadow_case.as_ref().is_some_and(oracle_valid);
                 let mut rng = Rng(seed | 1);
                 let mut got = c.world(&mut rng);
                 let before = (got.host.clone(), got.dev.clone());
@@ -1942,15 +2035,16 @@ mod tests {
                     prop_assert!(got.host == before.0 && got.dev == before.1, "refused but wrote: {:?}", c);
                     return Ok(());
                 }
+                let s = shadow_case.expect("valid implies mapped");
                 let (dst, src_unchanged) = if c.op.to_host() {
-                    (&c.host_idx, got.dev == before.1)
+                    (&s.host_idx, got.dev == before.1)
                 } else {
-                    (&c.dev_idx, got.host == before.0)
+                    (&s.dev_idx, got.host == before.0)
                 };
                 prop_assert!(src_unchanged, "the source side changed: {:?}", c);
                 if distinct(dst) {
                     let mut want = World { host: before.0, dev: before.1 };
-                    c.reference(&mut want);
+                    s.reference(&mut want);
                     prop_assert!(got.host == want.host && got.dev == want.dev, "bytes differ: {:?}", c);
                 }
             }
