@@ -379,3 +379,17 @@ def test_large_backup_releases_gil_and_copies_exactly():
     hv = pool.host[0].view(S // P, L, P, item)
     dv = pool.dev[0].view(L, S // P, P, item)
     assert torch.equal(hv.flip(0), dv.permute(1, 0, 2, 3))
+
+
+def test_supported_pairs_are_the_contracts_matrix():
+    from reference import ASYM_PAIRS, MHA_PAIRS, MLA_PAIRS
+
+    def as_set(pairs):
+        return {(backend, layout) for backend, layout in pairs}
+
+    swap = [(b, lay) for lay, b in _core.supported_pairs("mha")]
+    assert as_set(swap) == as_set(MHA_PAIRS)
+    for kind, want in (("mha_asymmetric", ASYM_PAIRS), ("mla", MLA_PAIRS), ("v4_paged", MLA_PAIRS)):
+        assert {(b, lay) for lay, b in _core.supported_pairs(kind)} == as_set(want), kind
+    with pytest.raises(ValueError, match="unknown pool kind"):
+        _core.supported_pairs("mamba")

@@ -31,7 +31,9 @@ pub enum IndexMap {
     C4Scale,
 }
 
-/// An [`IndexMap`] as arithmetic (what the kernels receive).
+/// An [`IndexMap`] as arithmetic: what the planner applies and, field for field, the kernels'
+/// `HkvIndexMap` (rust/kernels/hostkv_transfer.cu; a test compares the layouts).
+#[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapParams {
     pub offset: u64,

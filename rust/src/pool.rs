@@ -290,61 +290,7 @@ impl PoolSpec {
     /// SGLang's (layout, io_backend) check for this kind, with its refusal texts; `io_backend`
     /// is None when the caller passed something that is not a string (`shown` is its text).
     pub fn check_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<Backend> {
-        use Layout::*;
-        let layout = self.layout.name();
-        let unsupported = |m: String| Err(Error::Unsupported(m));
-        match self.kind {
-            PoolKind::AsymmetricMha => match io_backend {
-                Some("kernel") if self.layout == PageFirst => Ok(Backend::Kernel),
-                Some("kernel") => unsupported(format!(
-                    "Unsupported layout for models with head_dim != v_head_dim and \
-                     io_backend='kernel': {layout}; expected 'page_first'."
-                )),
-                Some("direct") if self.layout == PageFirstDirect => Ok(Backend::Direct),
-                Some("direct") => unsupported(format!(
-                    "Unsupported layout for models with head_dim != v_head_dim and \
-                     io_backend='direct': {layout}; expected 'page_first_direct'."
-                )),
-                _ => unsupported(format!(
-                    "Unsupported IO backend for models with head_dim != v_head_dim: {shown}; \
-                     expected 'kernel' or 'direct'."
-                )),
-            },
-            PoolKind::V4Paged => match (io_backend, self.layout) {
-                (Some("kernel"), LayerFirst | PageFirst) => Ok(Backend::Kernel),
-                (Some("direct"), LayerFirst | PageFirstDirect) => Ok(Backend::Direct),
-                _ => unsupported(format!(
-                    "Unsupported V4 paged host layout/backend: {layout}/{shown}"
-                )),
-            },
-            PoolKind::Mha | PoolKind::Mla => {
-                let mha = self.kind == PoolKind::Mha;
-                let served = match io_backend {
-                    Some("kernel") => Some((
-                        Backend::Kernel,
-                        matches!(self.layout, LayerFirst | PageFirst)
-                            || (mha && self.layout == PageHead),
-                    )),
-                    Some("direct") => Some((
-                        Backend::Direct,
-                        matches!(self.layout, LayerFirst | PageFirstDirect),
-                    )),
-                    _ => None,
-                };
-                match served {
-                    Some((backend, true)) => Ok(backend),
-                    Some((_, false)) => unsupported(format!("Unsupported layout: {layout}")),
-                    // kernel_ascend needs an Ascend NPU; SGLang checks its layout first (MHA
-                    // serves it on page_first_direct, MLA only on page_first_kv_split).
-                    None if io_backend == Some("kernel_ascend")
-                        && !(mha && self.layout == PageFirstDirect) =>
-                    {
-                        unsupported(format!("Unsupported layout: {layout}"))
-                    }
-                    None => unsupported(format!("Unsupported IO backend: {shown}")),
-                }
-            }
-        }
+        check_pair(self.kind, self.layout, io_backend, shown)
     }
 
     /// DeepSeek V4's token-granular path (a transfer that is not whole slot pages): SGLang's
@@ -713,6 +659,92 @@ impl PoolSpec {
     }
 }
 
+/// SGLang's (layout, io_backend) check for a pool kind, with its refusal texts (see
+/// [`PoolSpec::check_pair`]).
+pub fn check_pair(
+    kind: PoolKind,
+    layout_: Layout,
+    io_backend: Option<&str>,
+    shown: &str,
+) -> Result<Backend> {
+    use Layout::*;
+    let layout = layout_.name();
+    let unsupported = |m: String| Err(Error::Unsupported(m));
+    match kind {
+        PoolKind::AsymmetricMha => match io_backend {
+            Some("kernel") if layout_ == PageFirst => Ok(Backend::Kernel),
+            Some("kernel") => unsupported(format!(
+                "Unsupported layout for models with head_dim != v_head_dim and \
+                 io_backend='kernel': {layout}; expected 'page_first'."
+            )),
+            Some("direct") if layout_ == PageFirstDirect => Ok(Backend::Direct),
+            Some("direct") => unsupported(format!(
+                "Unsupported layout for models with head_dim != v_head_dim and \
+                 io_backend='direct': {layout}; expected 'page_first_direct'."
+            )),
+            _ => unsupported(format!(
+                "Unsupported IO backend for models with head_dim != v_head_dim: {shown}; \
+                 expected 'kernel' or 'direct'."
+            )),
+        },
+        PoolKind::V4Paged => match (io_backend, layout_) {
+            (Some("kernel"), LayerFirst | PageFirst) => Ok(Backend::Kernel),
+            (Some("direct"), LayerFirst | PageFirstDirect) => Ok(Backend::Direct),
+            _ => unsupported(format!(
+                "Unsupported V4 paged host layout/backend: {layout}/{shown}"
+            )),
+        },
+        PoolKind::Mha | PoolKind::Mla => {
+            let mha = kind == PoolKind::Mha;
+            let served = match io_backend {
+                Some("kernel") => Some((
+                    Backend::Kernel,
+                    matches!(layout_, LayerFirst | PageFirst) || (mha && layout_ == PageHead),
+                )),
+                Some("direct") => Some((
+                    Backend::Direct,
+                    matches!(layout_, LayerFirst | PageFirstDirect),
+                )),
+                _ => None,
+            };
+            match served {
+                Some((backend, true)) => Ok(backend),
+                Some((_, false)) => unsupported(format!("Unsupported layout: {layout}")),
+                // kernel_ascend needs an Ascend NPU; SGLang checks its layout first (MHA
+                // serves it on page_first_direct, MLA only on page_first_kv_split).
+                None if io_backend == Some("kernel_ascend")
+                    && !(mha && layout_ == PageFirstDirect) =>
+                {
+                    unsupported(format!("Unsupported layout: {layout}"))
+                }
+                None => unsupported(format!("Unsupported IO backend: {shown}")),
+            }
+        }
+    }
+}
+
+/// Every (layout, io_backend) pair a pool kind builds and moves bytes with (the benchmark's
+/// matrix), from the same checks as construction and transfers.
+pub fn supported_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
+    let mut out = Vec::new();
+    for layout in [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageFirstDirect,
+        Layout::PageHead,
+    ] {
+        if parse_layout(kind, layout.name()).is_err() {
+            continue;
+        }
+        for backend in ["kernel", "direct"] {
+            if let Ok(b) = check_pair(kind, layout, Some(backend), backend) {
+                out.push((layout, b));
+            }
+        }
+    }
+    out
+}
+
 /// DCP: this rank's physical slots of widened logical slots (`idx[rank::size] / size`), as
 /// SGLang's MLA pool translates both index arrays before a transfer.
 pub fn dcp_rank_slots(indices: &[i64], dcp_size: u64, dcp_rank: u64) -> Result<Vec<i64>> {
@@ -766,6 +798,36 @@ mod tests {
     fn spec(kind: PoolKind, layout: &str, dims: &[usize]) -> PoolSpec {
         // 5 layers, 3 pages of 4 tokens, 2 heads, bf16 (V4: 3 rows of slot page 4).
         PoolSpec::new(kind, layout, 5, 12, 4, 2, dims, 2, 1, 0, "c4").unwrap()
+    }
+
+    #[test]
+    fn supported_pairs_are_the_contracts_matrix() {
+        use Backend::{Direct as D, Kernel as K};
+        use Layout::*;
+        let pairs = |k| supported_pairs(k);
+        // host-pool-contract §3.2-3.5.
+        assert_eq!(
+            pairs(PoolKind::Mha),
+            vec![
+                (LayerFirst, K),
+                (LayerFirst, D),
+                (PageFirst, K),
+                (PageFirstDirect, D),
+                (PageHead, K)
+            ]
+        );
+        assert_eq!(
+            pairs(PoolKind::AsymmetricMha),
+            vec![(PageFirst, K), (PageFirstDirect, D)]
+        );
+        let mla = vec![
+            (LayerFirst, K),
+            (LayerFirst, D),
+            (PageFirst, K),
+            (PageFirstDirect, D),
+        ];
+        assert_eq!(pairs(PoolKind::Mla), mla);
+        assert_eq!(pairs(PoolKind::V4Paged), mla);
     }
 
     #[test]

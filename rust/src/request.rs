@@ -62,6 +62,13 @@ impl Backend {
             ))),
         }
     }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Direct => "direct",
+        }
+    }
 }
 
 /// Backup moves every layer device -> host; load moves one host layer into one device layer.

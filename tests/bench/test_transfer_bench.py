@@ -31,33 +31,16 @@ from hostkv_rs import (
     DeepSeekV4PagedHostPool,
     MHATokenToKVPool,
     MLATokenToKVPool,
+    _core,
     get_mha_host_pool_cls,
 )
 from hostkv_rs._indices import index_arg
 from hostkv_rs.mla import MLATokenToKVPoolHost
+from hostkv_rs.tools import bench
 
-PAIRS = {
-    "mha": [
-        ("layer_first", "kernel"),
-        ("page_first", "kernel"),
-        ("page_head", "kernel"),
-        ("layer_first", "direct"),
-        ("page_first_direct", "direct"),
-    ],
-    "asym": [("page_first", "kernel"), ("page_first_direct", "direct")],
-    "mla": [
-        ("layer_first", "kernel"),
-        ("page_first", "kernel"),
-        ("layer_first", "direct"),
-        ("page_first_direct", "direct"),
-    ],
-    "v4": [
-        ("layer_first", "kernel"),
-        ("page_first", "kernel"),
-        ("layer_first", "direct"),
-        ("page_first_direct", "direct"),
-    ],
-}
+# The pairs each pool kind serves, from the core (test_core_bindings.py checks them against the
+# contract's matrix written out in reference.py).
+PAIRS = {**bench.PAIRS, "v4": _core.supported_pairs("v4_paged")}
 # case -> (layers, page size, pages moved, op)
 CASES = {
     "load-1page": (8, 64, 1, "load"),

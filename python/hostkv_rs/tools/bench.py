@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hostkv_rs import _core
 from hostkv_rs.tools.bench_report import size_text
 from hostkv_rs.tools.presets import Preset, build_device_pool, host_pool_class
 from hostkv_rs.tools.torch_baseline import (
@@ -34,22 +35,11 @@ from hostkv_rs.tools.torch_baseline import (
     torch_load,
 )
 
-# (layout, backend) pairs each pool kind supports (host-pool-contract.md §3.2-3.4).
+# (layout, backend) pairs each pool kind serves, from the core's checks (host-pool-contract.md
+# §3.2-3.4); bench kinds -> the core's pool kinds.
+_CORE_KINDS = {"mha": "mha", "asym": "mha_asymmetric", "mla": "mla"}
 PAIRS: dict[str, list[tuple[str, str]]] = {
-    "mha": [
-        ("layer_first", "kernel"),
-        ("page_first", "kernel"),
-        ("page_head", "kernel"),
-        ("layer_first", "direct"),
-        ("page_first_direct", "direct"),
-    ],
-    "asym": [("page_first", "kernel"), ("page_first_direct", "direct")],
-    "mla": [
-        ("layer_first", "kernel"),
-        ("page_first", "kernel"),
-        ("layer_first", "direct"),
-        ("page_first_direct", "direct"),
-    ],
+    kind: _core.supported_pairs(core_kind) for kind, core_kind in _CORE_KINDS.items()
 }
 
 # Largest scratch footprint the copy yardstick cycles through (per direction).

@@ -42,8 +42,9 @@ pub(crate) struct HkvParams {
     pub err: u64,
     pub dev_err: u64,
     pub abort_seq: u64,
-    pub host_map: HkvIndexMap,
-    pub dev_map: HkvIndexMap,
+    /// `HkvIndexMap` in C: [`MapParams`] is `#[repr(C)]` with the same fields.
+    pub host_map: MapParams,
+    pub dev_map: MapParams,
     pub layers: u32,
     pub layer_begin: u32,
     pub layer_count: u32,
@@ -54,31 +55,6 @@ pub(crate) struct HkvParams {
     pub heads: u32,
     pub host_idx_wide: u32,
     pub dev_idx_wide: u32,
-}
-
-/// `HkvIndexMap`: an index array's [`MapParams`].
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct HkvIndexMap {
-    pub offset: u64,
-    pub stride: u64,
-    pub div: i64,
-    pub mul: i64,
-    pub rem_mul: i64,
-    pub add: i64,
-}
-
-impl From<MapParams> for HkvIndexMap {
-    fn from(m: MapParams) -> Self {
-        Self {
-            offset: m.offset,
-            stride: m.stride,
-            div: m.div,
-            mul: m.mul,
-            rem_mul: m.rem_mul,
-            add: m.add,
-        }
-    }
 }
 
 /// `HkvErrorRecord`: pinned, device-mapped host memory the host reads without synchronising.
@@ -157,8 +133,8 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         err: 0,
         dev_err: 0,
         abort_seq: 0,
-        host_map: req.host_idx().map.params().into(),
-        dev_map: req.dev_idx().map.params().into(),
+        host_map: req.host_idx().map.params(),
+        dev_map: req.dev_idx().map.params(),
         layers: to_u32("layers", g.layers as u64)?,
         layer_begin: to_u32("layer id", c.first_layer)?,
         layer_count,

@@ -5,7 +5,7 @@ use std::mem::offset_of;
 
 use super::emulate::{emulate_with_quota, hkv_params_layout};
 use super::params::{
-    HkvDeviceRecord, HkvErrorRecord, HkvIndexMap, HkvParams, ABORT_RING, BLOCK_THREADS, INLINE_PTRS,
+    HkvDeviceRecord, HkvErrorRecord, HkvParams, ABORT_RING, BLOCK_THREADS, INLINE_PTRS,
 };
 use crate::error::Error;
 use crate::plan;
@@ -131,47 +131,16 @@ fn request_with(
     backend: Backend,
     on_device: bool,
 ) -> TransferRequest {
-    let idx = |b: &[u8]| IndexArray {
-        ptr: b.as_ptr() as u64,
-        len: c.n,
-        width: c.width,
+    let identity = (IndexMap::Identity, IndexMap::Identity);
+    mapped_request(
+        c,
+        pools,
+        (host_idx, dev_idx),
+        (c.n, c.n),
+        identity,
+        backend,
         on_device,
-        map: crate::request::IndexMap::Identity,
-    };
-    assert!(host_idx.len() >= c.n * c.width.bytes() && dev_idx.len() >= c.n * c.width.bytes());
-    let geom = HostGeometry {
-        layout: c.layout,
-        layers: c.layers,
-        rows: c.rows,
-        page_size: c.page,
-        heads: c.heads,
-        item_bytes: c.items[..c.planes].to_vec(),
-        plane_base: pools
-            .host
-            .iter_mut()
-            .map(|h| h.as_mut_ptr() as u64)
-            .collect(),
-    };
-    let op = if c.backup {
-        Op::Backup
-    } else {
-        Op::Load {
-            host_layer: c.host_layer,
-        }
-    };
-    let device = DeviceSide {
-        layer_ptrs: pools
-            .dev
-            .iter_mut()
-            .map(|d| d.as_mut_ptr() as u64)
-            .collect(),
-        rows: c.dev_rows,
-        memory: DeviceMemory::Host,
-    };
-    // SAFETY: the planes (L*S*I bytes each), device layers (dev_rows*I bytes each) and index
-    // arrays (n elements, asserted) are the test's own buffers in host memory; the callers keep
-    // them alive and leave them alone while the request is used.
-    unsafe { TransferRequest::new(geom, backend, op, device, idx(host_idx), idx(dev_idx)) }
+    )
 }
 
 /// The CPU engine, on one thread (the reference the emulation is compared with).
@@ -242,7 +211,7 @@ fn params_layout_matches_the_cuda_struct() {
         offset_of!(HkvParams, abort_seq),
         offset_of!(HkvParams, host_map),
         offset_of!(HkvParams, dev_map),
-        std::mem::size_of::<HkvIndexMap>(),
+        std::mem::size_of::<crate::index_map::MapParams>(),
         offset_of!(HkvParams, layers),
         offset_of!(HkvParams, layer_begin),
         offset_of!(HkvParams, layer_count),
@@ -452,14 +421,16 @@ fn direct_requests_emulate_the_copy_engine_plan() {
     assert!(want.host == got.host && want.dev == got.dev && want.host != b.pools.host);
 }
 
-/// Builds a kernel request over `pools` whose index arrays are `raw_h` / `raw_d` read through
-/// `maps`; `n` is ignored (the maps say how many positions move).
+/// A request over `pools` whose index arrays (`lens` raw elements each) are read through `maps`;
+/// `c.n` is ignored (the maps say how many positions move).
+#[allow(clippy::too_many_arguments)]
 fn mapped_request(
     c: &Case,
     pools: &mut Pools,
     raw: (&[u8], &[u8]),
     lens: (usize, usize),
     maps: (IndexMap, IndexMap),
+    backend: Backend,
     on_device: bool,
 ) -> TransferRequest {
     let idx = |b: &[u8], len: usize, map: IndexMap| IndexArray {
@@ -504,7 +475,7 @@ fn mapped_request(
     unsafe {
         TransferRequest::new(
             geom,
-            Backend::Kernel,
+            backend,
             op,
             device,
             idx(raw.0, lens.0, maps.0),
@@ -595,7 +566,16 @@ fn mapped_indices_move_the_same_rows_everywhere() {
             let lens = (h_raw.len(), d_raw.len());
             for on_device in [false, true] {
                 let mut got = b.pools.clone();
-                let req = mapped_request(&c, &mut got, (&hr, &dr), lens, (map, map), on_device);
+                let maps = (map, map);
+                let req = mapped_request(
+                    &c,
+                    &mut got,
+                    (&hr, &dr),
+                    lens,
+                    maps,
+                    Backend::Kernel,
+                    on_device,
+                );
                 if on_device {
                     emulate_with_quota(&req, 1)
                         .unwrap_or_else(|e| panic!("{map:?}: emulation failed: {e}"));
@@ -624,7 +604,15 @@ fn a_mapped_index_out_of_range_is_refused_by_the_kernel() {
     // Page row 12 of a 48-row pool is in range; page row 48 (token 192) is not.
     let h = encode(&[48, -7, -7, -7, 192, -7, -7, -7], c.width);
     let d = encode(&[0, -7, -7, -7, 4, -7, -7, -7], c.width);
-    let req = mapped_request(&c, &mut got, (&h, &d), (8, 8), (map, map), true);
+    let req = mapped_request(
+        &c,
+        &mut got,
+        (&h, &d),
+        (8, 8),
+        (map, map),
+        Backend::Kernel,
+        true,
+    );
     let e = emulate_with_quota(&req, 1).unwrap_err().to_string();
     assert!(e.contains("host index 48") && e.contains("[0, 48)"), "{e}");
     assert!(got.host == b.pools.host && got.dev == b.pools.dev);

@@ -22,6 +22,17 @@ fn cuda_available(py: Python<'_>) -> bool {
     py.detach(cuda::available)
 }
 
+/// The (layout, io_backend) pairs a pool kind ("mha", "mha_asymmetric", "mla", "v4_paged")
+/// serves.
+#[pyfunction]
+fn supported_pairs(py: Python<'_>, kind: &str) -> PyResult<Vec<(&'static str, &'static str)>> {
+    let kind = crate::pool::PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+    Ok(crate::pool::supported_pairs(kind)
+        .into_iter()
+        .map(|(l, b)| (l.name(), b.name()))
+        .collect())
+}
+
 #[pyfunction]
 fn runtime_info(py: Python<'_>) -> String {
     format!(
@@ -56,6 +67,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TransferError", errors::transfer_error_type(py)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
+    m.add_function(wrap_pyfunction!(supported_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
     Ok(())
 }
