@@ -354,3 +354,13 @@ def test_bench_runs_keep_each_measurement_at_its_best():
         (r["pages"], r["gbps"], r["torch_gbps"], r["us_per_call"], r["runs"]) for r in merged
     ] == [(1, 3.0, 7.0, 3.0, 3), (4, 5.0, 1.0, 1.0, 1)]
     assert merged[0]["bytes"] == 4096  # integers identify the row; they are not merged
+
+
+def test_old_import_paths_are_the_tools_modules():
+    # The CLI, demo, bench, presets and reference device pools moved to hostkv_rs.tools; the old
+    # names are the same module objects (so attributes and monkeypatches are shared).
+    import importlib
+
+    for name in ("bench", "cli", "demo", "presets", "device_pools"):
+        old = importlib.import_module(f"hostkv_rs.{name}")
+        assert old is importlib.import_module(f"hostkv_rs.tools.{name}"), name

@@ -1,7 +1,8 @@
-"""Old import path of the reference device pools, kept for code written against it: they live in
-`hostkv_rs.tools.device_pools` (and are exported as `hostkv_rs.MHATokenToKVPool` /
-`hostkv_rs.MLATokenToKVPool`)."""
+"""Old import path of `hostkv_rs.tools.device_pools`, kept for code written against it: this name is that
+module itself (same object, so attributes and patches are shared)."""
 
-from hostkv_rs.tools.device_pools import MHATokenToKVPool, MLATokenToKVPool, store_dtype_for
+import sys
 
-__all__ = ["MHATokenToKVPool", "MLATokenToKVPool", "store_dtype_for"]
+from hostkv_rs.tools import device_pools as _module
+
+sys.modules[__name__] = _module
