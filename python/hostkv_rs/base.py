@@ -18,7 +18,7 @@ from functools import wraps
 
 import torch
 
-from hostkv_rs import _core, _handover, _memory
+from hostkv_rs import _core, _device_side, _handover, _memory, _slots
 from hostkv_rs._args import as_int, finite_number, positive_int, required
 from hostkv_rs._device_side import (
     LayerIndexError,
@@ -32,6 +32,11 @@ from hostkv_rs._slots import SlotFreeList, slots_in_pool
 logger = logging.getLogger(__name__)
 
 HICACHE_HOST_MEMORY_RESERVE_BYTES = _memory.HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+# Helpers that lived here before base.py was split stay importable from it.
+ptr_table = _device_side.ptr_table
+index_list = _slots.index_list
+slot_list_text = _slots.slot_list_text
 
 # Storage backends whose own allocator owns the host memory in SGLang; hostkv_rs always allocates in
 # Rust, so selecting one of these deserves a warning rather than silence.
