@@ -32,7 +32,7 @@ UNSUPPORTED = [
     if (b, lay) not in SUPPORTED and b != "kernel_ascend"
 ]
 
-# DSV4 C4 page row as sglang's transfer_cache_dsv4_mla lays it out (see v4.py): 64 tokens,
+# DSV4 C4 page row as sglang's transfer_cache_dsv4_mla lays it out (see v4_paged.py): 64 tokens,
 # values of 576 bytes first, then 8-byte scales, the row padded to a multiple of 576.
 C4_P, C4_VALUE, C4_SCALE = 64, 576, 8
 C4_ROW = -(-(C4_VALUE + C4_SCALE) * C4_P // 576) * 576

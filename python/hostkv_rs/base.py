@@ -629,7 +629,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
     # Device pool attributes holding the per-layer tensors of each plane, in plane order (set by
     # the pools that move bytes, e.g. ("k_buffer", "v_buffer")).
     _device_plane_names: tuple = ()
-    # The captured device side (set by pools that move bytes; see _device_side.DeviceSide).
+    # The captured device side: a `_core.DeviceBinding` (set by pools that move bytes).
     _device_side = None
     # Device pools the side was captured from (device-pool form): a transfer handed one of them,
     # or None, uses the captured side; another device pool is read as SGLang <= 0.5.21 does.
