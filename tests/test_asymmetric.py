@@ -1,5 +1,6 @@
 """AsymmetricMHATokenToKVPoolHost (head_dim != v_head_dim) against host-pool-contract.md §2.2,
-§3.3, §4.4, §4.5 and the factory of §1.1."""
+§3.3, §4.4, §4.5 and the factory of §1.1 (the page round trips of every pool kind are in
+test_transfers.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,8 @@ from hostkv_rs import (
     get_mha_host_pool_cls,
 )
 from reference import (
-    ASYM_PAIRS,
     DEVICE_PAGES,
-    DTYPES,
     LAYERS,
-    PAGE_SIZES,
-    distinct_pages,
     make_asym,
     page_tokens,
     round_trip,
@@ -31,27 +28,6 @@ FLAT_TEXT = (
     "L3 storage backends {hf3fs, eic, nixl}. Use a backend that does not use this interface "
     "(e.g. mooncake, simm)."
 )
-
-
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("backend,layout", ASYM_PAIRS)
-def test_round_trip_pages(backend, layout, page_size, dtype, idx_dtype):
-    rng = np.random.default_rng(page_size + 1)
-    host, dp = make_asym(layout, page_size, dtype)
-    assert type(host) is AsymmetricMHATokenToKVPoolHost
-    host_pages = distinct_pages(rng, 0, host.page_num, 3)
-    backup_pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
-    round_trip(
-        host,
-        dp,
-        backend,
-        page_tokens(host_pages, page_size),
-        page_tokens(backup_pages, page_size),
-        page_tokens(np.roll(backup_pages, 1), page_size),
-        idx_dtype,
-    )
 
 
 def test_kernel_page_first_scattered_tokens():
@@ -159,18 +135,3 @@ def test_is_stride_page_aligned_checks_both_buffers():
     odd, _ = make_asym("page_first_direct", 64, torch.bfloat16, heads=2, head_dim=32, v_head_dim=4)
     # V page 64*5*2*4*2 = 5120, not a multiple of 4096
     assert odd.is_stride_page_aligned() is False
-
-
-@pytest.mark.parametrize("backend,layout", ASYM_PAIRS)
-def test_round_trip_emulated_engine(backend, layout, emulated_engine):
-    rng = np.random.default_rng(22)
-    host, dp = make_asym(layout, 16, torch.bfloat16)
-    pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
-    round_trip(
-        host,
-        dp,
-        backend,
-        page_tokens(distinct_pages(rng, 0, host.page_num, 3), 16),
-        page_tokens(pages, 16),
-        page_tokens(np.roll(pages, 1), 16),
-    )

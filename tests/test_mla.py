@@ -1,4 +1,5 @@
-"""MLATokenToKVPoolHost against host-pool-contract.md §2.3, §3.4, §4.3-§4.5."""
+"""MLATokenToKVPoolHost against host-pool-contract.md §2.3, §3.4, §4.3-§4.5 (the page round trips of
+every pool kind are in test_transfers.py)."""
 
 from __future__ import annotations
 
@@ -9,62 +10,14 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from reference import (
-    DEVICE_PAGES,
-    DTYPES,
     LAYERS,
-    MLA_PAIRS,
-    PAGE_SIZES,
     assert_bytes_equal,
-    distinct_pages,
     host_planes,
     make_mla,
     page_tokens,
-    round_trip,
     snapshot_host,
 )
-
-
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
-def test_round_trip_pages(backend, layout, page_size, dtype, idx_dtype):
-    rng = np.random.default_rng(page_size + 2)
-    host, dp = make_mla(layout, page_size, dtype)
-    host_pages = distinct_pages(rng, 0, host.page_num, 3)
-    backup_pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
-    round_trip(
-        host,
-        dp,
-        backend,
-        page_tokens(host_pages, page_size),
-        page_tokens(backup_pages, page_size),
-        page_tokens(np.roll(backup_pages, -1), page_size),
-        idx_dtype,
-    )
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
-def test_round_trip_random_page_sets(backend, layout, data):
-    page_size = data.draw(st.sampled_from([1, 8]), label="page_size")
-    host, dp = make_mla(layout, page_size, torch.float8_e4m3fn, device_pages=5)
-    count = data.draw(st.integers(1, 5), label="pages")
-    host_pages = data.draw(st.permutations(range(host.page_num)), label="host")[:count]
-    backup = data.draw(st.permutations(range(1, 6)), label="backup")[:count]
-    load = data.draw(st.permutations(range(1, 6)), label="load")[:count]
-    round_trip(
-        host,
-        dp,
-        backend,
-        page_tokens(host_pages, page_size),
-        page_tokens(backup, page_size),
-        page_tokens(load, page_size),
-    )
 
 
 def test_geometry_and_override_kv_cache_dim():
@@ -207,21 +160,6 @@ def test_dummy_mode_dcp_assert_text():
         match=re.escape("HiCache host pool page_size (16) must be a multiple of dcp_size (3)."),
     ):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=3, is_dummy=True)
-
-
-@pytest.mark.parametrize("backend,layout", MLA_PAIRS)
-def test_round_trip_emulated_engine(backend, layout, emulated_engine):
-    rng = np.random.default_rng(23)
-    host, dp = make_mla(layout, 16, torch.bfloat16)
-    pages = distinct_pages(rng, 1, DEVICE_PAGES + 1, 3)
-    round_trip(
-        host,
-        dp,
-        backend,
-        page_tokens(distinct_pages(rng, 0, host.page_num, 3), 16),
-        page_tokens(pages, 16),
-        page_tokens(np.roll(pages, 1), 16),
-    )
 
 
 def test_hisparse_request_rows():
