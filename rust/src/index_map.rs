@@ -136,7 +136,8 @@ impl IndexMap {
         }
     }
 
-    /// The mapped values of `raw` (tests, and Python's `_core.map_indices`).
+    /// The mapped values of `raw`.
+    #[cfg(test)]
     pub fn apply_all(self, raw: &[i64]) -> Result<Vec<i64>> {
         let n = self.count(raw.len())?;
         let p = self.params();

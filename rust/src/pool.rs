@@ -1,7 +1,7 @@
 //! A host pool in SGLang's terms — kind, layout, geometry — and everything Python needs derived
 //! from it: the buffers' shapes, the (layout, io_backend) pairs each kind serves with SGLang's
-//! refusal texts, L3 page metadata and page views, and the index arithmetic of DCP and of the
-//! DeepSeek V4 C4 token rows. The planner and the kernels address bytes through the same
+//! refusal texts, L3 page metadata and page views (DCP included), and the DeepSeek V4 C4 page row's
+//! constants (transfers translate indices through `crate::index_map`). The planner and the kernels address bytes through the same
 //! [`PlaneLayout`]s this spec builds.
 
 use crate::error::{Error, Result};
@@ -745,27 +745,6 @@ pub fn supported_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
     out
 }
 
-/// DCP: this rank's physical slots of widened logical slots (`idx[rank::size] / size`), as
-/// SGLang's MLA pool translates both index arrays before a transfer.
-pub fn dcp_rank_slots(indices: &[i64], dcp_size: u64, dcp_rank: u64) -> Result<Vec<i64>> {
-    if dcp_size == 1 {
-        return Ok(indices.to_vec());
-    }
-    if indices.len() as u64 % dcp_size != 0 {
-        return Err(Error::Assertion(format!(
-            "HiCache DCP translation expects runs of whole widened pages; got {} logical slots \
-             with dcp_size={dcp_size}.",
-            indices.len()
-        )));
-    }
-    Ok(indices
-        .iter()
-        .skip(dcp_rank as usize)
-        .step_by(dcp_size as usize)
-        .map(|&t| t.div_euclid(dcp_size as i64))
-        .collect())
-}
-
 /// The DeepSeek V4 C4 page row SGLang's token-granular kernel (`transfer_cache_dsv4_mla`)
 /// assumes whatever the pool says: 64 tokens, each a 576-byte value and an 8-byte scale, the
 /// values first, the row padded to a multiple of 576 bytes.
@@ -780,12 +759,15 @@ pub mod c4 {
     pub const SCALES_PER_ROW: u64 = ROW_BYTES / SCALE_BYTES;
     pub const SCALE_FIRST: u64 = VALUE_BYTES * PAGE_TOKENS / SCALE_BYTES;
 
-    /// Token `t`'s value as a row of 576-byte units.
+    /// Token `t`'s value as a row of 576-byte units (the formula written out; transfers read
+    /// it through `IndexMap::C4Value`, and tests compare the two).
+    #[cfg(test)]
     pub fn value_row(t: u64) -> u64 {
         (t / PAGE_TOKENS) * VALUES_PER_ROW + t % PAGE_TOKENS
     }
 
-    /// Token `t`'s scale as a row of 8-byte units.
+    /// Token `t`'s scale as a row of 8-byte units (see `value_row`).
+    #[cfg(test)]
     pub fn scale_row(t: u64) -> u64 {
         (t / PAGE_TOKENS) * SCALES_PER_ROW + SCALE_FIRST + t % PAGE_TOKENS
     }
@@ -1030,7 +1012,6 @@ mod tests {
             m.page_starts(&(8..16).collect::<Vec<_>>()).unwrap(),
             vec![4]
         );
-        assert_eq!(dcp_rank_slots(&[8, 9, 10, 11], 2, 1).unwrap(), vec![4, 5]);
     }
 
     #[test]
