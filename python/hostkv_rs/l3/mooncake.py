@@ -409,6 +409,16 @@ class MooncakeTier:
                     sizes[key] = -1
         return sizes
 
+    def _stored_sizes(self, store_keys, results=None) -> tuple[list[int], dict[str, int]]:
+        """(existence code per key, object size per present key). A store that does not answer
+        raises StoreUnavailable carrying `results` (what the operation settled so far)."""
+        try:
+            codes = self._exist_codes(store_keys)
+        except StoreUnavailable as exc:
+            exc.results = results
+            raise
+        return codes, self._sizes([k for k, c in zip(store_keys, codes) if c == 1])
+
     def _unavailable(self, what: str, code: int, results=None) -> StoreUnavailable:
         return StoreUnavailable(
             f"Mooncake {what} failed with {code_name(code)}: the master "
@@ -425,30 +435,27 @@ class MooncakeTier:
             store_keys = [f"{k}@{fmt.tag}" for k in keys]
             if not store_keys:
                 return []
-            codes = self._exist_codes(store_keys)
-            present = [k for k, c in zip(store_keys, codes) if c == 1]
-            sizes = self._sizes(present)
+            _codes, sizes = self._stored_sizes(store_keys)
             return [sizes.get(k) == fmt.page_bytes for k in store_keys]
 
     def save(self, keys, host_indices) -> list[PageResult]:
         """Store each page under its key from the pool's memory (no copy on this side). Pages
         already stored with the right size are skipped."""
+        return self._by_chunks(keys, host_indices, self._save_chunk)
+
+    def _by_chunks(self, keys, host_indices, run_chunk) -> list[PageResult]:
+        """`run_chunk(fmt, store_keys, pages, chunk, results)` over batches of at most
+        `max_batch_bytes`, filling one result per page."""
         with self._lock:
             _pool, fmt, store_keys, pages = self._pages(keys, host_indices)
             results: list[PageResult | None] = [None] * len(store_keys)
             for chunk in self._chunks(len(store_keys), fmt.page_bytes):
-                self._save_chunk(fmt, store_keys, pages, list(chunk), results)
+                run_chunk(fmt, store_keys, pages, list(chunk), results)
             return results
 
     def _save_chunk(self, fmt, store_keys, pages, chunk, results):
         ckeys = [store_keys[i] for i in chunk]
-        try:
-            codes = self._exist_codes(ckeys)
-        except StoreUnavailable as exc:
-            exc.results = results
-            raise
-        present = [k for k, c in zip(ckeys, codes) if c == 1]
-        sizes = self._sizes(present)
+        codes, sizes = self._stored_sizes(ckeys, results)
         todo, replace = [], []
         for i, key, code in zip(chunk, ckeys, codes):
             if code == 1 and sizes.get(key) == fmt.page_bytes:
@@ -489,21 +496,11 @@ class MooncakeTier:
     def load(self, keys, host_indices) -> list[PageResult]:
         """Fetch each page into the pool's memory at `host_indices` (no copy on this side). Only
         objects of exactly one page are fetched; others leave the pool untouched."""
-        with self._lock:
-            _pool, fmt, store_keys, pages = self._pages(keys, host_indices)
-            results: list[PageResult | None] = [None] * len(store_keys)
-            for chunk in self._chunks(len(store_keys), fmt.page_bytes):
-                self._load_chunk(fmt, store_keys, pages, list(chunk), results)
-            return results
+        return self._by_chunks(keys, host_indices, self._load_chunk)
 
     def _load_chunk(self, fmt, store_keys, pages, chunk, results):
         ckeys = [store_keys[i] for i in chunk]
-        try:
-            codes = self._exist_codes(ckeys)
-        except StoreUnavailable as exc:
-            exc.results = results
-            raise
-        sizes = self._sizes([k for k, c in zip(ckeys, codes) if c == 1])
+        _codes, sizes = self._stored_sizes(ckeys, results)
         todo = []
         for i, key in zip(chunk, ckeys):
             size = sizes.get(key)
