@@ -43,6 +43,14 @@ def layer_key(layer_id) -> int:
         raise TypeError(f"layer_id must be an integer, got {layer_id!r}") from None
 
 
+def device_pool_extent(device_pool) -> tuple[int, int, int]:
+    """(device capacity in tokens, start layer, end layer) of a device pool, as SGLang's host
+    pools read them (`host_capacity_tokens` where the pool has it, else `size`)."""
+    capacity = getattr(device_pool, "host_capacity_tokens", None)
+    size = device_pool.size if capacity is None else capacity
+    return size, device_pool.start_layer, device_pool.end_layer
+
+
 def owned_range(device_pool) -> tuple[int, int]:
     """`[start, end)` of the local device layers a (possibly layer-sharded) device pool stores."""
     if getattr(device_pool, "layer_shard_enabled", False):

@@ -22,6 +22,7 @@ from hostkv_rs import _core, _device_side, _handover, _memory, _slots
 from hostkv_rs._args import as_int, finite_number, positive_int, required
 from hostkv_rs._device_side import (
     LayerIndexError,
+    device_pool_extent,
     layer_key,
     owned_range,
     sharded_host_layer_num,
@@ -230,25 +231,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         is_dummy: bool = False,
         host_token_capacity=None,
     ):
-        if device_pool is not None:
-            self.device_pool = device_pool
-            self._init_args(
-                page_size,
-                layout,
-                pin_memory,
-                device,
-                allocator_type,
-                dcp_size,
-                dcp_rank,
-                pool_label,
-                owns_bytes=not is_dummy,
-            )
-            self.dtype = device_pool.store_dtype
-            self.size_per_token = self.get_size_per_token()
-            capacity = getattr(device_pool, "host_capacity_tokens", None)
-            self.device_capacity_tokens = device_pool.size if capacity is None else capacity
-            start_layer, end_layer = device_pool.start_layer, device_pool.end_layer
-        else:
+        if device_pool is None:
             required(
                 "HostKVCache without a device pool",
                 dtype=dtype,
@@ -263,17 +246,23 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 pin_memory=pin_memory,
                 device=device,
             )
-            self._init_args(
-                page_size,
-                layout,
-                pin_memory,
-                device,
-                allocator_type,
-                dcp_size,
-                dcp_rank,
-                pool_label,
-                owns_bytes=not is_dummy,
-            )
+        self._init_args(
+            page_size,
+            layout,
+            pin_memory,
+            device,
+            allocator_type,
+            dcp_size,
+            dcp_rank,
+            pool_label,
+            owns_bytes=not is_dummy,
+        )
+        if device_pool is not None:
+            self.device_pool = device_pool
+            self.dtype = device_pool.store_dtype
+            self.size_per_token = self.get_size_per_token()
+            self.device_capacity_tokens, start_layer, end_layer = device_pool_extent(device_pool)
+        else:
             self.dtype = dtype
             self.size_per_token = as_int("size_per_token", size_per_token)
             self.device_capacity_tokens = as_int("device_capacity_tokens", device_capacity_tokens)

@@ -11,7 +11,7 @@ import torch
 
 from hostkv_rs import _core, _handover, _memory
 from hostkv_rs._args import as_int, required
-from hostkv_rs._device_side import first_device, owned_range, ptr_table
+from hostkv_rs._device_side import device_pool_extent, first_device, owned_range, ptr_table
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     arg,
@@ -100,9 +100,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             )
         else:
             side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
-            capacity = getattr(source, "host_capacity_tokens", None)
-            device_capacity_tokens = source.size if capacity is None else capacity
-            start_layer, end_layer = source.start_layer, source.end_layer
+            device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
         self.head_group_num = head_group_num
         super().__init__(
             dtype=self.dtype,

@@ -10,7 +10,13 @@ import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs._args import as_int, required
-from hostkv_rs._device_side import first_device, owned_range, ptr_table, sharded_host_layer_num
+from hostkv_rs._device_side import (
+    device_pool_extent,
+    first_device,
+    owned_range,
+    ptr_table,
+    sharded_host_layer_num,
+)
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,
@@ -100,9 +106,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             is_dummy = is_allocation_only(source)
         else:
             side = self._from_device_pool(source, mtp_draft_device_pools)
-            capacity = getattr(source, "host_capacity_tokens", None)
-            device_capacity_tokens = source.size if capacity is None else capacity
-            start_layer, end_layer = source.start_layer, source.end_layer
+            device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
         self._is_dummy = bool(is_dummy)
         super().__init__(
             dtype=self.dtype,
