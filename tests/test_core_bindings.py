@@ -393,3 +393,32 @@ def test_supported_pairs_are_the_contracts_matrix():
         assert {(b, lay) for lay, b in _core.supported_pairs(kind)} == as_set(want), kind
     with pytest.raises(ValueError, match="unknown pool kind"):
         _core.supported_pairs("mamba")
+
+
+@pytest.mark.parametrize(
+    ("index_map", "error", "text"),
+    [
+        (
+            ("dcp", 2, 2),
+            ValueError,
+            r"index_map: dcp_rank must lie in \[0, dcp_size\); got dcp_rank=2",
+        ),
+        (("dcp", 0, 0), ValueError, "dcp_rank must lie"),
+        (
+            ("page_rows", 0),
+            ValueError,
+            "index_map: a page-row index map needs a positive page size",
+        ),
+        (("page_rows",), ValueError, "index_map must be None, "),
+        (("mamba",), ValueError, "index_map must be None, "),
+        (5, ValueError, "index_map must be None, "),
+        (("dcp", True, 0), TypeError, "dcp_size must be an integer"),
+    ],
+)
+def test_a_bad_index_map_is_refused_by_name(index_map, error, text):
+    core = _core.PoolCore("layer_first", 2, 8, 4, [16], [_core.HostRegion(2 * 8 * 16)])
+    empty = idx(torch.empty(0, dtype=torch.int64))
+    dev = [torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2)]
+    ptrs = [t.data_ptr() for t in dev]
+    with pytest.raises(error, match=text):
+        core.backup("kernel", ptrs, 8, empty, empty, "cpu", 0, index_map=index_map)

@@ -6,12 +6,12 @@ holding only this rank's layers), and so does the pool, once, at construction.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from hostkv_rs import _core
+from hostkv_rs._args import as_int
 
 # A layer id outside the pools: a TransferError (nothing was copied) that is also the IndexError
 # SGLang's `k_buffer[layer_id]` would raise. Defined in Rust, which raises it too.
@@ -35,12 +35,7 @@ def first_device(planes: Sequence[Sequence]) -> torch.device:
 def layer_key(layer_id) -> int:
     """A layer id as an int. SGLang compares it with ints (`0 <= layer_id < n`), so a value that
     is not an integer fails there too; a bool is refused rather than read as 0 or 1."""
-    if isinstance(layer_id, bool):
-        raise TypeError(f"layer_id must be an integer, got {layer_id!r}")
-    try:
-        return operator.index(layer_id)
-    except TypeError:
-        raise TypeError(f"layer_id must be an integer, got {layer_id!r}") from None
+    return as_int("layer_id", layer_id)
 
 
 def device_pool_extent(device_pool) -> tuple[int, int, int]:

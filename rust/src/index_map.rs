@@ -104,18 +104,26 @@ impl IndexMap {
         }
     }
 
+    /// The map's own parameters: a DCP rank below a positive size, a positive page size.
+    pub fn check(self) -> Result<()> {
+        match self {
+            Self::Dcp { size, rank } if size == 0 || rank >= size => Err(Error::Value(format!(
+                "dcp_rank must lie in [0, dcp_size); got dcp_rank={rank}, dcp_size={size}"
+            ))),
+            Self::PageRows { page: 0 } => Err(Error::Value(
+                "a page-row index map needs a positive page size, got 0".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Positions of a mapped array over `raw_len` raw elements, or SGLang's refusal when the
     /// raw array is not made of whole groups.
     pub fn count(self, raw_len: usize) -> Result<usize> {
+        self.check()?;
         match self {
             Self::Identity | Self::C4Value | Self::C4Scale => Ok(raw_len),
-            Self::Dcp { size, rank } => {
-                if size == 0 || rank >= size {
-                    return Err(Error::Value(format!(
-                        "dcp_rank must lie in [0, dcp_size); got dcp_rank={rank}, \
-                         dcp_size={size}"
-                    )));
-                }
+            Self::Dcp { size, .. } => {
                 if raw_len % size as usize != 0 {
                     return Err(Error::Assertion(format!(
                         "HiCache DCP translation expects runs of whole widened pages; got \
@@ -125,7 +133,7 @@ impl IndexMap {
                 Ok(raw_len / size as usize)
             }
             Self::PageRows { page } => {
-                if page == 0 || raw_len % page as usize != 0 {
+                if raw_len % page as usize != 0 {
                     return Err(Error::transfer(format!(
                         "page-row transfers take whole pages: {raw_len} indices are not a \
                          multiple of the page size {page}"
@@ -165,6 +173,8 @@ mod tests {
             .to_string()
             .contains("got 3 logical slots with dcp_size=2"));
         assert!(IndexMap::Dcp { size: 2, rank: 2 }.count(4).is_err());
+        assert!(IndexMap::Dcp { size: 0, rank: 0 }.check().is_err());
+        assert!(IndexMap::Dcp { size: 2, rank: 1 }.check().is_ok());
     }
 
     #[test]
@@ -175,6 +185,7 @@ mod tests {
             vec![2, 0]
         );
         assert!(m.count(6).is_err());
+        assert!(IndexMap::PageRows { page: 0 }.count(0).is_err());
     }
 
     #[test]

@@ -72,19 +72,8 @@ pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> 
         ("c4_scale", 1) => IndexMap::C4Scale,
         _ => return bad(),
     };
-    if let IndexMap::Dcp { size, rank } = map {
-        if size == 0 || rank >= size {
-            return Err(PyValueError::new_err(format!(
-                "index_map dcp_rank must lie in [0, dcp_size), got dcp_size={size}, \
-                 dcp_rank={rank}"
-            )));
-        }
-    }
-    if map == (IndexMap::PageRows { page: 0 }) {
-        return Err(PyValueError::new_err(
-            "index_map page_size must be positive, got 0",
-        ));
-    }
+    map.check()
+        .map_err(|e| PyValueError::new_err(format!("index_map: {e}")))?;
     Ok(map)
 }
 
