@@ -3,6 +3,9 @@ pointers or shapes, and every device refusal is raised before a byte moves."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from hostkv_rs import (
@@ -102,3 +105,56 @@ def test_a_destroyed_pool_refuses_transfers_through_its_binding():
         host.load_to_device_per_layer(dev, idx, idx, 0, "kernel")
     with pytest.raises(RuntimeError, match="MHATokenToKVPoolHost has been destroyed"):
         host.backup_from_device_all_layer(dev, idx, idx, "kernel")
+
+
+# A device layer whose extent shrank after the binding checked it. Each case runs in its own
+# process: the bug these guard against corrupts the heap, which must not take the test run down.
+_STALE_EXTENT = r"""
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+dev = MHATokenToKVPool(112, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+h = host.alloc(32)
+host.kv_buffer.view(torch.uint8).fill_(9)
+host.load_to_device_per_layer(dev, h, torch.arange(16, 48), 1, "kernel")  # checked and cached
+layer = dev.k_buffer[1]
+CASE
+storage = layer.untyped_storage()
+def raw(s):
+    return torch.empty(0, dtype=torch.uint8).set_(s)
+before = raw(storage).clone()
+try:
+    host.load_to_device_per_layer(dev, h, ROWS, 1, "kernel")
+except (ValueError, IndexError) as exc:
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED")
+assert torch.equal(before, raw(storage)), "bytes changed"
+print("UNCHANGED")
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "rows", "refusal"),
+    [
+        # The tensor resized smaller on its storage: rows 80..111 are past its 32 rows.
+        ("layer.resize_(32, 2, 8)", "torch.arange(80, 112)", "out of range"),
+        # The storage freed and reallocated smaller (13 rows): the shape no longer fits it.
+        (
+            "layer.untyped_storage().resize_(0); layer.untyped_storage().resize_(13 * 32)",
+            "torch.arange(12, 16)",
+            "fewer than its shape",
+        ),
+        # The storage freed outright.
+        ("layer.untyped_storage().resize_(0)", "torch.arange(0, 4)", "fewer than its shape"),
+    ],
+)
+def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(case, rows, refusal):
+    script = _STALE_EXTENT.replace("CASE", case).replace("ROWS", rows)
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "REFUSED" in done.stdout and refusal in done.stdout, done.stdout
+    assert "UNCHANGED" in done.stdout

@@ -14,9 +14,10 @@
 //! exceed the owned count by one; that host layer stays unused).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
@@ -56,9 +57,62 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
     })
 }
 
-/// The checked device side: plane-major pointers, the smallest row count, the device.
+/// What one device tensor was when it was checked: a transfer uses the checked pointer and rows
+/// only while the tensor still has this pointer, storage offset, storage size, shape and dtype
+/// (a swapped, resized, shrunk or freed-and-reallocated storage changes at least one of them).
+struct Snap {
+    ptr: u64,
+    offset: i64,
+    storage_nbytes: u64,
+    shape: Py<PyAny>,
+    dtype: Py<PyAny>,
+}
+
+impl Snap {
+    fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            ptr: tensor.call_method0(intern!(py, "data_ptr"))?.extract()?,
+            offset: tensor
+                .call_method0(intern!(py, "storage_offset"))?
+                .extract()?,
+            storage_nbytes: tensor
+                .call_method0(intern!(py, "untyped_storage"))?
+                .call_method0(intern!(py, "nbytes"))?
+                .extract()?,
+            shape: tensor.getattr(intern!(py, "shape"))?.unbind(),
+            dtype: tensor.getattr(intern!(py, "dtype"))?.unbind(),
+        })
+    }
+
+    /// Whether `tensor` is still what was checked. Cheapest reads first: most calls stop at none.
+    fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ptr: u64 = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        if ptr != self.ptr
+            || !tensor
+                .getattr(intern!(py, "dtype"))?
+                .is(self.dtype.bind(py))
+        {
+            return Ok(false);
+        }
+        let offset: i64 = tensor
+            .call_method0(intern!(py, "storage_offset"))?
+            .extract()?;
+        let nbytes: u64 = tensor
+            .call_method0(intern!(py, "untyped_storage"))?
+            .call_method0(intern!(py, "nbytes"))?
+            .extract()?;
+        if offset != self.offset || nbytes != self.storage_nbytes {
+            return Ok(false);
+        }
+        tensor
+            .getattr(intern!(py, "shape"))?
+            .eq(self.shape.bind(py))
+    }
+}
+
+/// The checked device side: plane-major snapshots, the smallest row count, the device.
 struct Checked {
-    ptrs: Vec<u64>,
+    snaps: Vec<Snap>,
     /// Rows of each position (the fewest over its planes): a transfer is bounded by the layers
     /// it touches, as SGLang indexes each layer's own buffer.
     rows: Vec<usize>,
@@ -78,6 +132,9 @@ struct Like {
 
 #[pyclass(frozen, module = "hostkv_rs._core", name = "DeviceBinding")]
 pub struct PyDeviceBinding {
+    /// None once the pool is destroyed. Same lock order as `checked`: held only to copy or take
+    /// the reference, never while Python runs (the core is dropped after the lock is released,
+    /// because dropping it can run Python finalizers and release the GIL).
     core: Mutex<Option<Py<PyPoolCore>>>,
     spec: Py<PyPoolSpec>,
     /// The pool's class name, for the destroyed-pool refusal.
@@ -86,9 +143,6 @@ pub struct PyDeviceBinding {
     what: String,
     /// Plane-major: plane `p`, position `i` at `p * count + i`.
     tensors: Vec<Py<PyAny>>,
-    /// Each tensor's bound `data_ptr` method, looked up once: the per-call re-read is then one
-    /// call per touched tensor.
-    data_ptr: Vec<Py<PyAny>>,
     count: usize,
     item_bytes: Vec<u64>,
     like: Vec<Like>,
@@ -104,7 +158,12 @@ pub struct PyDeviceBinding {
     /// HOSTKV_CPU_ENGINE, read when the binding was built (an unknown value is refused at the
     /// first CPU transfer, not at construction).
     cpu_engine: Result<Engine, String>,
-    checked: Mutex<Option<Checked>>,
+    /// The last full check. Lock order: this lock is innermost and never held while Python runs
+    /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
+    /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
+    /// threads may both re-check after a change; each check is complete, so either result is
+    /// right.
+    checked: Mutex<Option<Arc<Checked>>>,
     /// How every transfer reads both index arrays (DCP: this rank's share).
     index_map: IndexMap,
 }
@@ -164,7 +223,7 @@ impl PyDeviceBinding {
     /// Every tensor checked, as `check_device_layers` did in Python, with its texts.
     fn check_all(&self, py: Python<'_>) -> PyResult<Checked> {
         let t = torch(py)?;
-        let mut ptrs = Vec::with_capacity(self.tensors.len());
+        let mut snaps = Vec::with_capacity(self.tensors.len());
         let mut rows: Vec<Option<i64>> = vec![None; self.count];
         let mut device: Option<Bound<'_, PyAny>> = None;
         let mut device_type = String::new();
@@ -249,7 +308,7 @@ impl PyDeviceBinding {
                     )));
                 }
                 *layer_rows = Some(layer_rows.map_or(shape[0], |r| r.min(shape[0])));
-                ptrs.push(tensor.call_method0("data_ptr")?.extract()?);
+                snaps.push(Snap::take(py, tensor)?);
             }
         }
         let cuda = match (&device, device_type.as_str()) {
@@ -257,7 +316,7 @@ impl PyDeviceBinding {
             _ => None,
         };
         Ok(Checked {
-            ptrs,
+            snaps,
             rows: rows
                 .into_iter()
                 .map(|r| r.unwrap_or(0).max(0) as usize)
@@ -276,50 +335,56 @@ impl PyDeviceBinding {
     }
 
     /// The pointers of `positions` (plane-major per position), re-checking every tensor when
-    /// one of them no longer points where it did (or nothing was checked yet).
+    /// one of them is no longer what was checked (or nothing was checked yet).
     fn device_ptrs(
         &self,
         py: Python<'_>,
         positions: &[usize],
     ) -> PyResult<(Vec<u64>, usize, Option<Py<PyAny>>)> {
-        let mut state = self
-            .checked
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
-        let mut out = Vec::with_capacity(positions.len() * self.nplanes());
-        if let Some(checked) = state.as_ref() {
-            'current: {
-                for plane in 0..self.nplanes() {
-                    for &pos in positions {
-                        let ptr: u64 = self.data_ptr[plane * self.count + pos]
-                            .bind(py)
-                            .call0()?
-                            .extract()?;
-                        if ptr != checked.ptrs[plane * self.count + pos] {
-                            break 'current;
-                        }
-                        out.push(ptr);
-                    }
-                }
-                let cuda = checked.cuda.as_ref().map(|d| d.clone_ref(py));
-                return Ok((out, Self::fewest_rows(checked, positions), cuda));
+        let last = self.lock_checked()?.clone();
+        let checked = match last {
+            Some(checked) if self.still_holds(py, &checked, positions)? => checked,
+            _ => {
+                let fresh = Arc::new(self.check_all(py)?);
+                let stale = self.lock_checked()?.replace(Arc::clone(&fresh));
+                drop(stale); // outside the lock: dropping Python objects may run Python
+                fresh
             }
-        }
-        *state = None;
-        let checked = self.check_all(py)?;
-        out.clear();
+        };
+        let mut out = Vec::with_capacity(positions.len() * self.nplanes());
         for plane in 0..self.nplanes() {
             for &pos in positions {
-                out.push(checked.ptrs[plane * self.count + pos]);
+                out.push(checked.snaps[plane * self.count + pos].ptr);
             }
         }
-        let result = (
+        Ok((
             out,
             Self::fewest_rows(&checked, positions),
             checked.cuda.as_ref().map(|d| d.clone_ref(py)),
-        );
-        *state = Some(checked);
-        Ok(result)
+        ))
+    }
+
+    fn still_holds(
+        &self,
+        py: Python<'_>,
+        checked: &Checked,
+        positions: &[usize],
+    ) -> PyResult<bool> {
+        for plane in 0..self.nplanes() {
+            for &pos in positions {
+                let at = plane * self.count + pos;
+                if !checked.snaps[at].holds(py, self.tensors[at].bind(py))? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn lock_checked(&self) -> PyResult<std::sync::MutexGuard<'_, Option<Arc<Checked>>>> {
+        self.checked
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))
     }
 
     fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Engine> {
@@ -497,7 +562,6 @@ impl PyDeviceBinding {
     #[pyo3(signature = (core, spec, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>,
         core: Option<Py<PyPoolCore>>,
         spec: Py<PyPoolSpec>,
         planes: Vec<Vec<Py<PyAny>>>,
@@ -578,17 +642,6 @@ impl PyDeviceBinding {
         let complete = backup_order.len() == host_layer_num
             && backup_order.iter().enumerate().all(|(i, &(h, _))| h == i);
         let tensors: Vec<Py<PyAny>> = planes.into_iter().flatten().collect();
-        // A non-tensor has no `data_ptr`; its bound method is then a stand-in that the first
-        // use never calls, because the full check refuses the object first.
-        let data_ptr = tensors
-            .iter()
-            .map(|t| {
-                t.bind(py)
-                    .getattr("data_ptr")
-                    .map(Bound::unbind)
-                    .unwrap_or_else(|_| py.None())
-            })
-            .collect();
         let like = like
             .into_iter()
             .map(|(dtype, split)| Like { dtype, split })
@@ -599,7 +652,6 @@ impl PyDeviceBinding {
             name: name.to_owned(),
             what: what.to_owned(),
             tensors,
-            data_ptr,
             count,
             item_bytes,
             like,
@@ -745,11 +797,12 @@ impl PyDeviceBinding {
 
     /// Drops the core (the pool was destroyed): later transfers raise.
     fn release(&self) -> PyResult<()> {
-        let mut core = self
+        let core = self
             .core
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
-        *core = None;
+            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?
+            .take();
+        drop(core); // after the lock is released: the last reference may run Python finalizers
         Ok(())
     }
 }

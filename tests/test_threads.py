@@ -1,0 +1,188 @@
+"""Pools used from several threads at once: no deadlock between the core's locks and the GIL, no
+lost bytes. SGLang runs loads and write-backs on different threads (and is moving loads onto a
+loader thread), so every scenario here is one a server can reach.
+
+Each scenario runs in its own process under a watchdog: a hang is a failed test (with every
+thread's stack in the report), never a hung test run. A tiny switch interval makes the GIL change
+hands between almost every bytecode, which is what exposes a lock held across a Python call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+WATCHDOG_S = 120
+
+PRELUDE = r"""
+import faulthandler, sys, threading
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool, MLATokenToKVPoolHost
+
+faulthandler.dump_traceback_later(WATCHDOG - 10, exit=True)
+sys.setswitchinterval(SWITCH)
+
+def run_threads(targets):
+    errors = []
+    def guard(fn):
+        def body():
+            try:
+                fn()
+            except BaseException as exc:  # reported by the parent
+                errors.append(repr(exc))
+        return body
+    threads = [threading.Thread(target=guard(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+"""
+
+
+def _run(body: str, switch: float = 1e-6) -> None:
+    script = PRELUDE.replace("WATCHDOG", str(WATCHDOG_S)).replace("SWITCH", repr(switch))
+    script += textwrap.dedent(body) + "\nprint('ROUNDS-DONE')\n"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=WATCHDOG_S,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung past the {WATCHDOG_S}s watchdog:\n{exc.stderr}")
+    assert done.returncode == 0 and "ROUNDS-DONE" in done.stdout, (
+        f"rc={done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    )
+
+
+def test_first_use_of_a_binding_by_two_threads_at_once():
+    # A fresh pool per round: both threads reach the binding's first full check together.
+    _run(
+        """
+        for _ in range(300):
+            dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+            host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+            h = host.alloc(16)
+            d = torch.arange(16, 32)
+            gate = threading.Barrier(2)
+            def load():
+                gate.wait()
+                for layer in range(3):
+                    host.load_to_device_per_layer(dev, h, d, layer, "kernel")
+            def backup():
+                gate.wait()
+                host.backup_from_device_all_layer(dev, h, d, "direct")
+            run_threads([load, backup])
+        """
+    )
+
+
+@pytest.mark.parametrize("switch", [1e-6, 5e-3])
+def test_recheck_after_a_storage_swap_from_two_threads(switch):
+    # Every round swaps a layer's storage, so every transfer after it runs the full check again.
+    _run(
+        """
+        dev = MLATokenToKVPool(128, 16, torch.bfloat16, kv_lora_rank=12, qk_rope_head_dim=4,
+                               layer_num=4)
+        host = MLATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first")
+        h = host.alloc(32)
+        d = torch.arange(16, 48)
+        for r in range(2000):
+            dev.kv_buffer[r % 4].set_(torch.zeros_like(dev.kv_buffer[r % 4]))
+            gate = threading.Barrier(2)
+            def load():
+                gate.wait()
+                host.load_to_device_per_layer(dev, h, d, r % 4, "kernel")
+            def backup():
+                gate.wait()
+                host.backup_from_device_all_layer(dev, h, d, "kernel")
+            run_threads([load, backup])
+        """,
+        switch=switch,
+    )
+
+
+@pytest.mark.parametrize(
+    ("pool", "layout"),
+    [("mha", "layer_first"), ("mha", "page_first"), ("mla", "page_first_direct")],
+)
+def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout):
+    # Two transfer threads on slots of their own, one flat-page thread, one alloc/free thread and
+    # one busy pure-Python thread; every byte each transfer thread moved is checked.
+    _run(
+        f"""
+        P, L = 16, 4
+        if {pool!r} == "mha":
+            dev = MHATokenToKVPool(512, P, torch.bfloat16, head_num=2, head_dim=8, layer_num=L)
+            host = MHATokenToKVPoolHost(dev, 2.0, 0, P, {layout!r})
+            planes = [dev.k_buffer, dev.v_buffer]
+        else:
+            dev = MLATokenToKVPool(512, P, torch.bfloat16, kv_lora_rank=12, qk_rope_head_dim=4,
+                                   layer_num=L)
+            host = MLATokenToKVPoolHost(dev, 2.0, 0, P, {layout!r})
+            planes = [dev.kv_buffer]
+        backend = "direct" if {layout!r} == "page_first_direct" else "kernel"
+        ROUNDS = 400
+        stop = threading.Event()
+
+        def mover(first_row, seed):
+            h = host.alloc(2 * P)
+            d = torch.arange(first_row, first_row + 2 * P)
+            def body():
+                g = torch.Generator().manual_seed(seed)
+                for r in range(ROUNDS):
+                    want = []
+                    for plane in planes:
+                        for layer in range(L):
+                            rows = plane[layer][d]
+                            rows.view(torch.int16).copy_(torch.randint(
+                                -30000, 30000, rows.shape, generator=g, dtype=torch.int16))
+                            plane[layer][d] = rows
+                            want.append(rows.clone())
+                    host.backup_from_device_all_layer(dev, h, d, backend)
+                    for plane in planes:
+                        for layer in range(L):
+                            plane[layer][d] = 0
+                    for layer in range(L):
+                        host.load_to_device_per_layer(dev, h, d, layer, backend)
+                    got = [plane[layer][d] for plane in planes for layer in range(L)]
+                    for a, b in zip(want, got):
+                        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), r
+            return body
+
+        def flat_pages():
+            h = host.alloc(P)
+            for r in range(ROUNDS):
+                page = host.get_data_page(int(h[0]), flat=True).clone()
+                page.view(torch.uint8).fill_(r % 251)
+                host.set_from_flat_data_page(int(h[0]), page)
+                back = host.get_data_page(int(h[0]), flat=True)
+                assert torch.equal(back.view(torch.uint8), page.view(torch.uint8)), r
+
+        def alloc_free():
+            for _ in range(ROUNDS * 4):
+                got = host.alloc(P)
+                if got is not None:
+                    host.free(got)
+
+        def busy():
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        spin = threading.Thread(target=busy)
+        spin.start()
+        try:
+            run_threads([mover(32, 1), mover(160, 2), flat_pages, alloc_free])
+        finally:
+            stop.set()
+            spin.join()
+        """
+    )
