@@ -263,16 +263,36 @@ def test_load_touches_only_its_layer(backend, layout):
 
 
 def test_page_rows_come_from_the_first_token_of_each_page():
-    # Page ops read indices[i * P] // P only; the other tokens of a page are not consulted.
     pool, dev = make_pool("layer_first", L=2, item=24, pages=4, P=4, dev_pages=4)
     poison(pool)
     snap = snapshot(pool, dev)
-    host = torch.tensor([8, 99, -5, 1000])  # page 2, garbage after the first token
-    devi = torch.tensor([12, 0, 0, 0])  # page 3
-    pool.backup_from_device_all_layer(None, host, devi, "kernel")
+    pool.backup_from_device_all_layer(None, token_indices([2], 4), token_indices([3], 4), "kernel")
     expected = snap[0].clone()
     expected[2, 0], expected[2, 1] = dev[0][3], dev[1][3]
     assert torch.equal(host_bytes(pool), expected)
+
+
+@pytest.mark.parametrize(
+    ("host", "devi", "text"),
+    [
+        # SGLang reads only the first token of each page; the rest must be that whole page.
+        ([4, 5, 6, 1000000000], [0, 1, 2, 3], "host index 1000000000 at position 3 breaks"),
+        ([4, 5, 10, 11], [0, 1, 2, 3], "host index 10 at position 2 breaks the run 4..8"),
+        ([8, 99, -5, 1000], [12, 13, 14, 15], "host index 99 at position 1 breaks"),
+        ([4, 5, 6, 7], [2, 3, 4, 5], "device index 2 at position 0 does not start a page"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_page_rows_refuse_a_page_that_is_not_whole(host, devi, text, backend):
+    pool, dev = make_pool("layer_first", L=2, item=24, pages=4, P=4, dev_pages=4)
+    poison(pool)
+    snap = snapshot(pool, dev)
+    h, d = torch.tensor(host), torch.tensor(devi)
+    with pytest.raises(ValueError, match=text):
+        pool.backup_from_device_all_layer(None, h, d, backend)
+    with pytest.raises(ValueError, match=text):
+        pool.load_to_device_per_layer(None, h, d, 1, backend)
+    assert_unchanged(pool, dev, snap)
 
 
 def test_list_indices_are_accepted():

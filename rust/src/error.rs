@@ -64,11 +64,12 @@ pub enum TransferError {
         rows: u64,
     },
     #[error(
-        "page {page}: host index {value} at position {position} does not start a page (page \
-         size {page_size}); page-block copies move whole host pages"
+        "page {page}: {side} index {value} at position {position} does not start a page (page \
+         size {page_size}); page-block copies move whole {side} pages"
     )]
     PageNotAligned {
         page: usize,
+        side: Side,
         value: u64,
         position: usize,
         page_size: u64,

@@ -336,6 +336,7 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
         if h0 as u64 % pu != 0 {
             return Err(TransferError::PageNotAligned {
                 page: k,
+                side: Side::Host,
                 value: h0 as u64,
                 position: first,
                 page_size: pu,
@@ -353,6 +354,57 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
                     start: v0 as u64,
                     end: v0 as u64 + pu,
                     page_size: pu,
+                }
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Page-row transfers (DeepSeek V4) move one row per page and read the row from the first index
+/// of each page, as SGLang does; the other indices of the page must continue that one as one
+/// whole page, or the copy would move a page nobody listed whole. A GPU-resident array is read
+/// only by the kernel, which reads the first index of each page alone.
+fn check_page_rows(req: &TransferRequest) -> Result<()> {
+    for (side, idx) in [(Side::Host, req.host_idx()), (Side::Device, req.dev_idx())] {
+        let IndexMap::PageRows { page } = idx.map else {
+            continue;
+        };
+        if idx.on_device {
+            continue;
+        }
+        let raw = IndexArray {
+            map: IndexMap::Identity,
+            ..*idx
+        };
+        // SAFETY: the same host-resident bytes as the request's own array, which
+        // `TransferRequest::new` makes readable and unchanged while the request lives; the view
+        // is dropped before this function returns.
+        let view = unsafe { IndexView::from_array(&raw) }?;
+        let p = page as usize;
+        for k in 0..view.len() / p {
+            let first = k * p;
+            let v0 = view.get(first);
+            if v0.rem_euclid(p as i64) != 0 {
+                return Err(TransferError::PageNotAligned {
+                    page: k,
+                    side,
+                    value: v0 as u64,
+                    position: first,
+                    page_size: p as u64,
+                }
+                .into());
+            }
+            if let Some(j) = (1..p).find(|&j| view.get(first + j) != v0 + j as i64) {
+                return Err(TransferError::PageRunBroken {
+                    page: k,
+                    side,
+                    value: view.get(first + j),
+                    position: first + j,
+                    start: v0 as u64,
+                    end: v0 as u64 + p as u64,
+                    page_size: p as u64,
                 }
                 .into());
             }
@@ -383,6 +435,7 @@ pub fn validate(req: &TransferRequest) -> Result<Checked> {
     if let (Some(hv), Some(dv), Strategy::PageBlocks) = (&hv, &dv, c.strategy) {
         check_pages(hv, dv, req.geom().page_size, req.device().rows as u64)?;
     }
+    check_page_rows(req)?;
     Ok(c)
 }
 
@@ -450,6 +503,7 @@ fn finish<'a>(
         if c.strategy == Strategy::PageBlocks {
             check_pages(&host, &dev, g.page_size, dev_rows)?;
         }
+        check_page_rows(req)?;
     }
     let planes = [c.plane(0), c.plane(c.nplanes - 1)];
     let plane_base = [g.plane_base[0], g.plane_base[c.nplanes - 1]];
@@ -1347,6 +1401,34 @@ mod tests {
     }
 
     #[test]
+    fn page_rows_read_every_index_of_every_page() {
+        // V4 page rows: one row per page, found from the first index of the page; the rest of
+        // the page must follow it, or a page nobody listed whole would move.
+        let mut c = base_case(Layout::LayerFirst, Backend::Kernel, vec![8]);
+        c.map = IndexMap::PageRows { page: 4 };
+        c.host_idx = vec![4, 5, 6, 7, 8, 9, 10, 11];
+        c.dev_idx = vec![0, 1, 2, 3, 4, 5, 6, 7];
+        let mut w = c.world(&mut Rng(1));
+        c.run_plan(&mut w).expect("whole pages");
+        c.host_idx = vec![4, 5, 6, 1_000_000_000, 8, 9, 10, 11];
+        expect_err(
+            &c,
+            "page 0: host index 1000000000 at position 3 breaks the run 4..8",
+        );
+        c.host_idx = vec![4, 5, 10, 11, 8, 9, 10, 11];
+        expect_err(
+            &c,
+            "page 0: host index 10 at position 2 breaks the run 4..8",
+        );
+        c.host_idx = vec![4, 5, 6, 7, 8, 9, 10, 11];
+        c.dev_idx = vec![2, 3, 4, 5, 4, 5, 6, 7];
+        expect_err(
+            &c,
+            "page 0: device index 2 at position 0 does not start a page",
+        );
+    }
+
+    #[test]
     fn page_blocks_refuse_indices_that_are_not_whole_pages() {
         // SGLang reads only the first index of each page; a run that is not the whole page
         // would move rows nobody listed, so it is refused before anything moves.
@@ -1894,9 +1976,14 @@ mod tests {
                     })
                 }
                 IndexMap::PageRows { page } => {
+                    // Every page whole: its first index on a page boundary, the rest following.
                     let p = page as usize;
-                    (raw.len() % p == 0)
-                        .then(|| raw.iter().step_by(p).map(|&t| floor(t, p as i64)).collect())
+                    let whole = raw.len() % p == 0
+                        && raw.chunks(p).all(|g| {
+                            g[0].rem_euclid(p as i64) == 0
+                                && g.iter().enumerate().all(|(j, &t)| t == g[0] + j as i64)
+                        });
+                    whole.then(|| raw.iter().step_by(p).map(|&t| floor(t, p as i64)).collect())
                 }
                 IndexMap::C4Value => Some(
                     raw.iter()
@@ -1937,6 +2024,26 @@ mod tests {
             }
             if rng.below(8) == 0 {
                 out.push(1);
+            }
+            out
+        }
+
+        /// Whole pages of token slots for page rows `v` (row `r` is slots `r*P .. r*P+P`); one
+        /// case in eight breaks a run or leaves a partial page, so the check is exercised.
+        fn whole_pages(v: &[i64], page: u32, seed: u64) -> Vec<i64> {
+            let p = page as i64;
+            let mut rng = Rng(seed | 1);
+            let mut out: Vec<i64> = v
+                .iter()
+                .flat_map(|&r| (0..p).map(move |j| r * p + j))
+                .collect();
+            match rng.below(16) {
+                0 if !out.is_empty() => {
+                    let at = rng.below(out.len() as u64) as usize;
+                    out[at] += 1 + rng.below(3) as i64;
+                }
+                1 => out.push(1),
+                _ => {}
             }
             out
         }
@@ -1985,8 +2092,8 @@ mod tests {
                         spread(&dev_idx, size, rank, seed >> 3),
                     ),
                     IndexMap::PageRows { page } => (
-                        spread(&host_idx, page, 0, seed),
-                        spread(&dev_idx, page, 0, seed >> 3),
+                        whole_pages(&host_idx, page, seed),
+                        whole_pages(&dev_idx, page, seed >> 3),
                     ),
                     _ => (host_idx, dev_idx),
                 };

@@ -171,12 +171,13 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &TransferError) -> PyResult<()> {
         }
         T::PageNotAligned {
             page,
+            side: s,
             value: v,
             position,
             page_size,
         } => {
             set("page", int(page as i128)?)?;
-            set("side", side(crate::error::Side::Host)?)?;
+            set("side", side(s)?)?;
             set("position", int(position as i128)?)?;
             set("value", int(v as i128)?)?;
             set("page_size", int(page_size as i128)?)?;
