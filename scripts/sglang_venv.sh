@@ -11,9 +11,11 @@
 #   "$VENV/bin/python" scripts/sglang_import_check.py
 #
 # How it works
-#   * `python3 -m venv --system-site-packages --without-pip`: torch, numpy,
-#     psutil, triton, pydantic, requests, ... (and hostkv_rs, if installed) come
-#     from the system interpreter; nothing CUDA-sized is downloaded per venv.
+#   * `python3 -m venv --system-site-packages --without-pip`, plus a .pth naming
+#     the calling interpreter's site-packages (which differ from the base's when
+#     the caller is itself a venv): torch, numpy, psutil, pytest, ... (and
+#     hostkv_rs, if installed) come from the calling interpreter; nothing
+#     CUDA-sized is downloaded per venv.
 #     --without-pip: the system pip (found through system site-packages) installs
 #     into the venv, and the venv does not get ensurepip's old setuptools that
 #     would shadow the system one (torch wants setuptools>=77).
@@ -30,7 +32,7 @@
 #
 # Environment
 #   HOSTKV_SGLANG_VENVS      cache root (default ~/.cache/hostkv_rs/sglang-venvs)
-#   HOSTKV_SGLANG_PYTHON     base interpreter (default python3; needs torch)
+#   HOSTKV_SGLANG_PYTHON     base interpreter (default $PYTHON, else python3; needs torch)
 #   HOSTKV_SGLANG_WHEELHOUSE directory holding sglang-<rel>-*.whl (directly or
 #                            under v<rel>/); used instead of PyPI for sglang
 #   HOSTKV_SGLANG_SKIP_CHECK=1  don't run scripts/sglang_import_check.py before
@@ -54,7 +56,7 @@ REL=$1
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=${HOSTKV_SGLANG_VENVS:-$HOME/.cache/hostkv_rs/sglang-venvs}
 DEST=${2:-$ROOT/$REL}
-BASE_PY=${HOSTKV_SGLANG_PYTHON:-python3}
+BASE_PY=${HOSTKV_SGLANG_PYTHON:-${PYTHON:-python3}}
 STAMP="$DEST/.hostkv-sglang-venv.stamp"
 
 log() { echo "[sglang_venv $REL] $*" >&2; }
@@ -134,7 +136,7 @@ if ! BASE_ID=$("$BASE_PY" -c 'import sys, importlib.metadata as m; print(sys.ver
   log "$BASE_PY cannot import torch; install torch into the base interpreter first"
   exit 1
 fi
-STAMP_WANT=$(printf '%s\n' "hostkv-sglang-venv v1" "sglang==$REL" "base: $BASE_ID" "${PKGS[@]}")
+STAMP_WANT=$(printf '%s\n' "hostkv-sglang-venv v2" "sglang==$REL" "base: $BASE_ID" "${PKGS[@]}")
 
 # The stamp must match AND every pinned distribution must still be installed
 # at its version (catches a hand-edited venv); ~0.1s.
@@ -185,6 +187,13 @@ fi
 log "creating venv (system site-packages) at $DEST"
 "$BASE_PY" -m venv --system-site-packages --without-pip "$DEST"
 VPY="$DEST/bin/python"
+# --system-site-packages exposes the *base* installation's packages. When $BASE_PY is itself a
+# venv (a newcomer's, or .ci/run's), torch, pytest and hostkv_rs live in that venv's
+# site-packages instead, so a .pth in the new venv names them (ahead of the base's).
+SITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$BASE_PY" -c 'import sysconfig
+p = sysconfig.get_paths()
+print("\n".join(dict.fromkeys([p["purelib"], p["platlib"]])))' > "$SITE/_hostkv_caller_site.pth"
 if ! "$VPY" -m pip --version >/dev/null 2>&1; then
   # Base interpreter has no pip of its own: bootstrap one into the venv and
   # drop ensurepip's old setuptools so the system one stays visible.
