@@ -1,10 +1,13 @@
 //! hostkv_rs core: host memory, layout arithmetic, transfer plans and the engines that run them.
 
+pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod engine;
 pub mod error;
 pub mod host_mem;
 pub mod index_map;
+pub mod layer_map;
 pub mod layout;
 pub mod plan;
 #[cfg(any(test, feature = "fuzz"))]

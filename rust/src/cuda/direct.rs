@@ -75,10 +75,9 @@ fn batch_fn(driver_version: i32) -> Batch {
 /// per-copy path instead of asking again.
 static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
 
-/// `HOSTKV_DIRECT_BATCH=0` forces the per-copy path (a diagnostic switch).
+/// Whether to submit batches: not after the driver refused one, nor under `HOSTKV_DIRECT_BATCH=0`.
 fn batch_enabled() -> bool {
-    !BATCH_REFUSED.load(Ordering::Relaxed)
-        && std::env::var("HOSTKV_DIRECT_BATCH").map_or(true, |v| v.trim() != "0")
+    !BATCH_REFUSED.load(Ordering::Relaxed) && crate::config::direct_batch()
 }
 
 const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;

@@ -128,7 +128,7 @@ pub(crate) fn run(
         }
     }
     check_same_device(ordinal, req)?;
-    let quota = params::block_quota()?;
+    let quota = crate::config::block_quota()?;
     let kernels = module::kernels(ctx, pr.driver_version)?;
     let mut m = params::marshal(req, c)?;
     for p in 0..c.nplanes {

@@ -140,7 +140,7 @@ fn refuse_capture(stream: u64) -> Result<()> {
 /// from `HOSTKV_BLOCK_QUOTA` as on a GPU. A bad `on_device` index is reported at once.
 #[cfg(feature = "emulator")]
 pub fn emulate(req: &TransferRequest) -> Result<()> {
-    emulate::emulate_with_quota(req, params::block_quota()?)
+    emulate::emulate_with_quota(req, crate::config::block_quota()?)
 }
 
 /// Built without the `emulator` feature (the wheel): refuses, saying how to get the emulator.

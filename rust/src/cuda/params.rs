@@ -20,9 +20,6 @@ const WARPS_PER_BLOCK: u64 = BLOCK_THREADS as u64 / 32;
 /// warps): quota `q` allows `q * 4` of our 256-thread blocks, the same warp count as SGLang's `q`
 /// blocks.
 pub(crate) const BLOCKS_PER_QUOTA: u32 = 1024 / BLOCK_THREADS;
-/// Quota unless `HOSTKV_BLOCK_QUOTA` says otherwise: 2 (64 warps), SGLang's default, which keeps
-/// the copy to a small share of the GPU during a forward pass.
-pub(crate) const DEFAULT_BLOCK_QUOTA: u32 = 2;
 
 /// `HkvParams`, field for field (`#[repr(C)]`; a test compares sizes and offsets with the C++
 /// compiler's).
@@ -169,19 +166,6 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         table,
         tasks,
     })
-}
-
-/// `HOSTKV_BLOCK_QUOTA` (read on every call so it can be changed at run time), else 2.
-pub(crate) fn block_quota() -> Result<u32> {
-    match std::env::var("HOSTKV_BLOCK_QUOTA") {
-        Err(_) => Ok(DEFAULT_BLOCK_QUOTA),
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(q) if (1..=65_535).contains(&q) => Ok(q),
-            _ => Err(Error::Unsupported(format!(
-                "HOSTKV_BLOCK_QUOTA must be an integer in [1, 65535], got {v:?}"
-            ))),
-        },
-    }
 }
 
 fn max_blocks(quota: u32) -> u64 {

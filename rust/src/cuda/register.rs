@@ -122,15 +122,6 @@ fn take_share<'a>(cell: &Share<'a>) -> Option<(usize, &'a mut [Outcome])> {
     cell.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// `PARALLEL_BYTES`, or `HOSTKV_REGISTER_PARALLEL_BYTES` (lets tests exercise the threaded path
-/// on small regions).
-fn parallel_bytes() -> usize {
-    std::env::var("HOSTKV_REGISTER_PARALLEL_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(PARALLEL_BYTES)
-}
-
 /// Registers every chunk (halving refused ones); returns each chunk's outcome, in chunk order,
 /// and the number of threads used. `ctx` is current on the calling thread; helper threads make
 /// it current too.
@@ -141,14 +132,15 @@ fn register_chunks(
     len: usize,
     unit: usize,
 ) -> (Vec<Outcome>, usize) {
-    let threads = if len >= parallel_bytes() && parts.len() > 1 {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_THREADS)
-            .min(parts.len())
-    } else {
-        1
-    };
+    let threads =
+        if len >= crate::config::register_parallel_bytes(PARALLEL_BYTES) && parts.len() > 1 {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(MAX_THREADS)
+                .min(parts.len())
+        } else {
+            1
+        };
     let mut outcomes: Vec<Outcome> = parts.iter().map(|_| Outcome::default()).collect();
     let fill = |first: usize, slots: &mut [Outcome]| {
         for (k, out) in slots.iter_mut().enumerate() {
@@ -251,7 +243,7 @@ pub(crate) unsafe fn register(
             bad.size
         )));
     }
-    if std::env::var_os("HOSTKV_LOG_REGISTER").is_some() {
+    if crate::config::log_register() {
         let secs = start.elapsed().as_secs_f64();
         eprintln!(
             "hostkv_rs: registered {len} bytes in {} chunk(s) on {threads} thread(s) in {secs:.3} s \

@@ -258,16 +258,6 @@ fn prune(st: &mut State) {
     });
 }
 
-/// `HOSTKV_UNREGISTER_TIMEOUT_S` (seconds, default 60): how long unregistering a region waits
-/// for transfers still queued on it before giving up.
-fn timeout() -> Duration {
-    std::env::var("HOSTKV_UNREGISTER_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map_or(Duration::from_secs(60), Duration::from_secs_f64)
-}
-
 fn log(msg: &str) {
     eprintln!("hostkv_rs: {msg}");
 }
@@ -324,7 +314,7 @@ pub(crate) fn remove(base: u64) -> Result<()> {
     let Some(r) = regions().get(&base).cloned() else {
         return Ok(());
     };
-    let limit = timeout();
+    let limit = crate::config::unregister_timeout();
     let deadline = Instant::now() + limit;
     let mut st = r.lock();
     if st.removing {

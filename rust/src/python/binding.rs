@@ -13,7 +13,6 @@
 //! order, then the drafts at `target_layer_num + i` (under layer sharding `target_layer_num` may
 //! exceed the owned count by one; that host layer stays unused).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -23,10 +22,13 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::args;
-use super::core::{Engine, PyPoolCore};
-use super::errors::{layer_index_error_type, to_py};
+use super::core::PyPoolCore;
+use super::errors::to_py;
 use super::spec::PyPoolSpec;
-use crate::request::{Backend, IndexArray, IndexMap, IndexWidth, Op};
+use crate::config;
+use crate::engine::{self, CopyEngine};
+use crate::layer_map::LayerMap;
+use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op};
 
 /// The torch objects a binding compares against, looked up once per process.
 struct Torch {
@@ -146,18 +148,11 @@ pub struct PyDeviceBinding {
     count: usize,
     item_bytes: Vec<u64>,
     like: Vec<Like>,
-    /// controller layer id -> (host layer, tensor position)
-    targets: HashMap<i64, (usize, usize)>,
-    drafts: HashMap<i64, (usize, usize)>,
-    device_layer_num: i64,
-    /// Every (host layer, position), by host layer.
-    backup_order: Vec<(usize, usize)>,
-    /// One all-layer core call covers a backup: every host layer has exactly one device layer.
-    complete: bool,
-    host_layer_num: usize,
-    /// HOSTKV_CPU_ENGINE, read when the binding was built (an unknown value is refused at the
-    /// first CPU transfer, not at construction).
-    cpu_engine: Result<Engine, String>,
+    /// Controller layer ids -> (host layer, tensor position), and the backup order.
+    layers: LayerMap,
+    /// The engine for CPU device tensors, from HOSTKV_CPU_ENGINE when the binding was built (an
+    /// unknown value is refused at the first CPU transfer, not at construction).
+    cpu_engine: Result<&'static dyn CopyEngine, String>,
     /// The last full check. Lock order: this lock is innermost and never held while Python runs
     /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
     /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
@@ -166,17 +161,6 @@ pub struct PyDeviceBinding {
     checked: Mutex<Option<Arc<Checked>>>,
     /// How every transfer reads both index arrays (DCP: this rank's share).
     index_map: IndexMap,
-}
-
-fn cpu_engine_from_env() -> Result<Engine, String> {
-    let raw = std::env::var("HOSTKV_CPU_ENGINE").unwrap_or_default();
-    match raw.trim().to_ascii_lowercase().as_str() {
-        "" | "plan" => Ok(Engine::CpuPlan),
-        "emulated" => Ok(Engine::CpuEmulated),
-        other => Err(format!(
-            "HOSTKV_CPU_ENGINE must be one of plan, emulated, got '{other}'"
-        )),
-    }
 }
 
 /// A layer id as SGLang compares it: an integer (a bool is refused rather than read as 0 or 1).
@@ -387,7 +371,13 @@ impl PyDeviceBinding {
             .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))
     }
 
-    fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Engine> {
+    /// The engine for the checked device and, for CUDA, the stream to queue on (torch's current
+    /// stream of that device, read per call as SGLang does).
+    fn engine(
+        &self,
+        py: Python<'_>,
+        cuda: &Option<Py<PyAny>>,
+    ) -> PyResult<(&'static dyn CopyEngine, u64)> {
         match cuda {
             Some(device) => {
                 let stream: u64 = py
@@ -395,9 +385,9 @@ impl PyDeviceBinding {
                     .call_method1("current_stream", (device.bind(py),))?
                     .getattr("cuda_stream")?
                     .extract()?;
-                Ok(Engine::Cuda { stream })
+                Ok((engine::for_cuda(), stream))
             }
-            None => self.cpu_engine.clone().map_err(PyValueError::new_err),
+            None => Ok((self.cpu_engine.clone().map_err(PyValueError::new_err)?, 0)),
         }
     }
 
@@ -438,11 +428,11 @@ impl PyDeviceBinding {
         rows: usize,
         host: &Bound<'_, PyAny>,
         device: &Bound<'_, PyAny>,
-        engine: Engine,
+        (engine, stream): (&'static dyn CopyEngine, u64),
     ) -> PyResult<()> {
         // CPU device pools and the direct backend read indices on the host; a CUDA kernel reads
         // device-resident ones where they are (and bounds-checks them itself).
-        let host_side = !matches!((engine, backend), (Engine::Cuda { .. }, Backend::Kernel));
+        let host_side = !(engine.memory() == DeviceMemory::Cuda && backend == Backend::Kernel);
         let (mut h, _h_keep) = index_array(py, host, host_side)?;
         let (mut d, _d_keep) = index_array(py, device, host_side)?;
         (h.map, d.map) = (self.index_map, self.index_map);
@@ -452,7 +442,7 @@ impl PyDeviceBinding {
         // the index arrays come from live contiguous int32/int64 tensors held in this frame
         // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
         // current stream, in whose order torch's caching allocator reuses freed memory.
-        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine) }
+        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }
     }
 }
 
@@ -598,49 +588,20 @@ impl PyDeviceBinding {
             )));
         }
         let count = planes.first().map_or(0, Vec::len);
-        let drafts = count.checked_sub(owned_slots.len());
-        let Some(drafts) = drafts.filter(|_| planes.iter().all(|p| p.len() == count)) else {
+        if planes.iter().any(|p| p.len() != count) {
             return Err(PyValueError::new_err(format!(
                 "{what}: every plane needs one tensor per owned layer and draft"
             )));
-        };
-        if owned_slots.len() > target_layer_num {
-            return Err(PyValueError::new_err(format!(
-                "{what}: {} owned layers do not fit {target_layer_num} host layers",
-                owned_slots.len()
-            )));
         }
-        // Owned target `k` is host layer `k` unless `host_layers` says otherwise (a device pool
-        // handed to one call, holding only some of the layers).
-        if let Some(h) = &host_layers {
-            if h.len() != owned_slots.len() || h.iter().any(|&l| l >= target_layer_num) {
-                return Err(PyValueError::new_err(format!(
-                    "{what}: host_layers {h:?} must name one host layer below \
-                     {target_layer_num} per owned slot ({} slots)",
-                    owned_slots.len()
-                )));
-            }
-        }
-        let targets: HashMap<i64, (usize, usize)> = owned_slots
-            .iter()
-            .enumerate()
-            .map(|(k, &slot)| (slot, (host_layers.as_ref().map_or(k, |h| h[k]), k)))
-            .collect();
-        let drafts: HashMap<i64, (usize, usize)> = (0..drafts)
-            .map(|i| {
-                (
-                    device_layer_num + i as i64,
-                    (target_layer_num + i, owned_slots.len() + i),
-                )
-            })
-            .collect();
-        let mut backup_order: Vec<(usize, usize)> =
-            targets.values().chain(drafts.values()).copied().collect();
-        backup_order.sort_unstable();
-        backup_order.dedup();
-        let host_layer_num = target_layer_num + drafts.len();
-        let complete = backup_order.len() == host_layer_num
-            && backup_order.iter().enumerate().all(|(i, &(h, _))| h == i);
+        let layers = LayerMap::new(
+            count,
+            &owned_slots,
+            device_layer_num,
+            target_layer_num,
+            host_layers.as_deref(),
+            what,
+        )
+        .map_err(|e| Python::attach(|py| to_py(py, e)))?;
         let tensors: Vec<Py<PyAny>> = planes.into_iter().flatten().collect();
         let like = like
             .into_iter()
@@ -655,13 +616,8 @@ impl PyDeviceBinding {
             count,
             item_bytes,
             like,
-            targets,
-            drafts,
-            device_layer_num,
-            backup_order,
-            complete,
-            host_layer_num,
-            cpu_engine: cpu_engine_from_env(),
+            layers,
+            cpu_engine: config::cpu_engine().map(engine::for_cpu),
             checked: Mutex::new(None),
             index_map,
         })
@@ -713,13 +669,14 @@ impl PyDeviceBinding {
     ) -> PyResult<()> {
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
-        if self.backup_order.is_empty() {
+        let order = self.layers.backup_order();
+        if order.is_empty() {
             return Ok(());
         }
-        let positions: Vec<usize> = self.backup_order.iter().map(|&(_, p)| p).collect();
+        let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
         let (ptrs, rows, cuda) = self.device_ptrs(py, &positions)?;
         let engine = self.engine(py, &cuda)?;
-        if self.complete {
+        if self.layers.complete() {
             return self.run(
                 py,
                 core.get(),
@@ -733,7 +690,7 @@ impl PyDeviceBinding {
             );
         }
         let n = positions.len();
-        for (k, &(host_layer, _)) in self.backup_order.iter().enumerate() {
+        for (k, &(host_layer, _)) in order.iter().enumerate() {
             let layer_ptrs = (0..self.nplanes()).map(|p| ptrs[p * n + k]).collect();
             self.run(
                 py,
@@ -767,20 +724,18 @@ impl PyDeviceBinding {
     /// `(controller layer id, host layer)` of every owned target layer, by host layer.
     #[getter]
     fn targets(&self) -> Vec<(i64, usize)> {
-        let mut out: Vec<(i64, usize)> = self.targets.iter().map(|(&s, &(h, _))| (s, h)).collect();
-        out.sort_unstable_by_key(|&(_, h)| h);
-        out
+        self.layers.targets()
     }
 
     #[getter]
     fn host_layer_num(&self) -> usize {
-        self.host_layer_num
+        self.layers.host_layer_num()
     }
 
     /// Whether every host layer has a device layer (one all-layer core call backs up all).
     #[getter]
     fn complete(&self) -> bool {
-        self.complete
+        self.layers.complete()
     }
 
     /// The device of the first device tensor (unchecked; `torch.device("cpu")` without any).
@@ -815,23 +770,6 @@ impl PyDeviceBinding {
         is_draft: bool,
     ) -> PyResult<Option<(usize, usize)>> {
         let key = layer_key(layer_id)?;
-        if !is_draft {
-            return Ok(self.targets.get(&key).copied());
-        }
-        match self.drafts.get(&key) {
-            Some(&entry) => Ok(Some(entry)),
-            None => {
-                let first = self.device_layer_num;
-                let message = format!(
-                    "is_draft layer_id {key} is not a packed MTP draft layer: this host pool \
-                     holds drafts at layer ids [{first}, {})",
-                    first + self.drafts.len() as i64
-                );
-                Err(PyErr::from_type(
-                    layer_index_error_type(py)?.clone(),
-                    message,
-                ))
-            }
-        }
+        self.layers.lookup(key, is_draft).map_err(|e| to_py(py, e))
     }
 }

@@ -6,27 +6,20 @@ use pyo3::prelude::*;
 use super::args::{self, index_array, IndexArg};
 use super::errors::{to_py, transfer_err};
 use super::memory::host_memory;
-use crate::error::Error;
+use crate::config::CpuEngine;
+use crate::engine::{self, CopyEngine, Unlock};
 use crate::layout::PlaneLayout;
 use crate::request::{
-    Backend, DeviceMemory, DeviceSide, HostGeometry, IndexArray, IndexMap, Layout, Op,
-    TransferRequest,
+    Backend, DeviceSide, HostGeometry, IndexArray, IndexMap, Layout, Op, TransferRequest,
 };
-use crate::{cpu, cuda, plan};
 
-/// Plans that move more than this release the GIL while copying; smaller ones are cheaper to run
-/// than the ~1 us a detach/reattach costs.
-const DETACH_BYTES: u64 = 1 << 20;
+/// Lets the engines run long work without the GIL.
+pub(crate) struct Gil<'py>(pub(crate) Python<'py>);
 
-/// Where a transfer runs, chosen once per device binding (or per raw call).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Engine {
-    /// The validated copy plan on the CPU.
-    CpuPlan,
-    /// The kernels' CUDA C under the CPU shim (tests).
-    CpuEmulated,
-    /// CUDA, queued on `stream`.
-    Cuda { stream: u64 },
+impl Unlock for Gil<'_> {
+    fn unlocked(&self, work: &mut (dyn FnMut() -> crate::Result<()> + Send)) -> crate::Result<()> {
+        self.0.detach(work)
+    }
 }
 
 /// Geometry and transfers of one host pool (1 or 2 planes).
@@ -52,15 +45,15 @@ impl PyPoolCore {
         })
     }
 
-    /// Runs one transfer on `engine`; every argument is checked (by the planner or the kernel
-    /// path's validation) before a byte moves.
+    /// Runs one transfer on `engine` (queued on `stream` for a CUDA engine); every argument is
+    /// checked (by the planner or the kernel path's validation) before a byte moves.
     ///
     /// # Safety
     /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
     /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
     /// the stated width, length and residency. The caller keeps all of them alive and unwritten
-    /// for the call (CUDA: until the work queued on the engine's stream has run, which the
-    /// caching allocator's stream order guarantees for tensors freed after the call).
+    /// for the call (CUDA: until the work queued on `stream` has run, which the caching
+    /// allocator's stream order guarantees for tensors freed after the call).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run(
         &self,
@@ -71,16 +64,13 @@ impl PyPoolCore {
         rows: usize,
         host_idx: IndexArray,
         dev_idx: IndexArray,
-        engine: Engine,
+        engine: &dyn CopyEngine,
+        stream: u64,
     ) -> PyResult<()> {
-        let memory = match engine {
-            Engine::Cuda { .. } => DeviceMemory::Cuda,
-            Engine::CpuPlan | Engine::CpuEmulated => DeviceMemory::Host,
-        };
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
             rows,
-            memory,
+            memory: engine.memory(),
         };
         // SAFETY: the plane addresses are this core's own memory, held alive by `_owners`; the
         // device side and the index arrays are what this function's caller guarantees.
@@ -94,50 +84,18 @@ impl PyPoolCore {
                 dev_idx,
             )
         };
-        match engine {
-            Engine::CpuPlan => {
-                let plan = plan::build(&req).map_err(|e| to_py(py, e))?;
-                let run = if plan.bytes() > DETACH_BYTES {
-                    py.detach(|| cpu::execute(&plan))
-                } else {
-                    cpu::execute(&plan)
-                };
-                run.map_err(|e| to_py(py, e))
-            }
-            Engine::CpuEmulated => {
-                plan::validate(&req).map_err(|e| to_py(py, e))?;
-                py.detach(|| cuda::emulate(&req)).map_err(|e| to_py(py, e))
-            }
-            Engine::Cuda { stream } => {
-                let c = plan::validate(&req).map_err(|e| to_py(py, e))?;
-                let per_row: u64 = self.geom.item_bytes.iter().map(|&i| i as u64).sum();
-                let bytes = (c.len as u64)
-                    .saturating_mul(c.layer_count)
-                    .saturating_mul(per_row);
-                // Small transfers run with the GIL unless they would block (JIT, a staging
-                // wait, allocation, an index read-back); then again without it.
-                let run = if bytes > DETACH_BYTES {
-                    py.detach(|| cuda::execute(&req, stream))
-                } else {
-                    match cuda::try_execute(&req, stream) {
-                        Err(Error::WouldBlock) => py.detach(|| cuda::execute(&req, stream)),
-                        other => other,
-                    }
-                };
-                run.map_err(|e| to_py(py, e))
-            }
-        }
+        engine.run(&req, stream, &Gil(py)).map_err(|e| to_py(py, e))
     }
 
-    /// The raw entry points' (device, stream, engine) strings.
-    fn engine_arg(device: &str, stream: u64, engine: &str) -> PyResult<Engine> {
+    /// The raw entry points' (device, engine) strings.
+    fn engine_arg(device: &str, engine: &str) -> PyResult<&'static dyn CopyEngine> {
         match (device, engine) {
-            ("cpu", "plan") => Ok(Engine::CpuPlan),
-            ("cpu", "emulated") => Ok(Engine::CpuEmulated),
+            ("cpu", "plan") => Ok(engine::for_cpu(CpuEngine::Plan)),
+            ("cpu", "emulated") => Ok(engine::for_cpu(CpuEngine::Emulated)),
             ("cpu", other) => Err(PyValueError::new_err(format!(
                 "Unsupported engine: {other}; expected 'plan' or 'emulated'"
             ))),
-            ("cuda", _) => Ok(Engine::Cuda { stream }),
+            ("cuda", _) => Ok(engine::for_cuda()),
             (other, _) => Err(PyValueError::new_err(format!(
                 "Unsupported device: {other}; expected 'cpu' or 'cuda'"
             ))),
@@ -166,7 +124,7 @@ impl PyPoolCore {
                 format!("device_rows must be non-negative, got {device_rows}"),
             )
         })?;
-        let engine = Self::engine_arg(device, stream, engine)?;
+        let engine = Self::engine_arg(device, engine)?;
         let host_idx = index_array(py, "host", host_idx, map)?;
         let dev_idx = index_array(py, "device", dev_idx, map)?;
         // SAFETY: the raw entry points are the private interface of tests and benchmarks, whose
@@ -183,6 +141,7 @@ impl PyPoolCore {
                 host_idx,
                 dev_idx,
                 engine,
+                stream,
             )
         }
     }
