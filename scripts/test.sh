@@ -28,8 +28,9 @@ cargo fmt --all -- --check
 # With and without the kernel emulator: the release wheel leaves it out, the tests need it.
 cargo clippy --all-targets --locked -- -D warnings
 cargo clippy --all-targets --locked --features emulator -- -D warnings
+# The release wheel's bindings, and the test wheel's (emulator and raw entry points).
 PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python --lib --locked -- -D warnings
-PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python,emulator --lib --locked -- -D warnings
+PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python,emulator,raw-calls --lib --locked -- -D warnings
 $PY -m ruff check python tests
 
 echo "== cargo test"
@@ -38,11 +39,16 @@ cargo test --locked --features emulator
 # with the bench profile here would add minutes of release LTO for nothing the tests read.
 
 echo "== build and install the wheel"
-rm -rf target/wheels
-# With the kernel emulator, which the emulation tests run; `--features` replaces pyproject's list,
-# so `python` is named again. The release wheel (`maturin build --release`, `pip install .`) is
-# the same build without `emulator`.
-$PY -m maturin build --release --locked --features python,emulator -o target/wheels
+rm -rf target/wheels target/release-wheel
+# The release wheel (what `pip install .` builds): the tests check that it has no entry point
+# that takes a raw address (tests/test_release_wheel.py).
+$PY -m maturin build --release --locked -o target/release-wheel
+export HOSTKV_RELEASE_WHEEL
+HOSTKV_RELEASE_WHEEL=$(ls "$PWD"/target/release-wheel/hostkv_rs-*.whl)
+# The test wheel: the same build with the kernel emulator, which the emulation tests run, and the
+# raw entry points the driver and kernel tests call; `--features` replaces pyproject's list, so
+# `python` is named again.
+$PY -m maturin build --release --locked --features python,emulator,raw-calls -o target/wheels
 $PY -m pip install -q --force-reinstall --no-deps target/wheels/hostkv_rs-*.whl
 
 echo "== typed interface"

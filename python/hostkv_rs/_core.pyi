@@ -127,7 +127,8 @@ class PoolCore:
     def item_bytes(self) -> list[int]: ...
     @property
     def plane_addrs(self) -> list[int]: ...
-    # The raw entry points (tests, benchmarks): device pointers are the caller's promise.
+    # The raw entry points (tests, benchmarks): device pointers are the caller's promise. Only in
+    # builds with the cargo feature `raw-calls` (the test wheel); the release wheel has neither.
     def backup(
         self,
         backend: str,

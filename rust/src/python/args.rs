@@ -3,8 +3,8 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::{transfer_err, type_err};
-use crate::request::{IndexArray, IndexMap, IndexWidth};
+use super::errors::type_err;
+use crate::request::IndexMap;
 
 /// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
 /// naming the parameter, the value and the range otherwise (never a bare OverflowError).
@@ -75,38 +75,4 @@ pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> 
     map.check()
         .map_err(|e| PyValueError::new_err(format!("index_map: {e}")))?;
     Ok(map)
-}
-
-/// An index array as the pools pass it: (address, length, itemsize, on_device).
-pub(crate) type IndexArg = (u64, i64, i64, bool);
-
-pub(crate) fn index_array(
-    py: Python<'_>,
-    which: &str,
-    (ptr, len, itemsize, on_device): IndexArg,
-    map: IndexMap,
-) -> PyResult<IndexArray> {
-    let width = match itemsize {
-        4 => IndexWidth::I32,
-        8 => IndexWidth::I64,
-        other => {
-            return Err(transfer_err(
-                py,
-                format!("{which} indices must be int32 or int64, got an itemsize of {other} bytes"),
-            ))
-        }
-    };
-    let len = usize::try_from(len).map_err(|_| {
-        transfer_err(
-            py,
-            format!("{which} index length must be non-negative, got {len}"),
-        )
-    })?;
-    Ok(IndexArray {
-        ptr,
-        len,
-        width,
-        on_device,
-        map,
-    })
 }

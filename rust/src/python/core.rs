@@ -3,15 +3,15 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::args::{self, index_array, IndexArg};
+#[cfg(feature = "raw-calls")]
+use super::args;
 use super::errors::{to_py, transfer_err};
 use super::memory::host_memory;
-use crate::config::CpuEngine;
-use crate::engine::{self, CopyEngine, Unlock};
+#[cfg(feature = "raw-calls")]
+use super::raw::IndexArg;
+use crate::engine::{CopyEngine, Unlock};
 use crate::layout::PlaneLayout;
-use crate::request::{
-    Backend, DeviceSide, HostGeometry, IndexArray, IndexMap, Layout, Op, TransferRequest,
-};
+use crate::request::{Backend, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest};
 
 /// Lets the engines run long work without the GIL.
 pub(crate) struct Gil<'py>(pub(crate) Python<'py>);
@@ -32,19 +32,6 @@ pub struct PyPoolCore {
 }
 
 impl PyPoolCore {
-    /// A host layer id from Python; a negative one is out of range like a too large one.
-    fn host_layer_arg(&self, py: Python<'_>, host_layer: i64) -> PyResult<usize> {
-        usize::try_from(host_layer).map_err(|_| {
-            transfer_err(
-                py,
-                format!(
-                    "host layer {host_layer} is out of range [0, {})",
-                    self.geom.layers
-                ),
-            )
-        })
-    }
-
     /// Runs one transfer on `engine` (queued on `stream` for a CUDA engine); every argument is
     /// checked (by the planner or the kernel path's validation) before a byte moves.
     ///
@@ -85,65 +72,6 @@ impl PyPoolCore {
             )
         };
         engine.run(&req, stream, &Gil(py)).map_err(|e| to_py(py, e))
-    }
-
-    /// The raw entry points' (device, engine) strings.
-    fn engine_arg(device: &str, engine: &str) -> PyResult<&'static dyn CopyEngine> {
-        match (device, engine) {
-            ("cpu", "plan") => Ok(engine::for_cpu(CpuEngine::Plan)),
-            ("cpu", "emulated") => Ok(engine::for_cpu(CpuEngine::Emulated)),
-            ("cpu", other) => Err(PyValueError::new_err(format!(
-                "Unsupported engine: {other}; expected 'plan' or 'emulated'"
-            ))),
-            ("cuda", _) => Ok(engine::for_cuda()),
-            (other, _) => Err(PyValueError::new_err(format!(
-                "Unsupported device: {other}; expected 'cpu' or 'cuda'"
-            ))),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn transfer(
-        &self,
-        py: Python<'_>,
-        backend: &str,
-        op: Op,
-        device_ptrs: Vec<u64>,
-        device_rows: i64,
-        host_idx: IndexArg,
-        dev_idx: IndexArg,
-        device: &str,
-        stream: u64,
-        engine: &str,
-        map: IndexMap,
-    ) -> PyResult<()> {
-        let backend = Backend::parse(backend).map_err(|e| to_py(py, e))?;
-        let rows = usize::try_from(device_rows).map_err(|_| {
-            transfer_err(
-                py,
-                format!("device_rows must be non-negative, got {device_rows}"),
-            )
-        })?;
-        let engine = Self::engine_arg(device, engine)?;
-        let host_idx = index_array(py, "host", host_idx, map)?;
-        let dev_idx = index_array(py, "device", dev_idx, map)?;
-        // SAFETY: the raw entry points are the private interface of tests and benchmarks, whose
-        // promise is `run`'s: `device_ptrs` are live device layers of `device_rows` rows on
-        // `device`, the index arrays contiguous arrays of the stated length and residency, all
-        // held by the caller for this call (CUDA: freed only in `stream`'s order).
-        unsafe {
-            self.run(
-                py,
-                backend,
-                op,
-                device_ptrs,
-                rows,
-                host_idx,
-                dev_idx,
-                engine,
-                stream,
-            )
-        }
     }
 }
 
@@ -286,8 +214,11 @@ impl PyPoolCore {
         self.geom.plane_base.clone()
     }
 
-    /// Device layers -> host: every layer (`device_ptrs` holds `nplanes * L` layer bases), or only
-    /// `host_layer` (`device_ptrs` holds `nplanes` bases) for a layer-sharded pool.
+    /// Raw entry point (tests and benchmarks; cargo feature `raw-calls`, which the release wheel
+    /// leaves out, because it takes addresses it cannot check). Device layers -> host: every
+    /// layer (`device_ptrs` holds `nplanes * L` layer bases), or only `host_layer` (`device_ptrs`
+    /// holds `nplanes` bases) for a layer-sharded pool.
+    #[cfg(feature = "raw-calls")]
     #[pyo3(signature = (backend, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", host_layer = None, *, index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn backup(
@@ -326,7 +257,9 @@ impl PyPoolCore {
         )
     }
 
-    /// Host layer `host_layer` -> one device layer: `device_ptrs` holds `nplanes` layer bases.
+    /// Raw entry point (feature `raw-calls`, as `backup`). Host layer `host_layer` -> one device
+    /// layer: `device_ptrs` holds `nplanes` layer bases.
+    #[cfg(feature = "raw-calls")]
     #[pyo3(signature = (backend, host_layer, device_ptrs, device_rows, host_idx, dev_idx, device, stream, engine = "plan", *, index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn load(

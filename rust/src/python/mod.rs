@@ -8,6 +8,8 @@ mod binding;
 mod core;
 mod errors;
 mod memory;
+#[cfg(feature = "raw-calls")]
+mod raw;
 mod region;
 mod spec;
 
