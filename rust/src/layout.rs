@@ -179,17 +179,6 @@ pub fn plane_nbytes(
     Ok(PlaneLayout::new(layout, layers, rows, page_size, item_bytes, heads)?.nbytes)
 }
 
-/// The row-major shape of one plane in items (the last dim is the item's bytes, or a head's).
-pub fn plane_shape(pl: &PlaneLayout) -> Vec<u64> {
-    let (l, s, p, h, i) = (pl.layers, pl.rows, pl.page_size, pl.heads, pl.item);
-    match pl.layout {
-        Layout::LayerFirst => vec![l, s, i],
-        Layout::PageFirst => vec![s, l, i],
-        Layout::PageFirstDirect => vec![s / p, l, p, i],
-        Layout::PageHead => vec![s / p, h, p, l, i / h],
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,19 +366,6 @@ mod tests {
         assert_eq!(g.offset(3, 2, 0).unwrap(), 2 * 4 * 8 + 3 * 8);
     }
 
-    #[test]
-    fn shapes_multiply_to_nbytes() {
-        for layout in [
-            Layout::LayerFirst,
-            Layout::PageFirst,
-            Layout::PageFirstDirect,
-            Layout::PageHead,
-        ] {
-            let g = pl(layout, 3, 8, 4, 24, 2);
-            assert_eq!(plane_shape(&g).iter().product::<u64>(), g.nbytes);
-        }
-    }
-
     mod props {
         use super::*;
         use proptest::prelude::*;
@@ -422,8 +398,6 @@ mod tests {
             ) {
                 let heads = if layout == Layout::PageHead { h } else { 1 };
                 check_tiling(layout, l, pages * p, p, seg * heads, heads);
-                let g = pl(layout, l, pages * p, p, seg * heads, heads);
-                prop_assert_eq!(plane_shape(&g).iter().product::<u64>(), g.nbytes);
             }
 
             /// Any sizes at all, up to `usize::MAX`: `new` returns an error or a geometry whose

@@ -608,11 +608,6 @@ impl PoolSpec {
         Ok(view)
     }
 
-    /// The shape a flat page is read as (`set_from_flat_data_page`): the page view's.
-    pub fn flat_page_shape(&self) -> Result<Vec<u64>> {
-        Ok(self.page_view(0)?.shape)
-    }
-
     /// `get_contiguous_buf_infos` (MLA, V4): per-layer (host address, bytes, item bytes) as
     /// SGLang reports them (for the page layouts its per-layer entries are SGLang's quirks:
     /// MLA page_first a strided layer view; page_first_direct a page slab).

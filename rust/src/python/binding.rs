@@ -113,7 +113,7 @@ impl Snap {
 }
 
 /// The checked device side: plane-major snapshots, the smallest row count, the device.
-struct Checked {
+struct CheckedDevice {
     snaps: Vec<Snap>,
     /// Rows of each position (the fewest over its planes): a transfer is bounded by the layers
     /// it touches, as SGLang indexes each layer's own buffer.
@@ -158,7 +158,7 @@ pub struct PyDeviceBinding {
     /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
     /// threads may both re-check after a change; each check is complete, so either result is
     /// right.
-    checked: Mutex<Option<Arc<Checked>>>,
+    checked: Mutex<Option<Arc<CheckedDevice>>>,
     /// How every transfer reads both index arrays (DCP: this rank's share).
     index_map: IndexMap,
 }
@@ -205,7 +205,7 @@ impl PyDeviceBinding {
     }
 
     /// Every tensor checked, as `check_device_layers` did in Python, with its texts.
-    fn check_all(&self, py: Python<'_>) -> PyResult<Checked> {
+    fn check_all(&self, py: Python<'_>) -> PyResult<CheckedDevice> {
         let t = torch(py)?;
         let mut snaps = Vec::with_capacity(self.tensors.len());
         let mut rows: Vec<Option<i64>> = vec![None; self.count];
@@ -299,7 +299,7 @@ impl PyDeviceBinding {
             (Some(dev), "cuda") => Some(dev.clone().unbind()),
             _ => None,
         };
-        Ok(Checked {
+        Ok(CheckedDevice {
             snaps,
             rows: rows
                 .into_iter()
@@ -310,7 +310,7 @@ impl PyDeviceBinding {
     }
 
     /// The row bound of a transfer touching `positions`.
-    fn fewest_rows(checked: &Checked, positions: &[usize]) -> usize {
+    fn fewest_rows(checked: &CheckedDevice, positions: &[usize]) -> usize {
         positions
             .iter()
             .map(|&p| checked.rows[p])
@@ -351,7 +351,7 @@ impl PyDeviceBinding {
     fn still_holds(
         &self,
         py: Python<'_>,
-        checked: &Checked,
+        checked: &CheckedDevice,
         positions: &[usize],
     ) -> PyResult<bool> {
         for plane in 0..self.nplanes() {
@@ -365,7 +365,7 @@ impl PyDeviceBinding {
         Ok(true)
     }
 
-    fn lock_checked(&self) -> PyResult<std::sync::MutexGuard<'_, Option<Arc<Checked>>>> {
+    fn lock_checked(&self) -> PyResult<std::sync::MutexGuard<'_, Option<Arc<CheckedDevice>>>> {
         self.checked
             .lock()
             .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))
