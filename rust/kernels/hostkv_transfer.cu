@@ -33,6 +33,7 @@ typedef unsigned int hkv_u32;
 #define HKV_PAGE_FIRST 1
 #define HKV_PAGE_FIRST_DIRECT 2
 #define HKV_PAGE_HEAD 3
+#define HKV_PAGE_UNIFIED 4
 
 #define HKV_SIDE_HOST 0
 #define HKV_SIDE_DEVICE 1
@@ -118,7 +119,7 @@ struct HkvParams {
     hkv_u32 layout;       // HKV_LAYER_FIRST ...
     hkv_u32 to_host;      // 1: backup (device -> host); 0: load (host -> device)
     hkv_u32 page_size;
-    hkv_u32 heads;        // segments per item (page_head), else 1
+    hkv_u32 heads;        // segments per item (page_head: heads, page_unified: head groups), else 1
     hkv_u32 host_idx_wide;  // 1: int64, 0: int32
     hkv_u32 dev_idx_wide;
 };
@@ -183,6 +184,18 @@ __device__ __forceinline__ hkv_u64 hkv_host_offset(const HkvParams& p, hkv_u32 p
             const hkv_u32 slot = t - page * p.page_size;
             return static_cast<hkv_u64>(page) * p.page_size * ld +
                    (static_cast<hkv_u64>(l) * p.page_size + slot) * item;
+        }
+        case HKV_PAGE_UNIFIED: {
+            // SGLang 0.5.23's page block: (head group, layer, component, slot) rows of one head
+            // group's bytes; the planes (K, V) are the components of one allocation.
+            const hkv_u64 seg = p.seg_bytes[plane];
+            const hkv_u64 comps = p.planes;
+            const hkv_u32 page = t / p.page_size;
+            const hkv_u32 slot = t - page * p.page_size;
+            return static_cast<hkv_u64>(page) * comps * p.page_size * ld +
+                   (((static_cast<hkv_u64>(h) * p.layers + l) * comps + plane) * p.page_size +
+                    slot) *
+                       seg;
         }
         default: {
             const hkv_u64 seg = p.seg_bytes[plane];

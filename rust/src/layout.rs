@@ -27,7 +27,7 @@ pub struct PlaneLayout {
     pub rows: u64,
     /// `P`
     pub page_size: u64,
-    /// `H` (1 unless `page_head`)
+    /// `H`: segments per row (heads for `page_head`, head groups for `page_unified`; else 1).
     pub heads: u64,
     /// `I`: bytes of one row of one layer.
     pub item: u64,
@@ -35,7 +35,12 @@ pub struct PlaneLayout {
     pub segment: u64,
     /// `L * I`
     pub layout_dim: u64,
-    /// `L * S * I`
+    /// `C`: planes sharing one allocation, interleaved inside each layer (`page_unified` MHA: K
+    /// and V, `C = 2`); 1 for every other layout.
+    pub components: u64,
+    /// This plane's place among them (`c < C`).
+    pub component: u64,
+    /// `C * L * S * I`: the bytes of the plane's allocation (shared by its `C` components).
     pub nbytes: u64,
 }
 
@@ -48,20 +53,53 @@ impl PlaneLayout {
         item_bytes: usize,
         heads: usize,
     ) -> Result<Self> {
+        Self::component_of(layout, layers, rows, page_size, item_bytes, heads, 0, 1)
+    }
+
+    /// Plane `component` of `components` planes that share one allocation. Only `page_unified`
+    /// interleaves planes (MHA's K and V inside each layer of each head group); every other
+    /// layout gives each plane an allocation of its own, so `components` must be 1 there.
+    #[allow(clippy::too_many_arguments)]
+    pub fn component_of(
+        layout: Layout,
+        layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: usize,
+        heads: usize,
+        component: usize,
+        components: usize,
+    ) -> Result<Self> {
+        let shared = layout == Layout::PageUnified;
+        if components == 0 || component >= components || (!shared && components != 1) {
+            return Err(Error::Geometry(format!(
+                "plane {component} of {components} sharing one allocation: only page_unified \
+                 interleaves planes"
+            )));
+        }
         if page_size == 0 {
             return Err(Error::Geometry("Page size must be positive".into()));
         }
         if heads == 0 {
             return Err(Error::Geometry("head_num must be positive".into()));
         }
-        let heads = if layout == Layout::PageHead { heads } else { 1 };
+        let heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
+            heads
+        } else {
+            1
+        };
         if item_bytes % heads != 0 {
             return Err(Error::Geometry(format!(
-                "item size {item_bytes} bytes is not divisible by head_num {heads} (page_head \
-                 stores one segment of item_size / head_num bytes per head)"
+                "item size {item_bytes} bytes is not divisible by {heads} segments ({} stores \
+                 one segment of item_size / segments bytes per head or head group)",
+                layout.name()
             )));
         }
-        if matches!(layout, Layout::PageFirstDirect | Layout::PageHead) && rows % page_size != 0 {
+        if matches!(
+            layout,
+            Layout::PageFirstDirect | Layout::PageHead | Layout::PageUnified
+        ) && rows % page_size != 0
+        {
             return Err(Error::Geometry(format!(
                 "{} needs whole pages: rows={rows} is not a multiple of page_size={page_size}",
                 layout.name()
@@ -74,11 +112,21 @@ impl PlaneLayout {
             heads as u64,
             item_bytes as u64,
         );
+        let components_u = components as u64;
         let layout_dim = mul(layers, item, "num_layers * item_bytes")?;
-        let nbytes = mul(layout_dim, rows, "num_layers * rows * item_bytes")?;
-        // A page block (page_first_direct / page_head) spans P * L * I bytes: it is at most the
-        // plane size when S >= P, but a pool smaller than one page must still not overflow.
-        mul(layout_dim, page_size, "page_size * num_layers * item_bytes")?;
+        let nbytes = mul(
+            mul(layout_dim, rows, "num_layers * rows * item_bytes")?,
+            components_u,
+            "planes * num_layers * rows * item_bytes",
+        )?;
+        // A page block (page_first_direct / page_head / page_unified) spans C * P * L * I
+        // bytes: at most the plane size when S >= P, but a pool smaller than one page must
+        // still not overflow.
+        mul(
+            mul(layout_dim, page_size, "page_size * num_layers * item_bytes")?,
+            components_u,
+            "planes * page_size * num_layers * item_bytes",
+        )?;
         Ok(Self {
             layout,
             layers,
@@ -88,6 +136,8 @@ impl PlaneLayout {
             item,
             segment: item / heads,
             layout_dim,
+            components: components_u,
+            component: component as u64,
             nbytes,
         })
     }
@@ -111,6 +161,12 @@ impl PlaneLayout {
                     + head * p * self.layers * seg
                     + (row % p) * self.layers * seg
                     + layer * seg
+            }
+            Layout::PageUnified => {
+                let (p, c) = (self.page_size, self.components);
+                (row / p) * c * p * self.layout_dim
+                    + (((head * self.layers + layer) * c + self.component) * p + row % p)
+                        * self.segment
             }
         }
     }
@@ -140,11 +196,12 @@ impl PlaneLayout {
     }
 
     /// Bytes from one head's segment to the next head's segment of the same (row, layer):
-    /// `P * L * (I / H)` for `page_head`, where head `h` lives at `offset(row, layer, 0) + h *
-    /// head_stride()`; the segment is the whole item (`H = 1`) in every other layout.
+    /// `P * L * (I / H)` for `page_head`, `L * C * P * (I / G)` for `page_unified` (head group
+    /// `g` lives at `offset(row, layer, 0) + g * head_stride()`); the segment is the whole item
+    /// (`H = 1`) in every other layout.
     #[inline(always)]
     pub fn head_stride(&self) -> u64 {
-        self.page_size * self.layers * self.segment
+        self.page_size * self.layers * self.segment * self.components
     }
 
     /// Bytes from (row, layer, head) to (row, layer + 1, head): `S * I` for layer_first, `I` for
@@ -156,6 +213,7 @@ impl PlaneLayout {
             Layout::PageFirst => self.item,
             Layout::PageFirstDirect => self.page_size * self.item,
             Layout::PageHead => self.segment,
+            Layout::PageUnified => self.components * self.page_size * self.segment,
         }
     }
 
@@ -167,7 +225,8 @@ impl PlaneLayout {
     }
 }
 
-/// Bytes of one plane: `L * S * I` in every layout (no padding anywhere).
+/// Bytes of one plane's allocation: `L * S * I` in every layout (no padding anywhere); for one
+/// of `page_unified`'s interleaved planes, see [`PlaneLayout::component_of`].
 pub fn plane_nbytes(
     layout: Layout,
     layers: usize,
@@ -198,6 +257,18 @@ mod tests {
             Layout::PageHead => {
                 (t / p) * p * ld + h * p * (ld / h_) + (t % p) * (ld / h_) + l * (i_ / h_)
             }
+            // SGLang 0.5.23 PageUnifiedLayout: page_dims (page, group, layer, 2, P, hpg, D).
+            Layout::PageUnified => {
+                let (c_, c) = (g.components, g.component);
+                let gb = i_ / h_;
+                let layer_bytes = c_ * p * gb;
+                let group_bytes_all = l_ * layer_bytes;
+                (t / p) * h_ * group_bytes_all
+                    + h * group_bytes_all
+                    + l * layer_bytes
+                    + c * p * gb
+                    + (t % p) * gb
+            }
         }
     }
 
@@ -226,6 +297,59 @@ mod tests {
             covered.iter().all(|&c| c == 1),
             "{layout:?} does not tile the plane"
         );
+    }
+
+    /// `page_unified`'s `C` interleaved planes tile their one allocation exactly between them.
+    fn check_unified_tiling(l: usize, s: usize, p: usize, i: usize, groups: usize, c: usize) {
+        let planes: Vec<PlaneLayout> = (0..c)
+            .map(|k| PlaneLayout::component_of(Layout::PageUnified, l, s, p, i, groups, k, c))
+            .collect::<Result<_>>()
+            .unwrap();
+        let nbytes = planes[0].nbytes;
+        assert_eq!(nbytes, (c * l * s * i) as u64);
+        let mut covered = vec![0u8; nbytes as usize];
+        for g in &planes {
+            assert_eq!(g.nbytes, nbytes);
+            for t in 0..g.rows {
+                for layer in 0..g.layers {
+                    for head in 0..g.heads {
+                        let off = g.offset(t, layer, head).unwrap();
+                        assert_eq!(off, contract_offset(g, t, layer, head));
+                        assert_eq!(off, g.offset(t, layer, 0).unwrap() + head * g.head_stride());
+                        for b in 0..g.segment {
+                            covered[(off + b) as usize] += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            covered.iter().all(|&n| n == 1),
+            "page_unified does not tile"
+        );
+    }
+
+    #[test]
+    fn page_unified_tiles_its_allocation_and_matches_sglangs_strides() {
+        for &(l, s, p, i, g, c) in &[
+            (6, 12, 4, 64, 2, 2),
+            (3, 8, 8, 16, 1, 1),
+            (5, 6, 3, 48, 3, 2),
+            (1, 2, 2, 32, 4, 2),
+        ] {
+            check_unified_tiling(l, s, p, i, g, c);
+        }
+        // SGLang's example: P=4, L=6, H=4, G=2, D=8, itemsize 2: group rows of 32 bytes, layer
+        // cells of 256, head groups of 1536, pages of 3072. V (component 1) of token 4 (page 1,
+        // slot 0), layer 1, group 1.
+        let v = PlaneLayout::component_of(Layout::PageUnified, 6, 12, 4, 64, 2, 1, 2).unwrap();
+        assert_eq!(v.offset(4, 1, 1).unwrap(), 3072 + 1536 + 256 + 4 * 32);
+        assert_eq!(v.head_stride(), 1536);
+        assert_eq!(v.layer_stride(), 256);
+        // Planes share an allocation only in page_unified.
+        assert!(PlaneLayout::component_of(Layout::PageFirst, 1, 4, 4, 8, 1, 1, 2).is_err());
+        assert!(PlaneLayout::component_of(Layout::PageUnified, 1, 4, 4, 8, 1, 2, 2).is_err());
+        assert!(PlaneLayout::new(Layout::PageUnified, 1, 6, 4, 8, 1).is_err()); // not whole pages
     }
 
     #[test]
@@ -330,7 +454,7 @@ mod tests {
     #[test]
     fn rejects_bad_geometry() {
         let e = PlaneLayout::new(Layout::PageHead, 2, 8, 4, 12, 5).unwrap_err();
-        assert!(e.to_string().contains("not divisible by head_num 5"), "{e}");
+        assert!(e.to_string().contains("not divisible by 5 segments"), "{e}");
         let e = PlaneLayout::new(Layout::PageFirstDirect, 2, 10, 4, 16, 1).unwrap_err();
         assert!(
             e.to_string().contains("not a multiple of page_size=4"),

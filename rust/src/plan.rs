@@ -46,6 +46,9 @@ pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
         (Backend::Kernel, _) => Ok(Strategy::PerItem),
         (Backend::Direct, Layout::LayerFirst) => Ok(Strategy::Runs),
         (Backend::Direct, Layout::PageFirstDirect) => Ok(Strategy::PageBlocks),
+        (Backend::Direct, Layout::PageUnified) => Err(Error::Unsupported(
+            "Unsupported layout 'page_unified' for io backend 'direct'".into(),
+        )),
         (Backend::Direct, other) => Err(Error::Unsupported(format!(
             "Unsupported layout: {}",
             other.name()
@@ -91,15 +94,31 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             g.plane_base.len()
         )));
     }
+    // page_unified interleaves its planes (MHA's K and V) in one allocation: one base, one item
+    // size, component `p` of `nplanes`.
+    let shared = g.layout == Layout::PageUnified;
+    if shared
+        && (g.item_bytes.iter().any(|&i| i != g.item_bytes[0])
+            || g.plane_base.iter().any(|&b| b != g.plane_base[0]))
+    {
+        return Err(Error::Geometry(format!(
+            "page_unified planes share one allocation: they need one base address and one item \
+             size, got bases {:x?} and item sizes {:?}",
+            g.plane_base, g.item_bytes
+        )));
+    }
+    let components = if shared { nplanes } else { 1 };
     let mut planes = [None, None];
     for (p, slot) in planes.iter_mut().enumerate().take(nplanes) {
-        let pl = PlaneLayout::new(
+        let pl = PlaneLayout::component_of(
             g.layout,
             g.layers,
             g.rows,
             g.page_size,
             g.item_bytes[p],
             g.heads,
+            if shared { p } else { 0 },
+            components,
         )?;
         if g.plane_base[p].checked_add(pl.nbytes).is_none()
             || (g.plane_base[p] == 0 && pl.nbytes > 0)
@@ -637,9 +656,15 @@ impl<'a> Plan<'a> {
         self.disjoint
     }
 
-    /// The host planes' byte ranges.
+    /// The host planes' byte ranges: page_unified's interleaved planes are one range (they never
+    /// meet each other, and together they fill it).
     fn host_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        (0..self.nplanes).map(|p| {
+        let distinct = if self.planes[0].components > 1 {
+            1
+        } else {
+            self.nplanes
+        };
+        (0..distinct).map(|p| {
             (
                 self.plane_base[p],
                 self.plane_base[p] + self.planes[p].nbytes,
@@ -1052,13 +1077,23 @@ mod tests {
             }
         }
 
+        /// page_unified's planes share one host buffer.
+        fn shared(&self) -> bool {
+            self.layout == Layout::PageUnified
+        }
+
         fn world(&self, rng: &mut Rng) -> World {
-            World {
-                host: self
-                    .items
+            let host = if self.shared() {
+                let c = self.items.len();
+                vec![rng.bytes(c * self.layers * self.rows * self.items[0])]
+            } else {
+                self.items
                     .iter()
                     .map(|&i| rng.bytes(self.layers * self.rows * i))
-                    .collect(),
+                    .collect()
+            };
+            World {
+                host,
                 dev: self
                     .items
                     .iter()
@@ -1094,11 +1129,15 @@ mod tests {
                 page_size: self.page,
                 heads: self.heads,
                 item_bytes: self.items.clone(),
-                plane_base: world
-                    .host
-                    .iter_mut()
-                    .map(|h| h.as_mut_ptr() as u64)
-                    .collect(),
+                plane_base: if self.shared() {
+                    vec![world.host[0].as_mut_ptr() as u64; self.items.len()]
+                } else {
+                    world
+                        .host
+                        .iter_mut()
+                        .map(|h| h.as_mut_ptr() as u64)
+                        .collect()
+                },
             };
             let device = DeviceSide {
                 layer_ptrs,
@@ -1129,11 +1168,16 @@ mod tests {
             (req, hb, db)
         }
 
-        /// Host byte offset from the contract's formulas (host-pool-contract §2.1).
-        fn host_off(&self, item: usize, t: usize, l: usize, h: usize) -> usize {
+        /// Host byte offset of plane `plane` from the contract's formulas (host-pool-contract
+        /// §2.1; page_unified: SGLang 0.5.23's page_dims).
+        fn host_off(&self, plane: usize, item: usize, t: usize, l: usize, h: usize) -> usize {
             let (ll, s, p, hh) = (self.layers, self.rows, self.page, self.heads);
             let ld = ll * item;
             match self.layout {
+                Layout::PageUnified => {
+                    let (c, gb) = (self.items.len(), item / hh);
+                    (t / p) * c * p * ld + (((h * ll + l) * c + plane) * p + t % p) * gb
+                }
                 Layout::LayerFirst => l * s * item + t * item,
                 Layout::PageFirst => t * ld + l * item,
                 Layout::PageFirstDirect => (t / p) * p * ld + l * p * item + (t % p) * item,
@@ -1149,7 +1193,7 @@ mod tests {
                 Op::Backup => (0, self.layers),
                 Op::BackupLayer { host_layer } | Op::Load { host_layer } => (host_layer, 1),
             };
-            let heads = if self.layout == Layout::PageHead {
+            let heads = if matches!(self.layout, Layout::PageHead | Layout::PageUnified) {
                 self.heads
             } else {
                 1
@@ -1178,9 +1222,10 @@ mod tests {
                     let l = first + k;
                     for &(t, d) in &pairs {
                         for h in 0..heads {
-                            let ho = self.host_off(item, t, l, h);
+                            let ho = self.host_off(pl, item, t, l, h);
                             let dof = d * item + h * seg;
-                            let host = &mut w.host[pl][ho..ho + seg];
+                            let hb = if self.shared() { 0 } else { pl };
+                            let host = &mut w.host[hb][ho..ho + seg];
                             let dev = &mut w.dev[pl][k][dof..dof + seg];
                             if self.op.to_host() {
                                 host.copy_from_slice(dev);
@@ -1258,13 +1303,14 @@ mod tests {
         }
     }
 
-    const PAIRS: [(Layout, Backend); 6] = [
+    const PAIRS: [(Layout, Backend); 7] = [
         (Layout::LayerFirst, Backend::Kernel),
         (Layout::PageFirst, Backend::Kernel),
         (Layout::PageHead, Backend::Kernel),
         (Layout::PageFirstDirect, Backend::Kernel),
         (Layout::LayerFirst, Backend::Direct),
         (Layout::PageFirstDirect, Backend::Direct),
+        (Layout::PageUnified, Backend::Kernel),
     ];
 
     #[test]
@@ -1284,6 +1330,12 @@ mod tests {
         for &(layout, backend) in &PAIRS {
             for &(layers, page, items, heads) in geoms {
                 if layout == Layout::PageHead && items.iter().any(|i| i % heads != 0) {
+                    continue;
+                }
+                // page_unified: K and V of one item size, split into `heads` head groups.
+                if layout == Layout::PageUnified
+                    && (items.iter().any(|&i| i != items[0] || i % heads != 0))
+                {
                     continue;
                 }
                 for width in [IndexWidth::I32, IndexWidth::I64] {
@@ -1700,14 +1752,16 @@ mod tests {
     /// int32/int64, backup / one-layer backup / load, indices that are whole shuffled pages
     /// (runs), single shuffled tokens, or nothing.
     fn random_case(rng: &mut Rng) -> Case {
-        const PAIRS_ALL: [(Layout, Backend); 6] = PAIRS;
-        let (layout, backend) = PAIRS_ALL[rng.below(6) as usize];
+        let (layout, backend) = PAIRS[rng.below(PAIRS.len() as u64) as usize];
         let layers = 1 + rng.below(61) as usize;
         let page = [1usize, 2, 3, 4, 5, 7, 8, 16][rng.below(8) as usize];
         let sizes = [1usize, 3, 16, 656];
         let nplanes = 1 + rng.below(2) as usize;
-        let items: Vec<usize> = (0..nplanes).map(|_| sizes[rng.below(4) as usize]).collect();
-        let heads = if layout == Layout::PageHead {
+        let mut items: Vec<usize> = (0..nplanes).map(|_| sizes[rng.below(4) as usize]).collect();
+        if layout == Layout::PageUnified {
+            items = vec![items[0]; nplanes];
+        }
+        let heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
             let g = items.iter().fold(0, |a, &b| gcd(a, b));
             let divisors: Vec<usize> = (1..=g).filter(|d| g % d == 0).collect();
             divisors[rng.below(divisors.len() as u64) as usize]
@@ -1786,7 +1840,7 @@ mod tests {
             ));
         }
         // Every pair, with both widths and both directions.
-        assert_eq!(seen.len(), 6 * 2 * 2, "{seen:?}");
+        assert_eq!(seen.len(), PAIRS.len() * 2 * 2, "{seen:?}");
         // Direct + page_first / page_head have no plan: refused before anything moves.
         for layout in [Layout::PageFirst, Layout::PageHead] {
             let mut c = base_case(layout, Backend::Direct, vec![16]);
@@ -1803,7 +1857,12 @@ mod tests {
     #[test]
     fn an_index_changed_after_validation_is_caught_by_the_walk() {
         for (layout, backend) in PAIRS {
-            let mut c = base_case(layout, backend, vec![8, 4]);
+            let items = if layout == Layout::PageUnified {
+                vec![8, 8]
+            } else {
+                vec![8, 4]
+            };
+            let mut c = base_case(layout, backend, items);
             c.host_idx = vec![4, 5, 6, 7];
             c.dev_idx = vec![0, 1, 2, 3];
             let mut rng = Rng(9);
@@ -1859,7 +1918,7 @@ mod tests {
 
         /// Whether the contract accepts `c` (host-pool-contract §2-3, transfer-semantics §2.6).
         fn oracle_valid(c: &Case) -> bool {
-            let heads = if c.layout == Layout::PageHead {
+            let heads = if matches!(c.layout, Layout::PageHead | Layout::PageUnified) {
                 c.heads
             } else {
                 1
@@ -1867,12 +1926,21 @@ mod tests {
             if c.items.iter().any(|i| i % heads != 0) {
                 return false;
             }
-            let whole_pages = matches!(c.layout, Layout::PageFirstDirect | Layout::PageHead);
+            if c.layout == Layout::PageUnified && c.items.iter().any(|&i| i != c.items[0]) {
+                return false;
+            }
+            let whole_pages = matches!(
+                c.layout,
+                Layout::PageFirstDirect | Layout::PageHead | Layout::PageUnified
+            );
             if whole_pages && c.rows % c.page != 0 {
                 return false;
             }
             if c.backend == Backend::Direct
-                && matches!(c.layout, Layout::PageFirst | Layout::PageHead)
+                && matches!(
+                    c.layout,
+                    Layout::PageFirst | Layout::PageHead | Layout::PageUnified
+                )
             {
                 return false;
             }
@@ -2056,7 +2124,7 @@ mod tests {
 
         prop_compose! {
             fn any_case()(
-                pair in 0usize..6,
+                pair in 0usize..PAIRS.len(),
                 layers in 1usize..=6,
                 page in prop::sample::select(vec![1usize, 2, 3, 4, 5, 7, 8]),
                 items in prop::collection::vec(prop::sample::select(vec![1usize, 3, 16, 24]), 1..=2),

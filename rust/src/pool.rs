@@ -43,9 +43,16 @@ fn parse_layout(kind: PoolKind, layout: &str) -> Result<Layout> {
             Layout::PageFirst,
             Layout::PageFirstDirect,
             Layout::PageHead,
+            Layout::PageUnified,
         ],
         PoolKind::AsymmetricMha => &[Layout::PageFirst, Layout::PageFirstDirect],
-        PoolKind::Mla | PoolKind::V4Paged => &[
+        PoolKind::Mla => &[
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+            Layout::PageUnified,
+        ],
+        PoolKind::V4Paged => &[
             Layout::LayerFirst,
             Layout::PageFirst,
             Layout::PageFirstDirect,
@@ -89,6 +96,8 @@ pub struct PoolSpec {
     pub page_size: u64,
     /// `H` (1 for MLA and V4).
     pub heads: u64,
+    /// `G`: page_unified's head groups (SGLang's `head_group_num`; 1 for every other layout).
+    pub head_groups: u64,
     /// Per plane: elements per head (`D`, `Dv`), `C`, or the V4 row's bytes.
     pub dims: Vec<u64>,
     /// Bytes per element (1 for V4).
@@ -99,6 +108,15 @@ pub struct PoolSpec {
     /// Names the pool in V4's error texts.
     pub name: String,
     planes: Vec<PlaneLayout>,
+}
+
+/// page_unified's head groups: MLA has no head axis, so one.
+fn head_groups_of(kind: PoolKind, head_groups: usize) -> usize {
+    if kind == PoolKind::Mla {
+        1
+    } else {
+        head_groups
+    }
 }
 
 fn overflow(what: &str) -> Error {
@@ -125,7 +143,36 @@ impl PoolSpec {
         dcp_rank: usize,
         name: &str,
     ) -> Result<Self> {
+        Self::grouped(
+            kind, layout, layers, rows, page_size, heads, 1, dims, itemsize, dcp_size, dcp_rank,
+            name,
+        )
+    }
+
+    /// [`new`](Self::new) with page_unified's `head_group_num` (ignored by other layouts, as
+    /// SGLang ignores it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped(
+        kind: PoolKind,
+        layout: &str,
+        layers: usize,
+        rows: usize,
+        page_size: usize,
+        heads: usize,
+        head_groups: usize,
+        dims: &[usize],
+        itemsize: usize,
+        dcp_size: usize,
+        dcp_rank: usize,
+        name: &str,
+    ) -> Result<Self> {
         let layout = parse_layout(kind, layout)?;
+        if layout == Layout::PageUnified {
+            let mla = kind == PoolKind::Mla;
+            let (h, g) = if mla { (1, 1) } else { (heads, head_groups) };
+            let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+            unified::check([page_size, layers, h, g, dims[0], itemsize].map(field), mla)?;
+        }
         let want = match kind {
             PoolKind::Mha | PoolKind::AsymmetricMha => 2,
             PoolKind::Mla | PoolKind::V4Paged => 1,
@@ -208,14 +255,21 @@ impl PoolSpec {
                     .and_then(|x| x.checked_mul(item as u64))
                     .ok_or_else(|| overflow(&format!("num_layers * {what} * item_bytes")))?;
             }
-            let plane_heads = if layout == Layout::PageHead { heads } else { 1 };
-            planes.push(PlaneLayout::new(
+            let (plane_heads, component, components) = match layout {
+                Layout::PageHead => (heads, 0, 1),
+                // K and V interleave inside each layer cell of each head group's block.
+                Layout::PageUnified => (head_groups_of(kind, head_groups), planes.len(), want),
+                _ => (1, 0, 1),
+            };
+            planes.push(PlaneLayout::component_of(
                 layout,
                 layers,
                 plane_rows,
                 plane_page,
                 item,
                 plane_heads,
+                component,
+                components,
             )?);
         }
         Ok(Self {
@@ -225,6 +279,11 @@ impl PoolSpec {
             rows: rows as u64,
             page_size: page_size as u64,
             heads: heads as u64,
+            head_groups: if layout == Layout::PageUnified {
+                head_groups_of(kind, head_groups) as u64
+            } else {
+                1
+            },
             dims: dims.iter().map(|&d| d as u64).collect(),
             itemsize: itemsize as u64,
             dcp_size: dcp_size as u64,
@@ -268,7 +327,11 @@ impl PoolSpec {
             self.dims[plane],
         );
         let pn = self.page_num();
+        let g = self.head_groups;
         match (self.kind, self.layout) {
+            // SGLang's page_dims: one fused tensor for both planes.
+            (PoolKind::Mla, Layout::PageUnified) => vec![pn, l, p, w],
+            (_, Layout::PageUnified) => vec![pn, g, l, 2, p, h / g, w],
             (PoolKind::V4Paged, Layout::LayerFirst) => vec![l, s, w],
             (PoolKind::V4Paged, Layout::PageFirst) => vec![s, l, w],
             (PoolKind::V4Paged, _) => vec![s, l, 1, w],
@@ -283,8 +346,20 @@ impl PoolSpec {
     }
 
     /// Elements of `plane`.
+    /// Elements of `plane`'s allocation (page_unified: the one allocation its planes share).
     pub fn plane_elems(&self, plane: usize) -> u64 {
         self.planes[plane].nbytes / self.itemsize
+    }
+
+    /// SGLang's `PageUnifiedLayout` facts, for a page_unified pool.
+    pub fn unified(&self) -> Option<unified::Unified> {
+        (self.layout == Layout::PageUnified).then(|| unified::Unified {
+            components: self.planes.len() as u64,
+            page_size: self.page_size,
+            layers: self.layers,
+            head_groups: self.head_groups,
+            group_bytes: self.planes[0].segment,
+        })
     }
 
     /// SGLang's (layout, io_backend) check for this kind, with its refusal texts; `io_backend`
@@ -311,10 +386,11 @@ impl PoolSpec {
     /// Layouts whose page pointers assume a page-aligned first slot.
     fn page_major(&self) -> bool {
         match self.kind {
-            PoolKind::Mha | PoolKind::AsymmetricMha => {
-                matches!(self.layout, Layout::PageFirstDirect | Layout::PageHead)
-            }
-            PoolKind::Mla => self.layout == Layout::PageFirstDirect,
+            PoolKind::Mha | PoolKind::AsymmetricMha => matches!(
+                self.layout,
+                Layout::PageFirstDirect | Layout::PageHead | Layout::PageUnified
+            ),
+            PoolKind::Mla => matches!(self.layout, Layout::PageFirstDirect | Layout::PageUnified),
             PoolKind::V4Paged => true,
         }
     }
@@ -431,7 +507,8 @@ impl PoolSpec {
 
     /// SGLang's `get_page_buffer_meta`: per page, (pointer, bytes) entries in SGLang's order.
     /// `bases` holds each plane's host address.
-    pub fn page_meta(&self, bases: &[u64], starts: &[PageStart]) -> (Vec<u64>, Vec<u64>) {
+    pub fn page_meta(&self, bases: &[u64], starts: &[PageStart]) -> Result<(Vec<u64>, Vec<u64>)> {
+        self.refuse_unified()?;
         let (l, s, p) = (self.layers, self.rows, self.page_size);
         let mut ptrs = Vec::new();
         let mut sizes = Vec::new();
@@ -485,7 +562,16 @@ impl PoolSpec {
                 }
             }
         }
-        (ptrs, sizes)
+        Ok((ptrs, sizes))
+    }
+
+    /// SGLang 0.5.23 builds page_unified pools but has no page-metadata or flat-page arm for
+    /// them: those calls refuse the layout, as there.
+    fn refuse_unified(&self) -> Result<()> {
+        if self.layout == Layout::PageUnified {
+            return Err(Error::Value("Unsupported layout: page_unified".into()));
+        }
+        Ok(())
     }
 
     /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page and per group of
@@ -533,6 +619,7 @@ impl PoolSpec {
     /// (both planes in one allocation, V right after K) gets a leading plane dim of 2; V4
     /// layer_first spans the layers (SGLang stacks a copy there).
     pub fn page_view(&self, start: PageStart) -> Result<PageView> {
+        self.refuse_unified()?;
         let (l, s, p) = (self.layers, self.rows, self.page_size);
         let pn = self.page_num();
         let plane_elems = self.plane_elems(0);
@@ -599,6 +686,7 @@ impl PoolSpec {
                             shape: vec![1, h, p, l, d],
                             strides: vec![pn * h * p * l * d, p * l * d, l * d, d, 1],
                         },
+                        Layout::PageUnified => unreachable!("refused above"),
                     };
                     v.shape.insert(0, 2);
                     v.strides.insert(0, plane_elems);
@@ -692,9 +780,17 @@ pub fn check_pair(
         PoolKind::Mha | PoolKind::Mla => {
             let mha = kind == PoolKind::Mha;
             let served = match io_backend {
+                // page_unified moves through the kernels only (SGLang 0.5.23's controller
+                // refuses it for the direct backend, below).
+                Some("direct") if layout_ == PageUnified => {
+                    return unsupported(format!(
+                        "Unsupported layout '{layout}' for io backend 'direct'"
+                    ))
+                }
                 Some("kernel") => Some((
                     Backend::Kernel,
-                    matches!(layout_, LayerFirst | PageFirst) || (mha && layout_ == PageHead),
+                    matches!(layout_, LayerFirst | PageFirst | PageUnified)
+                        || (mha && layout_ == PageHead),
                 )),
                 Some("direct") => Some((
                     Backend::Direct,
@@ -727,6 +823,7 @@ pub fn supported_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
         Layout::PageFirst,
         Layout::PageFirstDirect,
         Layout::PageHead,
+        Layout::PageUnified,
     ] {
         if parse_layout(kind, layout.name()).is_err() {
             continue;
@@ -738,6 +835,109 @@ pub fn supported_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
         }
     }
     out
+}
+
+/// SGLang 0.5.23's `PageUnifiedLayout` (`pool_host/page_unified.py`): its checks with their texts,
+/// and the sizes and L3 chunk spans derived from it. Per page the bytes are
+/// `(head_group, layer, component, page_size, heads_in_group, head_dim)`; the planes' offsets are
+/// [`PlaneLayout`]'s.
+pub mod unified {
+    use crate::error::{Error, Result};
+
+    /// The layout's repr inside SGLang's texts.
+    fn repr(fields: &[(&str, i64); 6], mla: bool) -> String {
+        let inner: Vec<String> = fields.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        let mla = if mla { "True" } else { "False" };
+        format!("PageUnifiedLayout({}, is_mla={mla})", inner.join(", "))
+    }
+
+    /// `PageUnifiedLayout.__post_init__`, in its order; the fields are SGLang's, in its order
+    /// (`page_size, layer_num, head_num, head_group_num, head_dim, itemsize`).
+    pub fn check(fields: [i64; 6], mla: bool) -> Result<()> {
+        let named = [
+            ("page_size", fields[0]),
+            ("layer_num", fields[1]),
+            ("head_num", fields[2]),
+            ("head_group_num", fields[3]),
+            ("head_dim", fields[4]),
+            ("itemsize", fields[5]),
+        ];
+        if let Some((name, _)) = named.iter().find(|(_, v)| *v <= 0) {
+            return Err(Error::Value(format!(
+                "{name} must be positive: {}",
+                repr(&named, mla)
+            )));
+        }
+        let [_, _, heads, groups, dim, itemsize] = fields;
+        if heads % groups != 0 {
+            return Err(Error::Value(format!(
+                "head_group_num={groups} must divide the pool's {heads} kv heads."
+            )));
+        }
+        if mla && (groups != 1 || heads != 1) {
+            return Err(Error::Value(format!(
+                "MLA page blocks have no head axis: {}",
+                repr(&named, mla)
+            )));
+        }
+        let group_bytes = (heads / groups) as i128 * dim as i128 * itemsize as i128;
+        if group_bytes % 16 != 0 {
+            return Err(Error::Value(format!(
+                "one head group's token row is {group_bytes} bytes, which the page_unified \
+                 transfer kernels cannot move: they require a multiple of 16. Raise head_dim, \
+                 lower head_group_num, or use another --hicache-mem-layout."
+            )));
+        }
+        Ok(())
+    }
+
+    /// The derived sizes of a page_unified pool (all in bytes).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Unified {
+        /// 2 (K, V) for MHA, 1 for MLA.
+        pub components: u64,
+        pub page_size: u64,
+        pub layers: u64,
+        pub head_groups: u64,
+        /// One head group's row for one token: the copy unit.
+        pub group_bytes: u64,
+    }
+
+    impl Unified {
+        /// One (group, layer) cell: every component of every token of the page.
+        pub fn layer_bytes(&self) -> u64 {
+            self.components * self.page_size * self.group_bytes
+        }
+
+        pub fn head_group_bytes(&self) -> u64 {
+            self.layers * self.layer_bytes()
+        }
+
+        pub fn bytes_per_page(&self) -> u64 {
+            self.head_groups * self.head_group_bytes()
+        }
+
+        /// `chunk_span((start, end), head_group)`: the byte span, inside one page, of the L3
+        /// chunk holding pool-local layers `[start, end)` of one head group (one contiguous run).
+        pub fn chunk_span(&self, start: i64, end: i64, head_group: i64) -> Result<(u64, u64)> {
+            let layers = self.layers as i64;
+            if !(0 <= start && start < end && end <= layers) {
+                return Err(Error::Value(format!(
+                    "layer range ({start}, {end}) is not a non-empty sub-range of [0, {layers})."
+                )));
+            }
+            if !(0..self.head_groups as i64).contains(&head_group) {
+                return Err(Error::Value(format!(
+                    "head group {head_group} is outside [0, {}).",
+                    self.head_groups
+                )));
+            }
+            Ok((
+                head_group as u64 * self.head_group_bytes() + start as u64 * self.layer_bytes(),
+                (end - start) as u64 * self.layer_bytes(),
+            ))
+        }
+    }
 }
 
 /// The DeepSeek V4 C4 page row SGLang's token-granular kernel (`transfer_cache_dsv4_mla`)
@@ -790,7 +990,8 @@ mod tests {
                 (LayerFirst, D),
                 (PageFirst, K),
                 (PageFirstDirect, D),
-                (PageHead, K)
+                (PageHead, K),
+                (PageUnified, K)
             ]
         );
         assert_eq!(
@@ -802,22 +1003,38 @@ mod tests {
             (LayerFirst, D),
             (PageFirst, K),
             (PageFirstDirect, D),
+            (PageUnified, K),
         ];
         assert_eq!(pairs(PoolKind::Mla), mla);
-        assert_eq!(pairs(PoolKind::V4Paged), mla);
+        assert_eq!(pairs(PoolKind::V4Paged), mla[..4]);
     }
 
     #[test]
     fn construction_refuses_layouts_with_sglangs_text() {
         let e = PoolSpec::new(
             PoolKind::Mha,
-            "page_unified",
+            "page_first_kv_split",
             1,
             4,
             4,
             1,
             &[8, 8],
             2,
+            1,
+            0,
+            "",
+        )
+        .unwrap_err();
+        assert_eq!(e.to_string(), "Unsupported layout: page_first_kv_split");
+        let e = PoolSpec::new(
+            PoolKind::V4Paged,
+            "page_unified",
+            1,
+            4,
+            4,
+            1,
+            &[8],
+            1,
             1,
             0,
             "",
@@ -846,6 +1063,112 @@ mod tests {
         let e =
             PoolSpec::new(PoolKind::Mla, "page_head", 1, 4, 4, 1, &[8], 2, 1, 0, "").unwrap_err();
         assert_eq!(e.to_string(), "Unsupported layout: page_head");
+    }
+
+    /// SGLang 0.5.23's `PageUnifiedLayout`: page_dims, strides, chunk spans and refusals, from
+    /// its own unit test's cases (`test_page_unified_layout.py`).
+    #[test]
+    fn page_unified_is_sglangs_layout() {
+        let mha = |layers, heads, groups, dim, itemsize| {
+            PoolSpec::grouped(
+                PoolKind::Mha,
+                "page_unified",
+                layers,
+                12,
+                4,
+                heads,
+                groups,
+                &[dim, dim],
+                itemsize,
+                1,
+                0,
+                "",
+            )
+        };
+        // P=4, L=6, H=4, G=2, D=8, bf16.
+        let s = mha(6, 4, 2, 8, 2).unwrap();
+        assert_eq!(s.shape(0), vec![3, 2, 6, 2, 4, 2, 8]);
+        assert_eq!(s.shape(1), s.shape(0));
+        let u = s.unified().unwrap();
+        assert_eq!(
+            (
+                u.group_bytes,
+                u.layer_bytes(),
+                u.head_group_bytes(),
+                u.bytes_per_page()
+            ),
+            (32, 256, 1536, 3072)
+        );
+        assert_eq!(s.plane_elems(0) * 2, 3 * 3072);
+        assert_eq!(u.chunk_span(1, 3, 1).unwrap(), (1792, 512));
+        for (range, group, text) in [
+            (
+                (0, 7),
+                0,
+                "layer range (0, 7) is not a non-empty sub-range of [0, 6).",
+            ),
+            (
+                (3, 3),
+                0,
+                "layer range (3, 3) is not a non-empty sub-range of [0, 6).",
+            ),
+            ((-1, 1), 0, "layer range (-1, 1)"),
+            ((0, 1), 2, "head group 2 is outside [0, 2)."),
+        ] {
+            let e = u.chunk_span(range.0, range.1, group).unwrap_err();
+            assert!(e.to_string().starts_with(text), "{e}");
+        }
+        // bytes_per_page does not depend on the group count.
+        for g in [1, 2, 4, 8] {
+            let s = mha(6, 8, g, 8, 2).unwrap();
+            assert_eq!(s.unified().unwrap().bytes_per_page(), 2 * 6 * 4 * 8 * 8 * 2);
+        }
+        let e = mha(6, 2, 2, 7, 1).unwrap_err();
+        assert!(e.to_string().contains("multiple of 16"), "{e}");
+        let e = mha(6, 6, 4, 8, 2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "head_group_num=4 must divide the pool's 6 kv heads."
+        );
+        let e = mha(0, 2, 1, 8, 2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "layer_num must be positive: PageUnifiedLayout(page_size=4, layer_num=0, head_num=2, \
+             head_group_num=1, head_dim=8, itemsize=2, is_mla=False)"
+        );
+        // MLA: (pages, L, P, D), one component, the bytes of page_first_direct.
+        let m = PoolSpec::new(
+            PoolKind::Mla,
+            "page_unified",
+            61,
+            448,
+            64,
+            1,
+            &[576],
+            2,
+            1,
+            0,
+            "",
+        )
+        .unwrap();
+        assert_eq!(m.shape(0), vec![7, 61, 64, 576]);
+        let u = m.unified().unwrap();
+        assert_eq!(u.components, 1);
+        assert_eq!(u.chunk_span(0, 61, 0).unwrap(), (0, u.bytes_per_page()));
+        assert_eq!(u.bytes_per_page(), 61 * 64 * 576 * 2);
+        // Transfers through the kernels only; no page metadata or flat pages, as in SGLang.
+        assert_eq!(
+            s.check_pair(Some("kernel"), "kernel").unwrap(),
+            Backend::Kernel
+        );
+        let e = s.check_pair(Some("direct"), "direct").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Unsupported layout 'page_unified' for io backend 'direct'"
+        );
+        let e = s.page_view(0).unwrap_err();
+        assert_eq!(e.to_string(), "Unsupported layout: page_unified");
+        assert!(s.page_meta(&[0, 0], &[0]).is_err());
     }
 
     #[test]
@@ -942,7 +1265,7 @@ mod tests {
         let vo = l * s * t;
         let m = spec(PoolKind::Mha, "layer_first", &[8, 8]);
         let starts = m.page_starts(&[4, 5, 6, 7, 0, 1, 2, 3]).unwrap();
-        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &starts);
+        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &starts).unwrap();
         let mut want = vec![];
         for tok in [4u64, 0] {
             for layer in 0..l {
@@ -953,7 +1276,7 @@ mod tests {
         assert_eq!(ptrs, want);
         assert!(sizes.iter().all(|&z| z == p * t));
         let m = spec(PoolKind::Mha, "page_head", &[8, 8]);
-        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &[8]);
+        let (ptrs, sizes) = m.page_meta(&[base, base + vo], &[8]).unwrap();
         assert_eq!(ptrs, vec![base + 8 * l * t, base + vo + 8 * l * t]);
         assert_eq!(sizes, vec![l * p * t; 2]);
         let (ptrs, sizes) = m.split_heads_meta(&[base, base + vo], &[8], 2).unwrap();
@@ -962,7 +1285,7 @@ mod tests {
         assert_eq!(ptrs, vec![k0, k0 + vo, k1, k1 + vo]);
         assert_eq!(sizes, vec![l * p * h * d * e / 2; 4]);
         let a = spec(PoolKind::AsymmetricMha, "page_first_direct", &[8, 4]);
-        let (ptrs, sizes) = a.page_meta(&[base, 7 << 20], &[4]);
+        let (ptrs, sizes) = a.page_meta(&[base, 7 << 20], &[4]).unwrap();
         assert_eq!(ptrs, vec![base + 4 * l * t, (7 << 20) + 4 * l * (t / 2)]);
         assert_eq!(sizes, vec![l * p * t, l * p * t / 2]);
     }

@@ -21,6 +21,10 @@ pub enum Layout {
     PageFirst = 1,
     PageFirstDirect = 2,
     PageHead = 3,
+    /// SGLang 0.5.23's fused page block: per page, `(head_group, layer, component, page_size,
+    /// heads_in_group, head_dim)` (MHA, K and V interleaved in one allocation) or `(layer,
+    /// page_size, dim)` (MLA).
+    PageUnified = 4,
 }
 
 impl Layout {
@@ -30,6 +34,7 @@ impl Layout {
             "page_first" => Ok(Self::PageFirst),
             "page_first_direct" => Ok(Self::PageFirstDirect),
             "page_head" => Ok(Self::PageHead),
+            "page_unified" => Ok(Self::PageUnified),
             other => Err(Error::Unsupported(format!("Unsupported layout: {other}"))),
         }
     }
@@ -40,6 +45,7 @@ impl Layout {
             Self::PageFirst => "page_first",
             Self::PageFirstDirect => "page_first_direct",
             Self::PageHead => "page_head",
+            Self::PageUnified => "page_unified",
         }
     }
 }
@@ -140,7 +146,8 @@ pub struct HostGeometry {
     /// `S`: token slots (or page rows for V4); a multiple of `page_size`.
     pub rows: usize,
     pub page_size: usize,
-    /// Head count for `page_head` (each head is its own segment); 1 for every other layout.
+    /// Segments per row: the head count for `page_head`, the head-group count for
+    /// `page_unified`; 1 for every other layout.
     pub heads: usize,
     /// Bytes of one row of one layer, per plane (1 or 2 planes).
     pub item_bytes: Vec<usize>,

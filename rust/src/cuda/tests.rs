@@ -100,10 +100,16 @@ fn encode(v: &[i64], w: IndexWidth) -> Vec<u8> {
 fn build(c: &Case, seed: u64) -> Built {
     let mut rng = Rng(seed | 1);
     let dev_layers = if c.backup { c.layers } else { 1 };
-    let pools = Pools {
-        host: (0..c.planes)
+    // page_unified's planes (K, V) are the components of one allocation.
+    let host = if c.layout == Layout::PageUnified {
+        vec![rng.bytes(c.planes * c.layers * c.rows * c.items[0])]
+    } else {
+        (0..c.planes)
             .map(|p| rng.bytes(c.layers * c.rows * c.items[p]))
-            .collect(),
+            .collect()
+    };
+    let pools = Pools {
+        host,
         dev: (0..c.planes)
             .flat_map(|p| (0..dev_layers).map(move |_| p))
             .map(|p| rng.bytes(c.dev_rows * c.items[p]))
@@ -268,6 +274,23 @@ fn page_head_splits_items_per_head() {
         let mut c = Case::new(Layout::PageHead, items, 7);
         c.heads = heads;
         both_directions(c, &[1, 2, 7], 0xbeef ^ heads as u64);
+    }
+}
+
+#[test]
+fn page_unified_moves_head_groups_of_interleaved_k_and_v() {
+    // SGLang 0.5.23's page block; items of 3, 12 and 66 bytes reach the 4- and 1-byte paths.
+    for (items, groups) in [
+        (&[64usize, 64][..], 2),
+        (&[48, 48], 3),
+        (&[1152], 1),
+        (&[12, 12], 4),
+        (&[66], 1),
+        (&[3, 3], 1),
+    ] {
+        let mut c = Case::new(Layout::PageUnified, items, 5);
+        c.heads = groups;
+        both_directions(c, &[1, 2, 7], 0x0423 ^ groups as u64);
     }
 }
 
@@ -448,11 +471,15 @@ fn mapped_request(
         page_size: c.page,
         heads: c.heads,
         item_bytes: c.items[..c.planes].to_vec(),
-        plane_base: pools
-            .host
-            .iter_mut()
-            .map(|h| h.as_mut_ptr() as u64)
-            .collect(),
+        plane_base: if c.layout == Layout::PageUnified {
+            vec![pools.host[0].as_mut_ptr() as u64; c.planes]
+        } else {
+            pools
+                .host
+                .iter_mut()
+                .map(|h| h.as_mut_ptr() as u64)
+                .collect()
+        },
     };
     let op = if c.backup {
         Op::Backup

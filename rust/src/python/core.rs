@@ -106,9 +106,16 @@ impl PyPoolCore {
         let mut layouts = Vec::with_capacity(item_bytes.len());
         let mut plane_addrs = Vec::with_capacity(item_bytes.len());
         let mut owners = Vec::with_capacity(item_bytes.len());
+        // page_unified's planes (MHA's K and V) are components of one allocation: the same
+        // memory is passed for each.
+        let shared = layout == Layout::PageUnified;
+        let components = if shared { item_bytes.len() } else { 1 };
         for (p, (&item, plane)) in item_bytes.iter().zip(&planes).enumerate() {
-            let pl = PlaneLayout::new(layout, num_layers, rows, page_size, item, head_num)
-                .map_err(|e| to_py(py, e))?;
+            let component = if shared { p } else { 0 };
+            let pl = PlaneLayout::component_of(
+                layout, num_layers, rows, page_size, item, head_num, component, components,
+            )
+            .map_err(|e| to_py(py, e))?;
             let mem = host_memory(plane, &format!("plane {p}"))?;
             if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
                 return Err(PyValueError::new_err(format!(
@@ -120,7 +127,7 @@ impl PyPoolCore {
             plane_addrs.push(mem.addr);
             owners.push(mem.owner);
         }
-        let heads = if layout == Layout::PageHead {
+        let heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
             head_num
         } else {
             1

@@ -12,6 +12,7 @@ mod memory;
 mod raw;
 mod region;
 mod spec;
+mod unified;
 
 use pyo3::prelude::*;
 
@@ -57,6 +58,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<region::PyHostRegion>()?;
     m.add_class::<core::PyPoolCore>()?;
     m.add_class::<spec::PyPoolSpec>()?;
+    m.add_class::<unified::PyPageUnifiedLayout>()?;
     m.add_class::<binding::PyDeviceBinding>()?;
     m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;
     m.add("PageIndexError", errors::page_index_error_type(py)?)?;

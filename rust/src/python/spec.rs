@@ -21,7 +21,7 @@ fn u64s(v: &[u64]) -> Vec<u64> {
 #[pymethods]
 impl PyPoolSpec {
     #[new]
-    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = ""))]
+    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = "", head_group_num = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -36,6 +36,7 @@ impl PyPoolSpec {
         dcp_size: Option<&Bound<'_, PyAny>>,
         dcp_rank: Option<&Bound<'_, PyAny>>,
         name: &str,
+        head_group_num: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let size = |v: &Bound<'_, PyAny>, n: &str| -> PyResult<usize> {
             Ok(int_in(v, n, 0, i64::MAX as u128, "[0, 2**63)")? as usize)
@@ -52,10 +53,21 @@ impl PyPoolSpec {
         let head_num = or_one(head_num, "head_num")?;
         let dcp_size = or_one(dcp_size, "dcp_size")?;
         let dcp_rank = dcp_rank.map_or(Ok(0), |v| size(v, "dcp_rank"))?;
+        let head_groups = or_one(head_group_num, "head_group_num")?;
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
-        let spec = PoolSpec::new(
-            kind, layout, num_layers, rows, page_size, head_num, &dims, itemsize, dcp_size,
-            dcp_rank, name,
+        let spec = PoolSpec::grouped(
+            kind,
+            layout,
+            num_layers,
+            rows,
+            page_size,
+            head_num,
+            head_groups,
+            &dims,
+            itemsize,
+            dcp_size,
+            dcp_rank,
+            name,
         )
         .map_err(|e| to_py(py, e))?;
         Ok(Self { spec })
@@ -119,7 +131,9 @@ impl PyPoolSpec {
     ) -> PyResult<(Vec<u64>, Vec<u64>)> {
         self.check_bases(&bases)?;
         let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
-        Ok(self.spec.page_meta(&bases, &starts))
+        self.spec
+            .page_meta(&bases, &starts)
+            .map_err(|e| to_py(py, e))
     }
 
     /// `get_split_heads_page_buffer_meta` (MHA page_head).
