@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -114,7 +115,100 @@ def test_host_buffers_are_the_pools_regions():
     assert host_buffers(v4) == [(v4._region.address, v4._region.nbytes)]
 
 
+def test_missing_mooncake_says_how_to_install_it_from_the_checkout(monkeypatch, capsys):
+    from hostkv_rs.l3.mooncake import _import_store_class
+    from hostkv_rs.tools import cli
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'pip install "\.\[mooncake\]"'):
+        _import_store_class()
+    rc = cli.main(["demo", "--l3", "mooncake", "--layers", "2", "--pages", "2"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert 'pip install ".[mooncake]"' in captured.err
+    assert "hostkv-rs[mooncake]" not in captured.err
+    assert captured.out == ""  # refused before the demo started
+
+
+def test_probe_fails_fast_in_one_line_naming_the_address():
+    from hostkv_rs.l3 import StoreUnavailable, _native
+    from hostkv_rs.l3.master import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    t0 = time.perf_counter()
+    with pytest.raises(StoreUnavailable) as caught:
+        _native.probe(nobody, "http://127.0.0.1:1/metadata", timeout=2.0)
+    assert time.perf_counter() - t0 < 5
+    text = str(caught.value)
+    assert f"Mooncake master {nobody} does not answer" in text and "\n" not in text
+    metadata_down = pytest.raises(StoreUnavailable, match="server http://127.0.0.1:1/metadata")
+    with metadata_down, _listening() as port:
+        _native.probe(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata", timeout=2.0)
+    with _listening() as port:  # both answer
+        _native.probe(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata", timeout=2.0)
+        _native.probe(f"127.0.0.1:{port}", "P2PHANDSHAKE")
+
+
+def _listening():
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def server():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        try:
+            yield sock.getsockname()[1]
+        finally:
+            sock.close()
+
+    return server()
+
+
+NOISE = (
+    "WARNING: Logging before InitGoogleLogging() is written to STDERR\n"
+    "E1201 21:23:05.880000 18256 transfer_metadata_plugin.cpp:292] GET "
+    "http://127.0.0.1:38267/metadata?key=mooncake%2Fram%2F127.0.0.1%3A14217 http=404 body: "
+    "metadata not found\n"
+)
+REAL = "E1201 21:29:34.597780 31958 master_client.cpp:361] Client not available\n"
+
+
+def test_native_stderr_filter_drops_only_the_known_noise(capfd, monkeypatch):
+    from hostkv_rs.l3 import _native
+
+    monkeypatch.delenv(_native.LOG_ENV, raising=False)
+    with _native.filtered_stderr():
+        os.write(2, (NOISE + REAL).encode())
+    assert capfd.readouterr().err == REAL
+    monkeypatch.setenv(_native.LOG_ENV, "1")  # the user asked for Mooncake's own logging
+    with _native.filtered_stderr():
+        os.write(2, (NOISE + REAL).encode())
+    assert capfd.readouterr().err == NOISE + REAL
+
+
+def test_mooncake_log_level_defaults_to_error_unless_asked(monkeypatch):
+    from hostkv_rs.l3 import _native
+
+    for env, expected in (
+        ({}, "ERROR"),
+        ({"MC_LOG_LEVEL": "INFO"}, "INFO"),  # the user's own setting wins
+        ({_native.LOG_ENV: "info"}, "INFO"),
+        ({_native.LOG_ENV: "1"}, None),  # Mooncake's default
+    ):
+        monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+        monkeypatch.delenv(_native.LOG_ENV, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        _native.quiet_logging_env()
+        assert os.environ.get("MC_LOG_LEVEL") == expected, env
+
+
 # ----------------------------------------------------------------- a real store
+
+
+_SESSION_MASTERS: set[int] = set()  # stopped when the session ends, not by a test
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +216,7 @@ def master():
     from hostkv_rs.l3.master import LoopbackMaster
 
     m = LoopbackMaster.start()
+    _SESSION_MASTERS.add(m.pid)
     yield m
     m.stop()
     m.remove_log()
@@ -501,3 +596,176 @@ def test_demo_l3_mooncake_round_trips_and_verifies_every_byte(capsys, preset):
     moved = int(verify.split(" of ")[1].split()[0])
     assert verify.split(":")[1].split()[0] == str(moved) and moved > 0
     assert out.rstrip().endswith("result      : verified OK")
+
+
+@needs_mooncake
+def test_connect_to_a_master_that_does_not_answer_fails_in_seconds():
+    from hostkv_rs.l3 import MooncakeTier, StoreUnavailable
+    from hostkv_rs.l3.master import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    t0 = time.perf_counter()
+    with pytest.raises(StoreUnavailable, match=f"Mooncake master {nobody} does not answer"):
+        MooncakeTier.connect(nobody, f"http://{nobody}/metadata", global_segment_size=0)
+    assert time.perf_counter() - t0 < 10  # Mooncake's own retries take ~100 s
+
+
+@needs_mooncake
+def test_demo_with_a_wrong_master_fails_fast_in_one_line(capsys):
+    from hostkv_rs.l3.master import free_port
+    from hostkv_rs.tools import cli
+
+    nobody = f"127.0.0.1:{free_port()}"
+    t0 = time.perf_counter()
+    rc = cli.main(["demo", "--l3", "mooncake", "--l3-master", nobody, "--layers", "2"])
+    captured = capsys.readouterr()
+    assert time.perf_counter() - t0 < 10
+    assert rc == 2
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"hostkv-rs demo: error: Mooncake master {nobody} does not")
+    assert captured.out == ""  # nothing allocated or printed before the check
+
+
+@needs_mooncake
+def test_a_client_setup_prints_nothing_unless_asked(capfd, monkeypatch, master):
+    from hostkv_rs.l3 import MooncakeTier, _native
+
+    monkeypatch.delenv(_native.LOG_ENV, raising=False)
+    tier = MooncakeTier.connect(master.address, master.metadata_server, global_segment_size=0)
+    tier.close()
+    quiet = capfd.readouterr().err
+    assert "metadata not found" not in quiet and "InitGoogleLogging" not in quiet, quiet
+    monkeypatch.setenv(_native.LOG_ENV, "error")
+    tier = MooncakeTier.connect(master.address, master.metadata_server, global_segment_size=0)
+    tier.close()
+    assert "http=404 body: metadata not found" in capfd.readouterr().err
+
+
+@needs_mooncake
+def test_demo_l3_mooncake_is_quiet_when_it_works():
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "HOSTKV_MOONCAKE_LOG")}
+    env.setdefault("OMP_NUM_THREADS", "2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hostkv_rs", "demo", "--l3", "mooncake", "--layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "result      : verified OK" in proc.stdout
+    assert proc.stderr == ""
+
+
+# ----------------------------------------------------------------- no master left behind
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for whoever inherited it to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+def _reap(pid: int, log_path: str) -> None:
+    """Test cleanup for a master a failing test left behind: that one pid, then its log."""
+    if not _gone(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.unlink(log_path)
+    except OSError:
+        pass
+
+
+_STARTER = """
+import sys, time
+from hostkv_rs.l3.master import LoopbackMaster
+m = LoopbackMaster.start()
+print(m.pid, m.log_path, flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(600)
+"""
+
+
+def _start_in_child(mode: str) -> tuple[subprocess.Popen, int, str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = child.stdout.readline().split()
+    if len(line) != 2:
+        child.kill()
+        _out, err = child.communicate()
+        pytest.fail(f"the child did not start a master: {err[-2000:]}")
+    return child, int(line[0]), line[1]
+
+
+@needs_mooncake
+def test_a_master_dies_with_its_parent_when_that_is_killed():
+    child, pid, log = _start_in_child("sleep")
+    try:
+        assert not _gone(pid)
+        os.kill(child.pid, signal.SIGKILL)  # no atexit, no finally: only the kernel can help
+        child.wait(timeout=30)
+        assert _wait_gone(pid), f"mooncake_master {pid} outlived its SIGKILLed parent"
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()  # reaps it and closes the pipes
+        _reap(pid, log)
+
+
+@needs_mooncake
+def test_a_master_never_stopped_is_stopped_when_its_process_exits():
+    child, pid, log = _start_in_child("exit")
+    try:
+        _out, err = child.communicate(timeout=60)
+        assert child.returncode == 0, err[-2000:]
+        assert _wait_gone(pid), f"mooncake_master {pid} outlived the process that started it"
+        assert not os.path.exists(log)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        _reap(pid, log)
+
+
+@needs_mooncake
+def test_stopped_masters_leave_no_process():
+    from hostkv_rs.l3 import master as master_mod
+    from hostkv_rs.l3.master import LoopbackMaster
+
+    with LoopbackMaster.start() as a:
+        b = LoopbackMaster.start()
+        assert {a, b} <= master_mod._LIVE
+        b.stop()
+        b.remove_log()
+    for m in (a, b):
+        assert _gone(m.pid) and m not in master_mod._LIVE
+
+
+def test_no_master_started_by_these_tests_is_left_running():
+    """Runs last in this file: every master the tests above started was stopped (the session
+    master, when there is one, ends with the session)."""
+    from hostkv_rs.l3 import master as master_mod
+
+    left = [m.pid for m in master_mod._LIVE if m.pid not in _SESSION_MASTERS]
+    assert left == [], f"mooncake_master processes still running: {left}"

@@ -8,9 +8,12 @@
     results = tier.load(keys, other_indices)     # all(results) when every page came back
     tier.detach()                                # also done by host_pool.destroy() and GC
 
-Needs the optional extra `hostkv_rs[mooncake]` (mooncake-transfer-engine-non-cuda, plus the
-Debian packages libibverbs1 and libnuma1); the pools and the Rust core never import it.
-`hostkv_rs.l3.master.LoopbackMaster` starts a `mooncake_master` on loopback for tests and demos.
+Needs the optional extra `mooncake`: `pip install ".[mooncake]"` in the hostkv_rs checkout (the
+package is not on PyPI; it pulls mooncake-transfer-engine-non-cuda, which also needs the Debian
+packages libibverbs1 and libnuma1); the pools and the Rust core never import it.
+`hostkv_rs.l3.master.LoopbackMaster` starts a `mooncake_master` on loopback for tests and demos;
+it never outlives the process that started it. Mooncake's native log stays quiet unless
+HOSTKV_MOONCAKE_LOG is set.
 """
 
 from hostkv_rs.l3.format import FORMAT_VERSION, PageFormat, host_buffers, page_format

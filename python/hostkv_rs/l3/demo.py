@@ -9,7 +9,6 @@ as a server that only reads would.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 import uuid
 
@@ -29,11 +28,25 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def default_metadata(master: str) -> str:
+    """The master's embedded HTTP metadata server at its default port."""
+    return f"http://{master.rsplit(':', 1)[0]}:8080/metadata"
+
+
+def preflight(master=None, metadata=None) -> None:
+    """What can fail before the demo allocates anything: Mooncake not installed, a given master
+    (or its metadata server) not answering."""
+    from hostkv_rs.l3 import _native
+    from hostkv_rs.l3.mooncake import _import_store_class
+
+    _import_store_class()
+    if master is not None:
+        _native.probe(master, metadata or default_metadata(master))
+
+
 def round_trip(host_pool, host_idx: torch.Tensor, make_pool, say, *, master=None, metadata=None):
     """Save the pages of `host_idx` (whole pages) from `host_pool`, load them into a fresh pool
     from `make_pool()`, verify. Returns the number of differing bytes (+ failed pages)."""
-    # Mooncake logs every client step at INFO to stderr; the demo prints its own lines.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from hostkv_rs.l3 import MooncakeTier, page_format
     from hostkv_rs.l3.master import LoopbackMaster
 
@@ -51,7 +64,7 @@ def round_trip(host_pool, host_idx: torch.Tensor, make_pool, say, *, master=None
             f"{metadata}), up in {(time.perf_counter() - t0) * 1e3:.0f} ms"
         )
     elif metadata is None:
-        metadata = f"http://{master.rsplit(':', 1)[0]}:8080/metadata"
+        metadata = default_metadata(master)
     segment = max(64 << 20, 2 * moved)
     tiers = []
     other = None
@@ -83,10 +96,11 @@ def round_trip(host_pool, host_idx: torch.Tensor, make_pool, say, *, master=None
             f"  l3 get      : into a fresh {type(other).__name__} (another client), "
             f"{_mib(moved)} in {get_s * 1e3:.2f} ms = {moved / get_s / 1e9:.2f} GB/s"
         )
-        a, b = torch.empty(moved, dtype=torch.uint8), torch.empty(moved, dtype=torch.uint8)
+        a, b = torch.empty(moved, dtype=torch.uint8), torch.zeros(moved, dtype=torch.uint8)
         torch.cat(_page_tensors(host_pool, host_idx), out=a)
+        # one thread's memmove: torch's copy_ would wake its OpenMP pool for so few bytes
         t0 = time.perf_counter()
-        b.copy_(a)
+        ctypes.memmove(b.data_ptr(), a.data_ptr(), moved)
         copy_s = time.perf_counter() - t0
         torch.cat(_page_tensors(other, slots), out=b)
         bad = int((a != b).sum())

@@ -6,10 +6,17 @@ its embedded HTTP metadata server), waits until both accept connections, and `st
 one process by its pid (SIGTERM, then SIGKILL after a grace period). Nothing else is touched.
 Its metrics/admin HTTP server also gets a free loopback port (the binary's default is
 0.0.0.0:9003, which a second master, or anything else on 9003, would collide with).
+
+A master never outlives the process that started it: masters still running at interpreter exit
+are stopped, and the kernel kills one whose parent dies without exiting cleanly (SIGKILL, a
+crash) through PR_SET_PDEATHSIG. That signal follows the starting *thread*: a master started
+from a thread that ends is killed with it (pass `die_with_parent=False` to opt out of both).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import shutil
 import signal
@@ -17,10 +24,46 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+# Masters this process started and has not stopped, for the exit hook.
+_LIVE: set[LoopbackMaster] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _prctl():
+    """libc's prctl, looked up in the parent: a forked child of a threaded process must not run
+    the dynamic loader (a lock another thread held at the fork stays held)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux / no glibc symbol: atexit alone
+        return None
+
+
+def _die_with_parent(prctl, parent: int):
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def stop_all(grace: float = 2.0) -> None:
+    """Stop every master this process started and has not stopped (runs at exit)."""
+    with _LIVE_LOCK:
+        masters = list(_LIVE)
+    for master in masters:
+        master.stop(grace=grace)
+        master.remove_log()
+
+
+atexit.register(stop_all)
 
 
 class MasterError(RuntimeError):
@@ -97,14 +140,23 @@ class LoopbackMaster:
         return f"http://{LOOPBACK}:{self.http_port}/metadata"
 
     @classmethod
-    def start(cls, extra_args=(), *, timeout: float = 30.0, log_dir: str | None = None):
+    def start(
+        cls,
+        extra_args=(),
+        *,
+        timeout: float = 30.0,
+        log_dir: str | None = None,
+        die_with_parent: bool = True,
+    ):
         binary = master_binary()
         if binary is None:
             raise MasterError(
-                "mooncake_master was not found: pip install 'hostkv-rs[mooncake]' (the "
-                "mooncake-transfer-engine-non-cuda wheel ships it; it also needs the Debian "
-                "packages libibverbs1 and libnuma1)"
+                'mooncake_master was not found: pip install ".[mooncake]" in the hostkv_rs '
+                "checkout (the mooncake-transfer-engine-non-cuda wheel ships it; it also needs "
+                "the Debian packages libibverbs1 and libnuma1)"
             )
+        prctl = _prctl() if die_with_parent else None
+        preexec = _die_with_parent(prctl, os.getpid()) if prctl is not None else None
         last_log = ""
         for _attempt in range(3):  # a port picked as free can be taken before the bind
             rpc_port, http_port, metrics_port = _distinct_free_ports(3)
@@ -124,9 +176,17 @@ class LoopbackMaster:
             ]
             with os.fdopen(fd, "wb") as log:
                 process = subprocess.Popen(
-                    args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    # only a prctl resolved beforehand and getppid run between fork and exec
+                    preexec_fn=preexec,  # noqa: PLW1509
                 )
             master = cls(process, rpc_port, http_port, log_path)
+            if die_with_parent:
+                with _LIVE_LOCK:
+                    _LIVE.add(master)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if process.poll() is not None:
@@ -157,6 +217,8 @@ class LoopbackMaster:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM this master (by its pid), SIGKILL it after `grace` seconds. Idempotent."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         if self.process.poll() is None:
             try:
                 self.process.send_signal(signal.SIGTERM)

@@ -13,6 +13,9 @@ e.g. MHA layer_first: 2 x layers of them). Safe by construction:
 * pages already stored with the right size are skipped on save (a wrong-size object under the
   key is replaced);
 * the master not answering raises `StoreUnavailable` (nothing is written to the pool then);
+  `connect` asks the master's TCP port first, so a wrong address fails in seconds, in one line
+  (`hostkv_rs.l3._native`), instead of Mooncake's ~100 s of retries;
+* Mooncake's native logging stays quiet unless HOSTKV_MOONCAKE_LOG is set (`_native`);
 * `detach()`, the pool's `destroy()` and the pool's garbage collection all unregister its host
   memory from the client, once, so a later pool at the same addresses can register again.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from hostkv_rs._indices import as_index_array
+from hostkv_rs.l3 import _native
 from hostkv_rs.l3.format import PageFormat, host_buffers, page_format
 
 logger = logging.getLogger(__name__)
@@ -120,15 +124,19 @@ class StoreUnavailable(L3Error):
         self.results = results
 
 
+MOONCAKE_HINT = (
+    'pip install ".[mooncake]" in the hostkv_rs checkout (the mooncake-transfer-engine-non-cuda '
+    "wheel; its native libraries also need the Debian packages libibverbs1 and libnuma1)"
+)
+
+
 def _import_store_class():
+    # the log level must be in the environment before the native module is loaded
+    _native.quiet_logging_env()
     try:
         from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "hostkv_rs.l3 needs Mooncake: pip install 'hostkv-rs[mooncake]' "
-            "(mooncake-transfer-engine-non-cuda; its native libraries also need the Debian "
-            f"packages libibverbs1 and libnuma1): {exc}"
-        ) from exc
+    except ImportError as exc:
+        raise ImportError(f"hostkv_rs.l3 needs Mooncake: {MOONCAKE_HINT}: {exc}") from exc
     return MooncakeDistributedStore
 
 
@@ -212,26 +220,34 @@ class MooncakeTier:
         device_name: str = "",
         global_segment_size: int = DEFAULT_SEGMENT_BYTES,
         local_buffer_size: int = DEFAULT_LOCAL_BUFFER_BYTES,
+        probe_timeout: float | None = _native.PROBE_TIMEOUT_S,
         **kwargs,
     ) -> MooncakeTier:
         """Set up a Mooncake client against `master` ("host:port") and `metadata_server`
         ("http://host:port/metadata" for the master's embedded one, or "P2PHANDSHAKE").
 
-        With the tcp protocol on a loopback `local_hostname`, MC_TCP_BIND_ADDRESS is set to it
-        when unset, so the client advertises loopback and not the machine's first interface."""
+        The master's port (and an http metadata server's) must accept a TCP connection within
+        `probe_timeout` seconds, else StoreUnavailable is raised at once (None: no probe, leave
+        it to Mooncake's retries). With the tcp protocol on a loopback `local_hostname`,
+        MC_TCP_BIND_ADDRESS is set to it when unset, so the client advertises loopback and not
+        the machine's first interface. MC_LOG_LEVEL defaults to ERROR and the setup's known
+        harmless lines are dropped, unless HOSTKV_MOONCAKE_LOG is set."""
         store_cls = _import_store_class()
+        if probe_timeout is not None:
+            _native.probe(master, metadata_server, probe_timeout)
         if protocol == "tcp" and _is_loopback(local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
-        store = store_cls()
-        rc = store.setup(
-            local_hostname,
-            metadata_server,
-            int(global_segment_size),
-            int(local_buffer_size),
-            protocol,
-            device_name,
-            master,
-        )
+        with _native.filtered_stderr():
+            store = store_cls()
+            rc = store.setup(
+                local_hostname,
+                metadata_server,
+                int(global_segment_size),
+                int(local_buffer_size),
+                protocol,
+                device_name,
+                master,
+            )
         if rc != 0:
             raise L3Error(
                 f"Mooncake client setup against master {master} (metadata {metadata_server}, "

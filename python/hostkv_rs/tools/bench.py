@@ -5,7 +5,15 @@ Every backup/load cell is measured three ways in the same process, on the same b
 * the pool (`backup_from_device_all_layer` / `load_to_device_per_layer`),
 * plain torch indexing, i.e. what a Python host pool would do (`host[h] = dev[d]` per layer and
   plane, on the pool's own documented buffer views), and
-* one contiguous copy of the same number of bytes (`dst.copy_(src)`), the ceiling of this machine.
+* one contiguous copy of the same number of bytes: one thread's memmove on CPU (torch's copy_
+  would spread it over its OpenMP pool, whose workers wait for a scheduler tick each on a busy
+  machine), cudaMemcpy on CUDA.
+
+The three are timed interleaved, call by call in rotating order, so a burst of other work on a
+shared machine slows all three alike instead of spoiling one of them; each number is the median of
+its calls. A copy that measured slower than the pool could possibly beat it (more than the pool's
+thread count times faster, see `copy_threads`) is reported, and printed as n/a, rather than turned
+into a ratio.
 
 Host-pool creation is an "alloc" row against `torch.empty(n, dtype=torch.uint8).zero_()`.
 """
@@ -13,6 +21,7 @@ Host-pool creation is an "alloc" row against `torch.empty(n, dtype=torch.uint8).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
 import gc
 import math
@@ -24,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from hostkv_rs import _core
-from hostkv_rs.tools.bench_report import size_text
+from hostkv_rs.tools.bench_report import copy_ratio, size_text
 from hostkv_rs.tools.presets import Preset, build_device_pool, host_pool_class
 from hostkv_rs.tools.torch_baseline import (
     device_planes,
@@ -44,6 +53,14 @@ PAIRS: dict[str, list[tuple[str, str]]] = {
 
 # Largest scratch footprint the copy yardstick cycles through (per direction).
 _YARDSTICK_FOOTPRINT = 512 << 20
+# How many threads the pool may put on one call, so a one-thread copy can be checked as a
+# yardstick: the CPU engine splits plans from 1 MiB on across up to 8 threads
+# (rust/src/cpu.rs: PARALLEL_THRESHOLD, MAX_THREADS); pre-touch uses one thread per 4 MiB, up to
+# 16 (rust/src/host_mem.rs: auto_threads).
+_ENGINE_SPLIT_BYTES = 1 << 20
+_ENGINE_MAX_THREADS = 8
+_PRETOUCH_BYTES_PER_THREAD = 4 << 20
+_PRETOUCH_MAX_THREADS = 16
 _HEAD_DIM = 128  # MHA bench geometries vary the KV head count at head_dim 128, bf16
 
 
@@ -146,25 +163,57 @@ class Timer:
         self.budget_s = budget_s
 
     def each(self, fn, calls: int, warmup: int, min_calls: int = 3) -> list[float]:
-        """Seconds of each call of `fn(i)` (synchronised per call on a GPU): up to `calls` calls,
-        fewer (but at least `min_calls`) once the time budget of one measurement is spent, so
-        slow baselines do not dominate a run while short calls still get many samples."""
+        """Seconds of each call of `fn(i)` (synchronised per call on a GPU)."""
+        return self.interleaved({"fn": fn}, calls, warmup, min_calls)["fn"]
+
+    def interleaved(
+        self, fns: dict, calls: int, warmup: int, min_calls: int = 3, release=None
+    ) -> dict[str, list[float]]:
+        """Seconds of each call of every `fns[name](i)`, the functions taking turns call by call
+        in rotating order (synchronised per call on a GPU): up to `calls` rounds, fewer (but at
+        least `min_calls`) once the time budget of one measurement per function is spent, so slow
+        baselines do not dominate a run while short calls still get many samples. `release`, if
+        given, gets each call's return value outside the timed span (to free what it made)."""
+        names = list(fns)
         for i in range(warmup):
-            fn(i)
+            for name in names:
+                out = fns[name](i)
+                if release is not None:
+                    release(out)
         self._sync()
-        out: list[float] = []
+        times: dict[str, list[float]] = {name: [] for name in names}
         clock = time.perf_counter
         spent = 0.0
+        budget = self.budget_s * len(names)
         for i in range(calls):
-            t0 = clock()
-            fn(i)
-            self._sync()
-            dt = clock() - t0
-            out.append(dt)
-            spent += dt
-            if spent > self.budget_s and len(out) >= min_calls:
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                t0 = clock()
+                out = fns[name](i)
+                self._sync()
+                dt = clock() - t0
+                if release is not None:
+                    release(out)
+                del out
+                times[name].append(dt)
+                spent += dt
+            if spent > budget and i + 1 >= min_calls:
                 break
-        return out
+        return times
+
+
+def pool_threads(device: str, op: str, nbytes: int) -> int:
+    """The most threads the pool may use on one `op` call of `nbytes` (1 on CUDA, where one
+    cudaMemcpy is the ceiling of a transfer)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if op == "alloc":
+        return max(1, min(cpus, _PRETOUCH_MAX_THREADS, nbytes // _PRETOUCH_BYTES_PER_THREAD))
+    if device != "cpu" or nbytes < _ENGINE_SPLIT_BYTES:
+        return 1
+    return max(1, min(cpus, _ENGINE_MAX_THREADS))
 
 
 def median(xs: list[float]) -> float:
@@ -215,6 +264,7 @@ class Context:
     truncated: bool = False
     results: list[dict] = field(default_factory=list)
     foundation: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     _scratch: dict = field(default_factory=dict)
 
     def out_of_time(self) -> bool:
@@ -239,25 +289,38 @@ class Context:
             self._scratch.update(n=nbytes, host=host, dev=dev)
         return self._scratch["host"][:nbytes], self._scratch["dev"][:nbytes]
 
-    def copy_seconds(self, nbytes: int, direction: str, calls: int, slots: int = 1) -> float:
-        """Median seconds of one contiguous copy of `nbytes`. Call i uses slot i % `slots` of the
-        scratch buffers, so a yardstick for per-layer loads (which cycle through the layers) has
-        the same memory footprint, and the same cache misses, as the loads themselves; the slot
-        count is capped where the footprint is far beyond any cache anyway."""
+    def copy_fn(self, nbytes: int, direction: str, slots: int = 1):
+        """One contiguous copy of `nbytes` as `fn(i)`: memmove on this thread for a CPU run,
+        cudaMemcpy (torch copy_ between pinned host memory and the GPU) for CUDA. Call i uses
+        slot i % `slots` of the scratch buffers, so a yardstick for per-layer loads (which cycle
+        through the layers) has the same memory footprint, and the same cache misses, as the loads
+        themselves; the slot count is capped where the footprint is far beyond any cache anyway."""
         slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
         host, dev = self.scratch(nbytes * slots)
         src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+        if self.device == "cpu":
+            src_ptr, dst_ptr = src_all.data_ptr(), dst_all.data_ptr()
+            memmove = ctypes.memmove
 
-        def copy(i):
+            def copy(i):
+                lo = (i % slots) * nbytes
+                memmove(dst_ptr + lo, src_ptr + lo, nbytes)
+
+            return copy
+
+        def copy_cuda(i):
             lo = (i % slots) * nbytes
             dst_all[lo : lo + nbytes].copy_(src_all[lo : lo + nbytes], non_blocking=True)
 
-        return median(self.timer.each(copy, calls, 1))
+        return copy_cuda
+
+    def copy_yardstick(self) -> str:
+        return "one-thread memmove" if self.device == "cpu" else "cudaMemcpy (torch copy_)"
 
 
-def _row(preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_secs, page_size):
+def _row(ctx, preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_secs, page_size):
     items = preset.plane_item_bytes()
-    return {
+    row = {
         "pool": preset.kind,
         "layout": layout,
         "backend": backend,
@@ -274,30 +337,20 @@ def _row(preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_se
         "us_per_call": secs * 1e6,
         "torch_us_per_call": torch_secs * 1e6,
         "memcpy_us_per_call": memcpy_secs * 1e6,
+        "copy_yardstick": (
+            "one-thread memset of faulted memory" if op == "alloc" else ctx.copy_yardstick()
+        ),
+        "copy_threads": pool_threads(ctx.device, op, nbytes),
     }
+    row["copy_consistent"] = copy_ratio(row) is not None
+    return row
 
 
-def _timed_creations(make, repeats: int) -> list[float]:
-    """Seconds to create each of `repeats` objects; each is released before the next one is made,
-    outside the timed span, so only creation (mmap + page faults / pre-touch) is measured."""
-    out = []
-    for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        obj = make()
-        out.append(time.perf_counter() - t0)
-        _destroy(obj)
-        del obj
+def _release(obj) -> None:
+    """Free what a timed creation made, outside the timed span, so only creation (mmap + page
+    faults / pre-touch) is measured."""
+    _destroy(obj)
     gc.collect()
-    return out
-
-
-def _fill_seconds(ctx: Context, nbytes: int, repeats: int) -> list[float]:
-    import torch
-
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    buf.zero_()
-    return ctx.timer.each(lambda _i: buf.fill_(3), repeats, 1)
 
 
 def measure_alloc(ctx: Context, preset: Preset, device_pool, cls, layout: str) -> dict:
@@ -309,25 +362,36 @@ def measure_alloc(ctx: Context, preset: Preset, device_pool, cls, layout: str) -
     host_pages = int(probe.size) // m.page_size
     _destroy(probe)
     del probe
-    times = _timed_creations(
-        lambda: cls(device_pool, 1.0, 0, m.page_size, layout, pin_memory=True, device="cpu"),
+    gc.collect()
+    # ceiling: the same bytes written by one thread into memory that is already faulted in
+    faulted = torch.empty(nbytes, dtype=torch.uint8)
+    faulted.zero_()
+    ptr = faulted.data_ptr()
+    times = ctx.timer.interleaved(
+        {
+            "pool": lambda _i: cls(
+                device_pool, 1.0, 0, m.page_size, layout, pin_memory=True, device="cpu"
+            ),
+            "torch": lambda _i: torch.empty(nbytes, dtype=torch.uint8).zero_(),
+            "fill": lambda _i: ctypes.memset(ptr, 3, nbytes),
+        },
         m.alloc_repeats,
+        0,
+        min_calls=1,
+        release=_release,
     )
-    torch_times = _timed_creations(
-        lambda: torch.empty(nbytes, dtype=torch.uint8).zero_(), m.alloc_repeats
-    )
-    # ceiling: the same bytes written into memory that is already faulted in
-    fill_times = _fill_seconds(ctx, nbytes, m.alloc_repeats)
+    del faulted
     return _row(
+        ctx,
         preset,
         layout,
         "-",
         "alloc",
         host_pages,
         nbytes,
-        median(times),
-        median(torch_times),
-        median(fill_times),
+        median(times["pool"]),
+        median(times["torch"]),
+        median(times["fill"]),
         m.page_size,
     )
 
@@ -358,47 +422,45 @@ def measure_cell(ctx, preset, device_pool, host_pool, layout, backend, pages, rn
 
     # backup
     h_b, d_b = place_indices(host_pool, backend, layout, "backup", host_idx, dev_idx, ctx.device)
-    secs = median(
-        ctx.timer.each(
-            lambda _i: host_pool.backup_from_device_all_layer(device_pool, h_b, d_b, backend),
-            m.repeats,
-            m.warmup,
-        )
-    )
     h_t, d_t = host_idx.cpu(), dev_idx.to(ctx.device)
-    torch_secs = median(
-        ctx.timer.each(
-            lambda _i: torch_backup(dplanes, hplanes, layout, P, h_t, d_t), m.repeats, m.warmup
-        )
-    )
     nbytes = tokens * row_bytes * L
-    copy_secs = ctx.copy_seconds(nbytes, "d2h", m.repeats)
+    times = ctx.timer.interleaved(
+        {
+            "pool": lambda _i: host_pool.backup_from_device_all_layer(
+                device_pool, h_b, d_b, backend
+            ),
+            "torch": lambda _i: torch_backup(dplanes, hplanes, layout, P, h_t, d_t),
+            "copy": ctx.copy_fn(nbytes, "d2h"),
+        },
+        m.repeats,
+        m.warmup,
+    )
     ctx.results.append(
-        _row(preset, layout, backend, "backup", pages, nbytes, secs, torch_secs, copy_secs, P)
+        _row(ctx, preset, layout, backend, "backup", pages, nbytes, *_medians(times), P)
     )
 
     # load, one layer per call, cycling through the layers
     h_l, d_l = place_indices(host_pool, backend, layout, "load", host_idx, dev_idx, ctx.device)
-    secs = median(
-        ctx.timer.each(
-            lambda i: host_pool.load_to_device_per_layer(device_pool, h_l, d_l, i % L, backend),
-            m.load_repeats,
-            m.warmup,
-        )
-    )
-    torch_secs = median(
-        ctx.timer.each(
-            lambda i: torch_load(dplanes, hplanes, layout, P, h_t, d_t, i % L),
-            m.load_repeats,
-            m.warmup,
-        )
-    )
     nbytes = tokens * row_bytes
-    copy_secs = ctx.copy_seconds(nbytes, "h2d", m.load_repeats, slots=L)
+    times = ctx.timer.interleaved(
+        {
+            "pool": lambda i: host_pool.load_to_device_per_layer(
+                device_pool, h_l, d_l, i % L, backend
+            ),
+            "torch": lambda i: torch_load(dplanes, hplanes, layout, P, h_t, d_t, i % L),
+            "copy": ctx.copy_fn(nbytes, "h2d", slots=L),
+        },
+        m.load_repeats,
+        m.warmup,
+    )
     ctx.results.append(
-        _row(preset, layout, backend, "load", pages, nbytes, secs, torch_secs, copy_secs, P)
+        _row(ctx, preset, layout, backend, "load", pages, nbytes, *_medians(times), P)
     )
     host_pool.free(host_idx)
+
+
+def _medians(times: dict[str, list[float]]) -> tuple[float, float, float]:
+    return median(times["pool"]), median(times["torch"]), median(times["copy"])
 
 
 def _foundation_gather(ctx: Context, item: int) -> dict:
@@ -425,16 +487,24 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
     def gather(_i):
         core.load("kernel", 0, dst_ptrs, rows, h_arg, d_arg, "cpu", 0)
 
-    secs = median(ctx.timer.each(gather, m.repeats, m.warmup))
+    # the copy goes into a buffer of its own: `dst` is checked after the timings
+    copy_dst = torch.empty_like(dst).zero_()
+    src_ptr, copy_ptr = src.data_ptr(), copy_dst.data_ptr()
+    times = ctx.timer.interleaved(
+        {"pool": gather, "copy": lambda _i: ctypes.memmove(copy_ptr, src_ptr, nbytes)},
+        m.repeats,
+        m.warmup,
+    )
+    secs, copy_secs = median(times["pool"]), median(times["copy"])
     if not dst.view(rows, item)[d_idx].equal(src.view(rows, item)[h_idx]):
         raise RuntimeError(f"CPU engine gather of {item}-byte items produced wrong bytes")
-    copy_secs = median(ctx.timer.each(lambda _i: dst.copy_(src), m.repeats, m.warmup))
     return {
         "what": f"cpu engine gather, {size_text(item)} items",
         "item_bytes": item,
         "bytes": nbytes,
         "gbps": _gbps(nbytes, secs),
         "memcpy_gbps": _gbps(nbytes, copy_secs),
+        "copy_threads": pool_threads("cpu", "load", nbytes),
         "us_per_call": secs * 1e6,
     }
 
@@ -473,8 +543,12 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
                 core.backup("kernel", all_ptrs, rows, h_arg, d_arg, "cpu", 0)
 
             nbytes = 2 * P * item * L
-        secs = median(ctx.timer.each(call, m.load_repeats, m.warmup))
-        copy_secs = ctx.copy_seconds(nbytes, "h2d" if op == "load" else "d2h", m.load_repeats)
+        times = ctx.timer.interleaved(
+            {"pool": call, "copy": ctx.copy_fn(nbytes, "h2d" if op == "load" else "d2h")},
+            m.load_repeats,
+            m.warmup,
+        )
+        secs, copy_secs = median(times["pool"]), median(times["copy"])
         out.append(
             {
                 "what": f"PoolCore.{op}, 1 page, layer_first/kernel",
@@ -483,10 +557,17 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
                 "bytes": nbytes,
                 "gbps": _gbps(nbytes, secs),
                 "memcpy_gbps": _gbps(nbytes, copy_secs),
+                "copy_threads": pool_threads("cpu", op, nbytes),
                 "us_per_call": secs * 1e6,
             }
         )
     return out
+
+
+def raw_calls_available() -> bool:
+    """Whether this build has the raw PoolCore.load/backup the engine rows time: the release wheel
+    leaves them out (cargo feature raw-calls), and the bench then runs without those rows."""
+    return hasattr(_core.PoolCore, "load") and hasattr(_core.PoolCore, "backup")
 
 
 def measure_foundation(ctx: Context) -> None:
@@ -496,17 +577,30 @@ def measure_foundation(ctx: Context) -> None:
 
     from hostkv_rs import _core
 
-    for item in (2048, 128 << 10):
-        ctx.foundation.append(_foundation_gather(ctx, item))
-        gc.collect()
-    if ctx.matrix.mha_item_bytes:
-        ctx.foundation.extend(_foundation_core_calls(ctx))
+    if raw_calls_available():
+        for item in (2048, 128 << 10):
+            ctx.foundation.append(_foundation_gather(ctx, item))
+            gc.collect()
+        if ctx.matrix.mha_item_bytes:
+            ctx.foundation.extend(_foundation_core_calls(ctx))
+    else:
+        ctx.notes.append(
+            "no engine gather / PoolCore rows: this build has no raw PoolCore.load/backup "
+            "(cargo feature raw-calls; the release wheel leaves them out)"
+        )
     m = ctx.matrix
     nbytes = m.foundation_bytes
-    secs = median(_timed_creations(lambda: _core.HostRegion(nbytes), m.alloc_repeats))
-    torch_secs = median(
-        _timed_creations(lambda: torch.empty(nbytes, dtype=torch.uint8).zero_(), m.alloc_repeats)
+    times = ctx.timer.interleaved(
+        {
+            "pool": lambda _i: _core.HostRegion(nbytes),
+            "torch": lambda _i: torch.empty(nbytes, dtype=torch.uint8).zero_(),
+        },
+        m.alloc_repeats,
+        0,
+        min_calls=1,
+        release=_release,
     )
+    secs, torch_secs = median(times["pool"]), median(times["torch"])
     ctx.foundation.append(
         {
             "what": "HostRegion alloc + pre-touch",
@@ -603,6 +697,7 @@ def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed
         "truncated": ctx.truncated,
         "results": ctx.results,
         "foundation": ctx.foundation,
+        "notes": ctx.notes,
     }
 
 
@@ -642,6 +737,8 @@ def run_many(matrix: Matrix, runs: int, **kwargs) -> dict:
     out["truncated"] = any(r["truncated"] for r in reports)
     out["results"] = _best_rows([r["results"] for r in reports], _ROW_KEY)
     out["foundation"] = _best_rows([r["foundation"] for r in reports], _FOUNDATION_KEY)
+    for row in out["results"]:  # the best copy and the best pool may come from other runs
+        row["copy_consistent"] = copy_ratio(row) is not None
     return out
 
 

@@ -53,6 +53,75 @@ class DemoResult:
         return self.mismatches == 0
 
 
+def demo_bytes(cfg: DemoConfig) -> tuple[int, int]:
+    """(device pool bytes, host pool bytes) the demo will allocate, as the pools size themselves:
+    the device pool has `pages` usable pages plus the padding page; each host pool holds
+    int(device tokens x ratio) // page_size + 1 pages (SGLang's rule). --l3 builds a second host
+    pool (the loading server's)."""
+    p, P = cfg.preset, cfg.page_size
+    per_token = p.bytes_per_token()
+    device = (cfg.pages + 1) * P * per_token
+    host_pools = 2 if cfg.l3 else 1
+    host = (int(cfg.pages * P * cfg.host_ratio) // P + 1) * P * per_token * host_pools
+    return device, host
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB ({n:,} bytes)"
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes this process can allocate now, where that figure comes from): the host pools' own
+    measure where the package has one (it also counts a container's memory cgroup), else
+    psutil's available memory."""
+    from hostkv_rs import _memory
+
+    measure = getattr(_memory, "available_host_memory", None)
+    if measure is not None:
+        memory = measure()
+        return int(memory.available), str(memory.source)
+    import psutil
+
+    return int(psutil.virtual_memory().available), "psutil's available memory"
+
+
+def check_memory(cfg: DemoConfig) -> None:
+    """Refuse, before anything is allocated, a demo this machine cannot hold: otherwise torch's
+    allocator fails deep inside the device pool (or the OOM killer ends the process) instead of
+    an error that says what was asked for and what there is."""
+    from hostkv_rs._memory import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+
+    device, host = demo_bytes(cfg)
+    available, source = available_memory()
+    pools, needs = ("host pools", "need") if cfg.l3 else ("host pool", "needs")
+    keeps = (
+        f"the host pool's memory check keeps {reserve / 2**30:.0f} GiB ({reserve:,} bytes, "
+        "SGLang's HiCache reserve)"
+    )
+    hint = "; lower --pages, --page-size, --layers or --host-ratio"
+    if cfg.device == "cpu":
+        if device + host + reserve > available:
+            raise ValueError(
+                f"not enough memory: the device pool (on cpu) needs {_gb(device)} and the "
+                f"{pools} {_gb(host)}, but {_gb(available)} is available ({source}), and "
+                f"{keeps} out of what the device pool leaves{hint}"
+            )
+        return
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    if device > free:
+        raise ValueError(
+            f"not enough GPU memory: the device pool needs {_gb(device)}, but "
+            f"torch.cuda.mem_get_info() reports {_gb(free)} free{hint}"
+        )
+    if host + reserve > available:
+        raise ValueError(
+            f"not enough host memory: the {pools} {needs} {_gb(host)}, but {_gb(available)} is "
+            f"available ({source}), and {keeps} out of it{hint}"
+        )
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -100,6 +169,11 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
         lines.append(s)
         print(s, file=out, flush=True)
 
+    check_memory(cfg)
+    if cfg.l3 == "mooncake":
+        from hostkv_rs.l3.demo import preflight
+
+        preflight(cfg.l3_master, cfg.l3_metadata)
     say(f"hostkv-rs demo: {p.name} ({p.describe()}) on {cfg.device}")
     device_pool = build_device_pool(p, cfg.pages * P, P, cfg.device)
     dplanes = torch_baseline.device_planes(device_pool, p.kind)
@@ -177,6 +251,11 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
         f"({load_s / p.layers * 1e6:.1f} us per call)"
     )
 
+    say(
+        "  note        : these GB/s are one cold call each on a few pages (no warmup: the "
+        "engine's first use, cold caches and per-call overhead weigh on so few bytes); "
+        "`hostkv-rs bench` reports warmed-up medians of many calls, so expect more there"
+    )
     dev_bad, dev_stray = _check_device(dplanes, dst_idx, expected)
     say(
         f"  verify host : {_verdict(host_bad, moved)} at the {cfg.layout} offsets; "

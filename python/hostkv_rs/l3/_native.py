@@ -1,0 +1,128 @@
+"""Mooncake's native client, kept quiet when it works and quick when it cannot.
+
+* Quiet: the client logs every setup step at INFO, and at ERROR level a normal event (its own
+  segment's metadata key does not exist yet: `GET ... http=404 body: metadata not found`),
+  preceded by glog's `WARNING: Logging before InitGoogleLogging()`. `MC_LOG_LEVEL` (read by the
+  native side; its quietest level is ERROR) defaults to ERROR, and while a client is set up its
+  stderr goes through a filter that drops those two known lines and passes everything else on.
+  `HOSTKV_MOONCAKE_LOG=1` (or a level: TRACE, INFO, WARNING, ERROR) leaves Mooncake's logging as
+  it is, at that level.
+* Quick: a master that does not accept TCP connections is retried by the client for ~100 s with
+  an error line per attempt; `probe` asks the master's port (and an HTTP metadata server's) with a
+  short timeout first and raises one error naming the address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import tempfile
+import urllib.parse
+
+LOG_ENV = "HOSTKV_MOONCAKE_LOG"
+_MC_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
+PROBE_TIMEOUT_S = 3.0
+
+# Lines a successful setup prints that say nothing is wrong.
+_NOISE = (
+    re.compile(r"^WARNING: Logging before InitGoogleLogging\(\) is written to STDERR$"),
+    re.compile(r"^E\d{4} [\d:.]+ +\d+ \S+\] GET \S+ http=404 body: metadata not found$"),
+)
+
+
+def verbose() -> bool:
+    """Whether the user asked for Mooncake's own logging (HOSTKV_MOONCAKE_LOG set, not 0)."""
+    return os.environ.get(LOG_ENV, "").strip() not in ("", "0")
+
+
+def quiet_logging_env() -> None:
+    """Set Mooncake's log level before its client is made (an explicit MC_LOG_LEVEL wins)."""
+    wanted = os.environ.get(LOG_ENV, "").strip().upper()
+    if verbose():
+        if wanted in _MC_LEVELS:
+            os.environ.setdefault("MC_LOG_LEVEL", wanted)
+        return
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def is_noise(line: str) -> bool:
+    return any(p.match(line) for p in _NOISE)
+
+
+@contextlib.contextmanager
+def filtered_stderr():
+    """Route file descriptor 2 (where the native side writes) into a temporary file for the
+    duration, then pass its lines on to stderr, less the known noise. Output of other threads in
+    that window is delayed, not lost."""
+    if verbose():
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (a daemon) or a closed stream: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            kept = [line for line in text.splitlines() if not is_noise(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+                sys.stderr.flush()
+
+
+def _split_host_port(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _reach(host: str, port: int, timeout: float) -> str | None:
+    """None when (host, port) accepts a TCP connection within `timeout`, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def probe(master: str, metadata_server: str | None = None, timeout: float = PROBE_TIMEOUT_S):
+    """Raise StoreUnavailable, in one line naming the address, when the master (HOST:PORT) or an
+    http(s) metadata server does not accept a TCP connection within `timeout` seconds. Other
+    forms (etcd://, P2PHANDSHAKE, an HA list) are left to Mooncake."""
+    from hostkv_rs.l3.mooncake import StoreUnavailable
+
+    target = _split_host_port(master) if "://" not in master and "," not in master else None
+    if target is not None:
+        why = _reach(*target, timeout)
+        if why is not None:
+            raise StoreUnavailable(
+                f"Mooncake master {master} does not answer ({why}); is mooncake_master running "
+                "there, and is that its RPC port?"
+            )
+    if metadata_server and metadata_server.startswith(("http://", "https://")):
+        url = urllib.parse.urlsplit(metadata_server)
+        try:
+            port = url.port or (443 if url.scheme == "https" else 80)
+        except ValueError:
+            port = None
+        if url.hostname and port is not None:
+            why = _reach(url.hostname, port, timeout)
+            if why is not None:
+                raise StoreUnavailable(
+                    f"Mooncake metadata server {metadata_server} does not answer ({why}); the "
+                    "master's embedded one needs --enable_http_metadata_server=true"
+                )
