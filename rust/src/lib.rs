@@ -3,6 +3,7 @@
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod digest;
 pub mod engine;
 pub mod error;
 pub mod host_mem;

@@ -45,6 +45,38 @@ fn runtime_info(py: Python<'_>) -> String {
     )
 }
 
+/// XXH3-128 of the bytes of `buffers` (objects with the buffer protocol, C-contiguous: numpy
+/// arrays, memoryviews, `HostRegion`s) taken in order as one byte string, hashed without the
+/// GIL. The caller keeps the bytes unchanged during the call (the L3 tier hashes pages it is
+/// saving or has just loaded).
+#[pyfunction]
+fn digest(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u128> {
+    let views = buffers
+        .iter()
+        .map(|b| {
+            let view = pyo3::buffer::PyBuffer::<u8>::get(b)?;
+            if !view.is_c_contiguous() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "digest needs C-contiguous buffers",
+                ));
+            }
+            Ok(view)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let parts: Vec<(usize, usize)> = views
+        .iter()
+        .map(|v| (v.buf_ptr() as usize, v.len_bytes()))
+        .collect();
+    Ok(py.detach(|| {
+        crate::digest::digest128(parts.iter().map(|&(ptr, len)| {
+            // SAFETY: each (ptr, len) is a C-contiguous buffer held by its `PyBuffer` in
+            // `views`, alive until this function returns; its bytes are readable, and the
+            // caller keeps them unchanged for the call (documented above).
+            unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+        }))
+    }))
+}
+
 /// Raises TransferError if a kernel recorded a bad device-resident index since the last check.
 #[pyfunction]
 fn check_device_errors(py: Python<'_>) -> PyResult<()> {
@@ -58,6 +90,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<region::PyHostRegion>()?;
     m.add_class::<core::PyPoolCore>()?;
     m.add_class::<spec::PyPoolSpec>()?;
+    m.add_function(wrap_pyfunction!(digest, m)?)?;
     m.add_class::<unified::PyPageUnifiedLayout>()?;
     m.add_class::<binding::PyDeviceBinding>()?;
     m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;
