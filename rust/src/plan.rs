@@ -2523,6 +2523,153 @@ mod footprint_tests {
         let _ = std::fs::write("/proc/self/clear_refs", "5");
     }
 
+    /// Issue 22: the CPU engine with streaming stores against ordinary stores, a one-thread
+    /// memcpy of the same bytes and a one-thread streaming copy of them, interleaved round by
+    /// round; prints per-round ratios (min, median):
+    /// `cargo test --release --lib issue_22_streaming_stores_side_by_side -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement (~600 MiB, seconds): run it with --ignored --nocapture"]
+    fn issue_22_streaming_stores_side_by_side() {
+        use crate::cpu::{execute_with, Stores};
+        let shuffled = |rows: usize, page: usize| -> Vec<i32> {
+            let pages = rows / page;
+            (0..pages)
+                .flat_map(|k| {
+                    let hp = (k * 389) % pages;
+                    (0..page).map(move |r| (hp * page + r) as i32)
+                })
+                .collect()
+        };
+        // (name, layout, layers, rows, page, heads, item, op)
+        let cases = [
+            (
+                "mha page_first backup 8L x 64 pages, 2 KiB",
+                Layout::PageFirst,
+                8,
+                4096,
+                64,
+                1,
+                2048,
+                Op::Backup,
+            ),
+            (
+                "mha page_first load 64 pages, 2 KiB",
+                Layout::PageFirst,
+                8,
+                4096,
+                64,
+                1,
+                2048,
+                Op::Load { host_layer: 3 },
+            ),
+            (
+                "mha layer_first backup 8L x 64 pages, 2 KiB",
+                Layout::LayerFirst,
+                8,
+                4096,
+                64,
+                1,
+                2048,
+                Op::Backup,
+            ),
+            (
+                "mha page_head backup 8L x 64 pages, 8 x 256 B",
+                Layout::PageHead,
+                8,
+                4096,
+                64,
+                8,
+                2048,
+                Op::Backup,
+            ),
+            (
+                "mha page_head load 64 pages, 8 x 256 B",
+                Layout::PageHead,
+                8,
+                4096,
+                64,
+                8,
+                2048,
+                Op::Load { host_layer: 3 },
+            ),
+            (
+                "mla page_first backup 61L x 8 pages, 1152 B",
+                Layout::PageFirst,
+                61,
+                512,
+                64,
+                1,
+                1152,
+                Op::Backup,
+            ),
+        ];
+        for (name, layout, layers, rows, page, heads, item, op) in cases {
+            let items: &[usize] = if item == 1152 { &[item] } else { &[item, item] };
+            let p = pools(
+                layout,
+                Backend::Kernel,
+                layers,
+                rows,
+                page,
+                heads,
+                items,
+                op,
+                shuffled(rows, page),
+                (0..rows as i64).collect(),
+            );
+            let req = p.req.as_ref().unwrap();
+            let bytes = build(req).unwrap().bytes() as usize;
+            let src = vec![3u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            let time = |f: &mut dyn FnMut()| {
+                let t = std::time::Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            };
+            let mut ratios: [Vec<f64>; 3] = Default::default();
+            let mut best = [f64::MAX; 4];
+            for _ in 0..9 {
+                let t_nt = time(&mut || execute_with(&build(req).unwrap(), Stores::Auto).unwrap());
+                let t_ord =
+                    time(&mut || execute_with(&build(req).unwrap(), Stores::Ordinary).unwrap());
+                let t_memcpy = time(&mut || dst.copy_from_slice(&src));
+                let t_stream = time(&mut || crate::cpu::copy_streaming_fenced(&src, &mut dst));
+                for (k, t) in [t_nt, t_ord, t_memcpy, t_stream].into_iter().enumerate() {
+                    best[k] = best[k].min(t);
+                }
+                ratios[0].push(t_ord / t_nt);
+                ratios[1].push(t_memcpy / t_nt);
+                ratios[2].push(t_stream / t_nt);
+            }
+            let stat = |v: &mut Vec<f64>| {
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                (v[0], v[v.len() / 2])
+            };
+            let gbs = |t: f64| bytes as f64 / t / 1e9;
+            let (a, b, c) = (
+                stat(&mut ratios[0]),
+                stat(&mut ratios[1]),
+                stat(&mut ratios[2]),
+            );
+            eprintln!(
+                "{name}: {} MiB; best GB/s: streaming {:.2}, ordinary {:.2}, memcpy {:.2}, \
+                 NT copy {:.2}; per-round speed of streaming vs ordinary {:.2}/{:.2}x, vs \
+                 memcpy {:.2}/{:.2}x, vs NT copy {:.2}/{:.2}x (min/median)",
+                bytes >> 20,
+                gbs(best[0]),
+                gbs(best[1]),
+                gbs(best[2]),
+                gbs(best[3]),
+                a.0,
+                a.1,
+                b.0,
+                b.1,
+                c.0,
+                c.1
+            );
+        }
+    }
+
     /// Issue 13's measurement at full size: a 512 MiB page_head backup with 16-byte head
     /// segments (8 heads, 32 layers, K and V, host pages shuffled). Prints the time of
     /// `plan::build` + `cpu::execute` and the growth of peak RSS and of the heap. Needs ~1.1 GiB:
