@@ -637,11 +637,6 @@ def test_help_and_version_import_no_torch():
     assert last in ("HEAVY []", "HEAVY ['hostkv_rs._core']"), proc.stdout
 
 
-@pytest.mark.xfail(
-    reason="python/hostkv_rs/__init__.py imports the pools (and with them torch) eagerly; "
-    "`python -m hostkv_rs` runs it before the CLI. Passes once it loads them lazily (PEP 562).",
-    strict=False,
-)
 def test_python_m_help_imports_no_torch():
     script = (
         "import runpy, sys\n"

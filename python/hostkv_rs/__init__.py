@@ -12,16 +12,37 @@ from hostkv_rs._core import (
     runtime_info,
 )
 from hostkv_rs._core import __version__ as __version__
-from hostkv_rs._memory import HostTensorAllocator
-from hostkv_rs.base import HostKVCache
-from hostkv_rs.mha import (
-    AsymmetricMHATokenToKVPoolHost,
-    MHATokenToKVPoolHost,
-    get_mha_host_pool_cls,
-)
-from hostkv_rs.mla import MLATokenToKVPoolHost
-from hostkv_rs.tools.device_pools import MHATokenToKVPool, MLATokenToKVPool
-from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
+
+# The pools import torch (seconds); the console script's --help and --version must not wait for
+# it, so the pool classes load on first use.
+_LAZY = {
+    "HostTensorAllocator": "hostkv_rs._memory",
+    "HostKVCache": "hostkv_rs.base",
+    "AsymmetricMHATokenToKVPoolHost": "hostkv_rs.mha",
+    "MHATokenToKVPoolHost": "hostkv_rs.mha",
+    "get_mha_host_pool_cls": "hostkv_rs.mha",
+    "MLATokenToKVPoolHost": "hostkv_rs.mla",
+    "MHATokenToKVPool": "hostkv_rs.tools.device_pools",
+    "MLATokenToKVPool": "hostkv_rs.tools.device_pools",
+    "DeepSeekV4PagedHostPool": "hostkv_rs.v4",
+    "LogicalHostPool": "hostkv_rs.v4",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hostkv_rs' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsymmetricMHATokenToKVPoolHost",
