@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,info,launch-sglang}")
 
     demo = sub.add_parser(
         "demo",
@@ -249,7 +249,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="What this machine offers the host pools, read from /sys, getrlimit, psutil "
         "and the Rust core. Allocates nothing.",
     )
+    launch = sub.add_parser(
+        "launch-sglang",
+        help="run python -m sglang.launch_server with hostkv_rs pools in every process",
+        description="Runs `python -m sglang.launch_server ARGS` with HOSTKV_RS_SGLANG=1 and "
+        "hostkv_rs's start-up hook on PYTHONPATH, so every process the server starts (its "
+        "schedulers are spawned interpreters) builds hostkv_rs host pools through SGLang's own "
+        "construction sites. Each such process logs one 'hostkv_rs[PID]: serving SGLang ...' "
+        "line. Without this command (or that environment) SGLang is untouched.",
+    )
+    launch.add_argument(
+        "sglang_args", nargs=argparse.REMAINDER, help="arguments for sglang.launch_server"
+    )
     return parser
+
+
+def cmd_launch_sglang(args) -> int:
+    import importlib.util
+    import os
+
+    from hostkv_rs.launch import launch_env
+
+    if importlib.util.find_spec("sglang") is None:
+        print(
+            "hostkv-rs launch-sglang: SGLang is not installed in this interpreter "
+            f"({sys.executable}); pip install sglang",
+            file=sys.stderr,
+        )
+        return 2
+    rest = list(args.sglang_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    cmd = [sys.executable, "-m", "sglang.launch_server", *rest]
+    os.execve(sys.executable, cmd, launch_env())
+    return 0  # not reached
 
 
 def _resolve_device(choice: str) -> str:
@@ -553,7 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"demo": cmd_demo, "bench": cmd_bench, "info": cmd_info}[args.command]
+    handler = {
+        "demo": cmd_demo,
+        "bench": cmd_bench,
+        "info": cmd_info,
+        "launch-sglang": cmd_launch_sglang,
+    }[args.command]
     return handler(args)
 
 

@@ -1,0 +1,111 @@
+"""`hostkv-rs launch-sglang` / `hostkv_rs.launch`: an unmodified SGLang server builds hostkv_rs
+pools in every process it starts, including the spawned interpreters its schedulers run in, and
+with the switch off nothing of SGLang is touched. Each case runs in fresh interpreters, started
+the way SGLang starts its schedulers (multiprocessing's spawn context)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hostkv_rs.launch import launch_env
+
+HERE = Path(__file__).parent
+
+SERVER = r'''
+import json, multiprocessing as mp, os, sys
+
+def scheduler(q):
+    """What a scheduler process does first: build the KV host pool through SGLang's site."""
+    out = {"pid": os.getpid()}
+    try:
+        os.environ["HOSTKV_SGLANG_INSTALL_FIRST"] = "1"  # the harness may find ours installed
+        import sgl_harness as H
+        dev = H.mha_device()
+        H.publish(page_size=dev.page_size, hicache_mem_layout="page_first")
+        with H.sglang_cpu_alloc():
+            pool = H.build_kv_host_pool(kv_pool=dev, page_size=dev.page_size, use_mla=False)
+        out["module"] = type(pool).__module__
+        out["installed"] = __import__("hostkv_rs.sglang").sglang.installed()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    q.put(out)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=scheduler, args=(q,))
+    p.start()
+    result = q.get(timeout=240)
+    p.join(60)
+    result["parent_imported_sglang"] = "sglang" in sys.modules
+    print("RESULT " + json.dumps(result))
+'''
+
+
+def _run(tmp_path, env):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH", ""), str(HERE)] if p])
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=str(HERE.parent),
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+
+
+def test_spawned_scheduler_builds_hostkv_rs_pools(tmp_path):
+    result, stderr = _run(tmp_path, launch_env())
+    assert "error" not in result, result
+    assert result["module"].startswith("hostkv_rs"), result
+    assert result["installed"] is True
+    # One line, from the process that imported SGLang (the scheduler), naming what is served.
+    served = [line for line in stderr.splitlines() if "serving SGLang" in line]
+    assert served == [line for line in served if line.startswith(f"hostkv_rs[{result['pid']}]")]
+    assert len(served) == 1 and "MHATokenToKVPoolHost" in served[0], stderr
+    assert result["parent_imported_sglang"] is False
+
+
+def test_without_the_switch_sglang_is_untouched(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HOSTKV_RS_SGLANG"}
+    result, stderr = _run(tmp_path, env)
+    assert "error" not in result, result
+    assert result["module"].startswith("sglang."), result
+    assert result["installed"] is False
+    assert "hostkv_rs[" not in stderr
+    # The hook directory alone (switch off) arms nothing either.
+    env = launch_env(env)
+    env["HOSTKV_RS_SGLANG"] = "0"
+    result, stderr = _run(tmp_path, env)
+    assert result["module"].startswith("sglang."), result
+    assert "hostkv_rs[" not in stderr
+
+
+def test_launch_sglang_command_runs_sglangs_launcher_with_the_hook():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hostkv_rs", "launch-sglang", "--", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
+        pytest.skip(
+            "sglang.launch_server --help needs packages this test venv leaves out: "
+            + proc.stderr.strip().splitlines()[-1]
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage" in proc.stdout.lower()
+    assert "serving SGLang" in proc.stderr, proc.stderr[-3000:]
