@@ -60,55 +60,46 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
 }
 
 /// What one device tensor was when it was checked: a transfer uses the checked pointer and rows
-/// only while the tensor still has this pointer, storage offset, storage size, shape and dtype
-/// (a swapped, resized, shrunk or freed-and-reallocated storage changes at least one of them).
+/// only while the tensor still has this data pointer and byte size and its storage this byte
+/// size. The storage object is held, so the storage it names cannot be freed behind the check:
+/// a tensor `set_` to other memory changes its pointer (two live storages do not share an
+/// address), a tensor resized on its storage changes its byte size, and a storage resized,
+/// freed or reallocated in place changes the storage's byte size; any of these sends the
+/// binding through the full check again. Three cheap calls per touched tensor, no allocation.
 struct Snap {
     ptr: u64,
-    offset: i64,
+    tensor_nbytes: u64,
+    storage: Py<PyAny>,
     storage_nbytes: u64,
-    shape: Py<PyAny>,
-    dtype: Py<PyAny>,
 }
 
 impl Snap {
     fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
         Ok(Self {
             ptr: tensor.call_method0(intern!(py, "data_ptr"))?.extract()?,
-            offset: tensor
-                .call_method0(intern!(py, "storage_offset"))?
-                .extract()?,
-            storage_nbytes: tensor
-                .call_method0(intern!(py, "untyped_storage"))?
-                .call_method0(intern!(py, "nbytes"))?
-                .extract()?,
-            shape: tensor.getattr(intern!(py, "shape"))?.unbind(),
-            dtype: tensor.getattr(intern!(py, "dtype"))?.unbind(),
+            tensor_nbytes: tensor.getattr(intern!(py, "nbytes"))?.extract()?,
+            storage_nbytes: storage.call_method0(intern!(py, "nbytes"))?.extract()?,
+            storage: storage.unbind(),
         })
     }
 
-    /// Whether `tensor` is still what was checked. Cheapest reads first: most calls stop at none.
+    /// Whether `tensor` is still what was checked.
     fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
         let ptr: u64 = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
-        if ptr != self.ptr
-            || !tensor
-                .getattr(intern!(py, "dtype"))?
-                .is(self.dtype.bind(py))
-        {
+        if ptr != self.ptr {
             return Ok(false);
         }
-        let offset: i64 = tensor
-            .call_method0(intern!(py, "storage_offset"))?
-            .extract()?;
-        let nbytes: u64 = tensor
-            .call_method0(intern!(py, "untyped_storage"))?
+        let nbytes: u64 = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
+        if nbytes != self.tensor_nbytes {
+            return Ok(false);
+        }
+        let storage_nbytes: u64 = self
+            .storage
+            .bind(py)
             .call_method0(intern!(py, "nbytes"))?
             .extract()?;
-        if offset != self.offset || nbytes != self.storage_nbytes {
-            return Ok(false);
-        }
-        tensor
-            .getattr(intern!(py, "shape"))?
-            .eq(self.shape.bind(py))
+        Ok(storage_nbytes == self.storage_nbytes)
     }
 }
 
