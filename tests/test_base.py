@@ -120,11 +120,13 @@ def test_memory_check_uses_the_budget_exactly(monkeypatch):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
 
 
-def test_budget_formula(monkeypatch):
+def test_budget_formula(monkeypatch, tmp_path):
     class VM:
         available = 50 * 1024**3
 
     monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: VM)
+    # The machine running the tests may sit in a memory cgroup (test_faults.py covers those).
+    monkeypatch.setattr(_memory, "PROC_SELF_CGROUP", str(tmp_path / "none"))
     assert _memory.host_memory_budget_bytes() == 40 * 1024**3
     monkeypatch.setattr(_memory, "ranks_per_host", lambda: 4)
     assert _memory.host_memory_budget_bytes() == 10 * 1024**3

@@ -545,3 +545,134 @@ def test_index_errors_are_transfer_errors_and_index_errors():
     host, _ = poisoned("mha", "page_first")
     with pytest.raises(hostkv_rs.PageIndexError):
         host.get_data_page(host.size + 16)
+
+
+# ---- values past what the core or a float holds: clear errors, never OverflowError -------------
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "v4"])
+@pytest.mark.parametrize(
+    "index", [2**63, 2**64, -(2**63) - 1, 2**1024], ids=["2**63", "2**64", "-2**63-1", "2**1024"]
+)
+def test_a_huge_page_index_is_an_index_error_naming_it(kind, index):
+    from hostkv_rs import DeepSeekV4PagedHostPool, PageIndexError
+
+    if kind == "v4":
+        dev = [torch.zeros(8, 16, dtype=torch.uint8)]
+        host = DeepSeekV4PagedHostPool("c4", dev, 16, 4, 2, pin_memory=False)
+    else:
+        host, _ = MAKERS[kind]("page_first", 4)
+    text = f"page index {index} is out of range: the host pool has {host.size} slots"
+    with pytest.raises(PageIndexError, match=re.escape(text)):
+        host.get_data_page(index)
+    with pytest.raises(IndexError, match=re.escape(text)):
+        host.set_from_flat_data_page(index=index, data_page=host.get_dummy_flat_data_page())
+
+
+@pytest.mark.parametrize(
+    ("ratio", "host_size", "text"),
+    [
+        (
+            2.0,
+            2**1024,
+            (
+                "host_size must be a finite number of GB (0: use the ratio), got "
+                "179769313486... (309 digits)"
+            ),
+        ),
+        (
+            2**1024,
+            0,
+            (
+                "host_to_device_ratio must be a finite non-negative number, got "
+                "179769313486... (309 digits)"
+            ),
+        ),
+        (2.0, 1e300, "host_size=1e+300 is too large: the size in bytes exceeds the float range"),
+        (
+            1e307,
+            0,
+            "host_to_device_ratio=1e+307 is too large: the host token count exceeds the float range",
+        ),
+    ],
+    ids=["host_size=2**1024", "ratio=2**1024", "host_size=1e300", "ratio=1e307"],
+)
+def test_sizes_past_the_float_range_are_value_errors(ratio, host_size, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        MHATokenToKVPoolHost(_dev(), ratio, host_size, 16, "page_first")
+
+
+def _quantized_indices():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated
+        return torch.quantize_per_tensor(torch.arange(16.0), 1.0, 0, torch.quint8)
+
+
+def test_a_quantized_index_tensor_is_refused_by_its_dtype():
+    host, dp = poisoned("mha", "page_first")
+    q = _quantized_indices()
+    text = "index tensors must be integer tensors, got torch.quint8"
+    with Unchanged(host, dp):
+        with pytest.raises(TypeError, match=re.escape(text)):
+            host.load_to_device_per_layer(dp, q, torch.arange(16), 0, "kernel")
+        with pytest.raises(TypeError, match=re.escape(text)):
+            host.backup_from_device_all_layer(dp, torch.arange(16), q, "kernel")
+    with pytest.raises(TypeError, match=re.escape(text)):
+        host.free(q)
+    with pytest.raises(TypeError, match=re.escape(text)):
+        host.get_page_buffer_meta(q)
+
+
+def test_an_index_list_past_int64_names_the_value():
+    host, _ = poisoned("mha", "page_first")
+    with pytest.raises(ValueError, match=re.escape(f"index {2**70} does not fit in int64")):
+        host.free([1, 2**70])
+
+
+@pytest.mark.parametrize("shard", [0, -1])
+def test_a_layer_sharded_mla_pool_with_an_empty_shard(shard):
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    dp.layer_shard_enabled = True
+    dp.layer_shard_size = shard
+    dp._owned_local_layer_range = lambda: (0, LAYERS)
+    with pytest.raises(
+        ValueError, match=re.escape(f"device pool layer_shard_size must be positive, got {shard}")
+    ):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
+
+
+def test_a_logical_pool_whose_slot_tables_cannot_fit_is_refused_by_name():
+    from hostkv_rs import LogicalHostPool
+
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Not enough host memory for LogicalHostPool(size=68719476736): it needs"),
+    ):
+        LogicalHostPool(2**36, 64)
+
+
+@pytest.mark.parametrize("split_factor", [-1, 0])
+def test_split_factor_must_be_positive(split_factor):
+    host, _ = make_mha("page_head", 4, heads=2)
+    text = f"split_factor must be positive, got {split_factor}"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        host.get_split_heads_page_buffer_meta(torch.arange(4), split_factor)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        host.get_page_buffer_element_size(split_factor)
+
+
+def test_a_split_factor_past_u64_is_sglangs_assert():
+    host, _ = make_mha("page_head", 4, heads=2)
+    with pytest.raises(AssertionError, match=re.escape(f"split_factor ({2**64})")):
+        host.get_split_heads_page_buffer_meta(torch.arange(4), 2**64)
+
+
+def test_pools_without_a_head_split_take_split_factor_one_only():
+    host, _ = make_mla("page_first", 4)
+    assert host.get_page_buffer_element_size(1) == host.get_page_buffer_element_size()
+    with pytest.raises(
+        ValueError, match="MLATokenToKVPoolHost has no head split: split_factor must be 1, got 2"
+    ):
+        host.get_page_buffer_element_size(2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from contextlib import contextmanager
 
 
 def as_int(name: str, value) -> int:
@@ -22,9 +23,30 @@ def finite_number(name: str, value, allowed: str) -> float:
     or an infinity; both name the parameter, the value and what is allowed."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {allowed}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int (or Fraction) past the largest float: no float holds it
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be {allowed}, got {_shown(value)}")
     return value
+
+
+def finite_product(name: str, value: float, factor, what: str) -> float:
+    """`value * factor` for sizing (GB to bytes, ratio x tokens); ValueError naming `name` when
+    the product leaves the float range, where `int()` of it would raise OverflowError."""
+    product = value * factor
+    if not math.isfinite(product):
+        raise ValueError(f"{name}={_shown(value)} is too large: {what} exceeds the float range")
+    return product
+
+
+def _shown(value) -> str:
+    """`value` for a message; an int of hundreds of digits is cut to its size."""
+    text = repr(value)
+    if len(text) > 40 and isinstance(value, int):
+        return f"{text[:12]}... ({len(text)} digits)"
+    return text
 
 
 def positive_int(name: str, value) -> int:
@@ -32,6 +54,28 @@ def positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+@contextmanager
+def device_side_of(pool: str):
+    """Reading the device pools (or buffer infos) a host pool is built from: an object missing
+    what SGLang's have is a TypeError naming the arguments, not an AttributeError."""
+    try:
+        yield
+    except AttributeError as exc:
+        raise TypeError(
+            f"{pool}: device_pool (or buffer_info) and the MTP drafts must be SGLang device pools "
+            f"(or SGLang 0.5.23 buffer infos): {exc}"
+        ) from exc
+
+
+def truth(name: str, value) -> bool:
+    """A flag read the way SGLang reads it (`if value:`), as a bool; a value without one truth
+    value (a tensor or array of several elements) is a TypeError naming the parameter."""
+    try:
+        return bool(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}") from None
 
 
 def required(form: str, **values) -> None:

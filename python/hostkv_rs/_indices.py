@@ -2,13 +2,61 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _ACCEPTED = (torch.int32, torch.int64)
+# Integer dtypes widened to int64. Anything else (floats, bool, complex, and the quantized and
+# bit-packed dtypes, which `Tensor.to(torch.int64)` cannot even convert) is refused by name.
+_WIDENED = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64)
 
 
-def _not_integer(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+def _numpy_readable(array: np.ndarray) -> np.ndarray:
+    """`array` in a form `torch.as_tensor` takes: it refuses negative strides (`a[::-1]`) and
+    non-native byte order, and warns on a read-only array; a copy fixes each."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if any(stride < 0 for stride in array.strides) or not array.flags.writeable:
+        array = np.array(array, order="C")
+    return array
+
+
+def _first_past_int64(values):
+    """The first int outside int64 in nested lists/tuples (for the refusal's text)."""
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+            return value
+    return "(a value)"
+
+
+def as_tensor(indices) -> torch.Tensor:
+    """`indices` (a tensor, numpy array, list, ...) as a tensor of its own dtype, or TypeError /
+    ValueError naming what it is. No dtype is forced: int64 would truncate 1.5 to 1."""
+    if isinstance(indices, torch.Tensor):
+        return indices
+    if indices is None:
+        raise TypeError("index tensors must be integer tensors, got None")
+    if isinstance(indices, np.ndarray):
+        indices = _numpy_readable(indices)
+    try:
+        converted = torch.as_tensor(indices)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if "Overflow" in str(exc):
+            # torch's words for a Python int outside int64 ("Overflow when unpacking long").
+            raise ValueError(
+                f"index {_first_past_int64(indices)} does not fit in int64 (indices are slots "
+                f"in [0, 2**63))"
+            ) from None
+        raise TypeError(
+            f"index tensors must be integer tensors, got {type(indices).__name__}: {exc}"
+        ) from None
+    if converted.numel() == 0 and converted.dtype.is_floating_point:
+        converted = converted.to(torch.int64)  # [] defaults to float32
+    return converted
 
 
 def storage_holds(tensor: torch.Tensor) -> bool:
@@ -24,6 +72,9 @@ def storage_holds(tensor: torch.Tensor) -> bool:
 
 
 def check_storage(tensor: torch.Tensor, what: str) -> None:
+    if tensor.layout != torch.strided:
+        # A sparse or nested tensor has no one storage at an address to read.
+        raise TypeError(f"{what}: expected a dense (strided) tensor, got {tensor.layout}")
     if not storage_holds(tensor):
         raise ValueError(
             f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "
@@ -49,19 +100,7 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     ):
         check_storage(indices, "index tensor")
         return indices  # already what the core reads: the per-call fast path
-    if indices is None:
-        raise TypeError("index tensors must be integer tensors, got None")
-    if not isinstance(indices, torch.Tensor):
-        try:
-            # No dtype here: asking for int64 would silently truncate 1.5 to 1.
-            converted = torch.as_tensor(indices)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(
-                f"index tensors must be integer tensors, got {type(indices).__name__}: {exc}"
-            ) from None
-        if converted.numel() == 0 and converted.dtype.is_floating_point:
-            converted = converted.to(torch.int64)  # [] defaults to float32
-        indices = converted
+    indices = as_tensor(indices)
     if indices.device.type == "meta":
         raise ValueError("index tensors on the meta device hold no values")
     if indices.layout == torch.strided:
@@ -69,7 +108,7 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     if indices.layout != torch.strided:
         raise TypeError(f"index tensors must be dense (strided) tensors, got {indices.layout}")
     if indices.dtype not in _ACCEPTED:
-        if _not_integer(indices.dtype):
+        if indices.dtype not in _WIDENED:
             raise TypeError(f"index tensors must be integer tensors, got {indices.dtype}")
         if indices.dtype == torch.uint64 and indices.numel():
             # Past 2**63 - 1 the int64 the core reads would wrap to a negative index.

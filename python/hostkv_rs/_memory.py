@@ -7,11 +7,14 @@ import os
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import psutil
 import torch
 
-from hostkv_rs import _core
+from hostkv_rs import _core, _env
+
+logger = logging.getLogger(__name__)
 
 # SGLang keeps 10 GiB (binary) of host memory out of every HiCache budget.
 HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
@@ -24,13 +27,176 @@ def ranks_per_host() -> int:
     try:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            nnodes = int(os.environ.get("SGLANG_NNODES", os.environ.get("NNODES", "1")) or 1)
-            return max(dist.get_world_size() // max(nnodes, 1), 1)
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
     except (RuntimeError, ValueError, ImportError) as exc:
         # A half-initialised process group must not break pool construction.
-        logging.getLogger(__name__).debug("ranks_per_host: no usable process group (%s)", exc)
-    return 1
+        logger.debug("ranks_per_host: no usable process group (%s)", exc)
+        return 1
+    if world <= 1:
+        return 1
+    # Outside the try: a bad SGLANG_NNODES is the user's to fix, not a missing process group.
+    return max(world // _env.nnodes(), 1)
+
+
+# ---- how much host memory there is -------------------------------------------------------------
+
+# Where the cgroup hierarchies are mounted and where this process's cgroup is named; module
+# attributes so tests can point them at fake trees.
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def gb(nbytes: int) -> str:
+    """`nbytes` in decimal GB with two decimals, as SGLang's messages print `x / 1e9:.2f`; a
+    count past the float range (a fuzzed size) is printed exactly instead of overflowing."""
+    try:
+        return f"{nbytes / 1e9:.2f}"
+    except OverflowError:
+        sign = "-" if nbytes < 0 else ""
+        whole, rest = divmod(abs(nbytes), 10**9)
+        return f"{sign}{whole}.{rest // 10**7:02d}"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes this process can still allocate, and the limit that says so (for messages)."""
+
+    available: int
+    source: str
+
+
+def _read_value(path: str) -> int | None:
+    """A cgroup file holding one number; None when absent, unreadable or "max" (no limit)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _read_stat(path: str, key: str) -> int:
+    """One field of a cgroup `memory.stat` (0 when absent)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    return 0
+
+
+def _own_cgroups() -> tuple[str | None, str | None]:
+    """(cgroup v2 path, cgroup v1 memory-controller path) from /proc/self/cgroup."""
+    v2 = v1 = None
+    try:
+        with open(PROC_SELF_CGROUP, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _levels(mount: str, path: str) -> list[str]:
+    """The cgroup directories whose limits bind this process, leaf first: `path` under `mount`
+    and each parent up to the mount. A path not visible under the mount (a container's
+    cgroup namespace or private mount shows its own cgroup as the mount itself) is the mount."""
+    parts = [p for p in path.split("/") if p]
+    if ".." in parts:
+        return [mount]
+    leaf = os.path.join(mount, *parts)
+    if not os.path.isdir(leaf):
+        return [mount]
+    levels = []
+    while parts:
+        levels.append(os.path.join(mount, *parts))
+        parts.pop()
+    levels.append(mount)
+    return levels
+
+
+def _tightest(levels, limit_file: str, usage_file: str, inactive_key: str, version: str):
+    """The smallest `limit - usage` over the cgroup levels that set a limit. The usage counts
+    page cache the kernel reclaims before it refuses memory, so inactive file pages are left out
+    (the working set, as the kubelet measures it)."""
+    best = None
+    for level in levels:
+        limit = _read_value(os.path.join(level, limit_file))
+        usage = _read_value(os.path.join(level, usage_file))
+        if limit is None or usage is None:
+            continue
+        reclaimable = _read_stat(os.path.join(level, "memory.stat"), inactive_key)
+        used = max(usage - reclaimable, 0)
+        free = max(limit - used, 0)
+        if best is None or free < best.available:
+            usage_text = f"{usage_file} {gb(usage)} GB"
+            if reclaimable:
+                usage_text = f"({usage_text} less {gb(reclaimable)} GB inactive file cache)"
+            source = f"cgroup {version} limit {level}: {limit_file} {gb(limit)} GB - {usage_text}"
+            best = HostMemory(free, source)
+    return best
+
+
+def cgroup_memory_limit() -> HostMemory | None:
+    """What the memory cgroup of this process still allows (cgroup v2 `memory.max -
+    memory.current`, else v1 `memory.limit_in_bytes - memory.usage_in_bytes`, the tightest level
+    of the hierarchy), or None without a limit."""
+    v2_path, v1_path = _own_cgroups()
+    found = None
+    if v2_path is not None:
+        found = _tightest(
+            _levels(CGROUP_ROOT, v2_path), "memory.max", "memory.current", "inactive_file", "v2"
+        )
+    if found is None and v1_path is not None:
+        found = _tightest(
+            _levels(os.path.join(CGROUP_ROOT, "memory"), v1_path),
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+            "total_inactive_file",
+            "v1",
+        )
+    return found
+
+
+def available_host_memory() -> HostMemory:
+    """Host memory this process can allocate now: the smaller of the machine's available memory
+    (psutil, MemAvailable) and what its memory cgroup still allows (a container's limit is not
+    in MemAvailable)."""
+    machine = HostMemory(psutil.virtual_memory().available, "the machine's available memory")
+    limit = cgroup_memory_limit()
+    if limit is not None and limit.available < machine.available:
+        return limit
+    return machine
+
+
+def check_allocations_fit(what: str, parts: dict[str, int]) -> None:
+    """Refuse, before anything is allocated, a pool whose allocations together (`parts`: KV
+    bytes, slot tables, staging buffers) exceed the host memory available now. SGLang's budget
+    check sees only the KV bytes; a pool of tiny tokens has slot tables many times larger."""
+    needed = sum(parts.values())
+    limit = available_host_memory()
+    if needed > limit.available:
+        shown = ", ".join(f"{name} {gb(size)} GB" for name, size in parts.items() if size)
+        raise ValueError(
+            f"Not enough host memory for {what}: it needs {gb(needed)} GB ({shown}) but "
+            f"only {gb(limit.available)} GB is available ({limit.source}). Please reduce "
+            f"the size of the hierarchical cache."
+        )
 
 
 _budget_scope: ContextVar[int | None] = ContextVar("hostkv_host_memory_budget", default=None)
@@ -58,33 +224,43 @@ def _sglang_scope_budget(requested_bytes: int) -> int | None:
 
 
 def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
-    """Host RAM this rank may claim: (available - 10 GiB) split across the ranks on this host.
-    Inside a budget scope (ours or SGLang's) the request is booked against the scope when it
-    fits, and the allowance before booking is returned, as SGLang 0.5.21+ does."""
+    """Host RAM this rank may claim: (available - 10 GiB) split across the ranks on this host,
+    where available is the smaller of the machine's and its memory cgroup's. Inside a budget
+    scope (ours or SGLang's) the request is booked against the scope when it fits, and the
+    allowance before booking is returned, as SGLang 0.5.21+ does."""
+    return host_memory_budget(requested_bytes)[0]
+
+
+def host_memory_budget(requested_bytes: int = 0) -> tuple[int, str]:
+    """`host_memory_budget_bytes` and the words saying where it came from (for a refusal)."""
     available = _budget_scope.get()
     if available is not None:
         if requested_bytes <= available:
             _budget_scope.set(available - requested_bytes)
-        return available
+        return available, "the budget left in host_memory_budget_scope"
     booked = _sglang_scope_budget(requested_bytes)
     if booked is not None:
-        return booked
-    free = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
-    return free // ranks_per_host()
+        return booked, "the budget left in SGLang's host memory budget scope"
+    memory = available_host_memory()
+    ranks = ranks_per_host()
+    budget = (memory.available - HICACHE_HOST_MEMORY_RESERVE_BYTES) // ranks
+    source = f"{memory.source}, {gb(memory.available)} GB, less the 10 GiB reserve" + (
+        f", split over {ranks} ranks on this host" if ranks > 1 else ""
+    )
+    return budget, source
+
+
+# The unpatched budget, so a check knows when it may say where the budget came from (tests and
+# SGLang's own tests patch `host_memory_budget_bytes` with plain functions).
+default_budget_bytes = host_memory_budget_bytes
 
 
 def register_chunk_limit_bytes() -> int:
-    gb = int(os.environ.get("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", _DEFAULT_CHUNK_GB))
-    return max(gb, 1) * 1024**3
+    return _env.register_chunk_gb(_DEFAULT_CHUNK_GB) * 1024**3
 
 
 def _hugepage_settings() -> tuple[str, str]:
-    size = os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip()
-    mode = os.environ.get("SGLANG_HUGEPAGE_MODE", "").strip().lower()
-    if not mode:
-        strict = os.environ.get("SGLANG_HUGEPAGE_STRICT", "").strip().lower() in ("1", "true")
-        mode = "required" if strict else ("prefer" if size else "off")
-    return size, mode
+    return _env.hugepage_settings()
 
 
 def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: int = 0):
@@ -133,8 +309,7 @@ def pin_dummy_pages(pin_memory: bool) -> bool:
 
 
 def _numa_node() -> int | None:
-    value = os.environ.get("HOSTKV_NUMA_NODE", "").strip()
-    return int(value) if value else None
+    return _env.numa_node()
 
 
 def region_bytes(region) -> torch.Tensor:

@@ -10,6 +10,17 @@ from hostkv_rs._indices import as_index_array
 
 _CPU = torch.device("cpu")
 
+# Host bytes per slot that the bookkeeping below can hold at once, for the host-memory check: the
+# int64 free list, the int64 chunks parked on the release list and the int64 list `torch.cat`
+# builds when it merges them (a view of the first keeps its whole storage alive until then), and
+# the one-byte ownership map.
+SLOT_TABLE_BYTES = 3 * 8 + 1
+
+
+def slot_table_bytes(slots: int) -> int:
+    """Peak host bytes of the free list and ownership map of a pool of `slots` slots."""
+    return slots * SLOT_TABLE_BYTES
+
 
 def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import os
 import threading
 import weakref
 from functools import wraps
@@ -19,7 +20,14 @@ from functools import wraps
 import torch
 
 from hostkv_rs import _core, _device_side, _handover, _memory, _slots
-from hostkv_rs._args import as_int, finite_number, positive_int, required
+from hostkv_rs._args import (
+    as_int,
+    finite_number,
+    finite_product,
+    positive_int,
+    required,
+    truth,
+)
 from hostkv_rs._device_side import (
     LayerIndexError,
     device_pool_extent,
@@ -28,7 +36,7 @@ from hostkv_rs._device_side import (
     sharded_host_layer_num,
 )
 from hostkv_rs._indices import check_storage
-from hostkv_rs._slots import SlotFreeList, slots_in_pool
+from hostkv_rs._slots import SlotFreeList, slot_table_bytes, slots_in_pool
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,18 @@ _STORAGE_OWNED_ALLOCATORS = ("mooncake", "mori", "shm", "tensorcast")
 
 # Creating a missing per-pool lock must itself be race-free (pools that skip __init__).
 _LOCK_CREATION = threading.Lock()
+# Every pool that has a lock. A lock some other thread holds when the process forks stays held
+# in the child forever (that thread does not exist there), so the child gives each pool a fresh
+# one; weak, so tracking keeps no pool alive.
+_LOCKED_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def new_pool_lock(pool) -> threading.RLock:
+    """Give `pool` its one `RLock` (`pool.lock`), replaced by a free one in a forked child."""
+    lock = threading.RLock()
+    pool.lock = lock
+    _LOCKED_POOLS.add(pool)
+    return lock
 
 
 def _pool_lock(pool) -> threading.RLock:
@@ -53,9 +73,19 @@ def _pool_lock(pool) -> threading.RLock:
         with _LOCK_CREATION:
             lock = getattr(pool, "lock", None)
             if lock is None:
-                lock = threading.RLock()
-                pool.lock = lock
+                lock = new_pool_lock(pool)
     return lock
+
+
+def _fresh_locks_after_fork() -> None:
+    global _LOCK_CREATION
+    # The creation lock may have been held by another thread at the fork as well.
+    _LOCK_CREATION = threading.Lock()
+    for pool in list(_LOCKED_POOLS):
+        pool.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 def synchronized(func):
@@ -67,6 +97,15 @@ def synchronized(func):
             return func(self, *args, **kwargs)
 
     return wrapper
+
+
+def _check_slot_device(device) -> None:
+    """An allocator-only pool keeps only its legacy `mem_state` on `device`: a device torch cannot
+    name or this machine does not have is refused by name before any table is built."""
+    try:
+        torch.empty(0, dtype=torch.uint8, device=device)
+    except (TypeError, RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device={device!r} cannot hold the pool's slot state: {exc}") from None
 
 
 def sync_fixed_hicache_size(size: int, host_size) -> int:
@@ -86,9 +125,12 @@ def sync_fixed_hicache_size(size: int, host_size) -> int:
         return size
     if pp_group.world_size <= 1:
         return size
-    tensor = torch.tensor(size, dtype=torch.int64)
+    # A size past int64 cannot fit any host; the memory check refuses it after the reduce.
+    tensor = torch.tensor(min(size, 2**63 - 1), dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=pp_group.cpu_group)
     synced = int(tensor.item())
+    if synced == 2**63 - 1:
+        synced = size
     if synced != size:
         logger.info("Sync fixed-size HiCache host token capacity from %d to %d.", size, synced)
     return synced
@@ -111,6 +153,23 @@ def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = Fals
 
 
 host_memory_budget_scope = _memory.host_memory_budget_scope
+_DEFAULT_BUDGET = host_memory_budget_bytes
+
+
+def host_memory_budget_and_source(requested_bytes: int = 0) -> tuple[int, str | None]:
+    """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
+    for the source when a caller patched the budget function (its figure is all there is)."""
+    budget = host_memory_budget_bytes
+    if budget is _DEFAULT_BUDGET and _memory.host_memory_budget_bytes is (
+        _memory.default_budget_bytes
+    ):
+        return _memory.host_memory_budget(requested_bytes)
+    return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
+
+
+def budget_source_text(source: str | None) -> str:
+    """The sentence a memory refusal appends after SGLang's text: which limit set the budget."""
+    return f" The budget is {source}." if source else ""
 
 
 def _takes_arguments(func) -> bool:
@@ -124,13 +183,12 @@ def check_host_memory(requested_bytes: int) -> int:
     """Raise SGLang's ValueError when `requested_bytes` exceeds the host budget; returns the
     budget. The budget function is looked up at call time so tests can patch it; a patched
     function that takes no argument (SGLang <= 0.5.20's signature) still works."""
-    budget = host_memory_budget_bytes
-    available_bytes = budget(requested_bytes) if _takes_arguments(budget) else budget()
+    available_bytes, source = host_memory_budget_and_source(requested_bytes)
     if requested_bytes > available_bytes:
         raise ValueError(
-            f"Not enough host memory available. Requesting {requested_bytes / 1e9:.2f} GB but "
-            f"only have {available_bytes / 1e9:.2f} GB free. Please reduce the size of the "
-            f"hierarchical cache."
+            f"Not enough host memory available. Requesting {_memory.gb(requested_bytes)} GB but "
+            f"only have {_memory.gb(available_bytes)} GB free. Please reduce the size of the "
+            f"hierarchical cache.{budget_source_text(source)}"
         )
     return available_bytes
 
@@ -231,6 +289,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         is_dummy: bool = False,
         host_token_capacity=None,
     ):
+        is_dummy = truth("is_dummy", is_dummy)
         if device_pool is None:
             required(
                 "HostKVCache without a device pool",
@@ -278,7 +337,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
         self.end_layer = end_layer
         if not is_dummy:
             self._allocate_host_buffer()
-        self.lock = threading.RLock()
+        else:
+            self._check_allocations_fit(0)
+        new_pool_lock(self)
         self.clear()
 
     def _init_args(
@@ -318,11 +379,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
         self.dcp_rank = dcp_rank
         self.page_size = page_size // dcp_size
         self.layout = layout
+        truth("pin_memory", pin_memory)
         self.pin_memory = pin_memory
         if owns_bytes and device != "cpu":
             raise AssertionError(
                 f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
             )
+        if not owns_bytes:
+            _check_slot_device(device)
         self.device = device
         self.allocator_type = allocator_type
         self.allocator = get_allocator_from_storage(allocator_type, pool_label)
@@ -343,6 +407,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             )
         requested_bytes = self.size * self.size_per_token
         check_host_memory(requested_bytes)
+        self._check_allocations_fit(requested_bytes)
         # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
         # neither (e.g. allocator-only test pools) working.
         layer_num = getattr(self, "layer_num", 0)
@@ -368,6 +433,16 @@ class HostKVCache(SlotFreeList, abc.ABC):
             )
         self.kv_buffer = self.init_kv_buffer()
         self.fd = getattr(self.allocator, "fd", None)
+
+    def _check_allocations_fit(self, kv_bytes: int) -> None:
+        """Everything the pool allocates on the host (KV bytes, the slot tables of its logical
+        slots and the legacy one-byte `mem_state`) must fit the memory available now, or the
+        pool is refused before the first allocation."""
+        slots = self.logical_size
+        _memory.check_allocations_fit(
+            f"{type(self).__name__} ({self.pool_label})",
+            {"KV buffer": kv_bytes, "slot tables": slot_table_bytes(slots) + slots},
+        )
 
     # Set True on a subclass whose transfers pass both index tensors through the DCP
     # translation (as SGLang's MLA pool does).
@@ -400,7 +475,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
             "host_size", host_size, "a finite number of GB (0: use the ratio)"
         )
         if host_size > 0:
-            size = int(host_size * 1e9 // self.size_per_token)
+            host_bytes = finite_product("host_size", host_size, 1e9, "the size in bytes")
+            size = int(host_bytes // self.size_per_token)
             size = sync_fixed_hicache_size(size, host_size)
         else:
             ratio = finite_number(
@@ -410,7 +486,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 raise ValueError(
                     f"host_to_device_ratio must be a finite non-negative number, got {ratio!r}"
                 )
-            size = int(self.device_capacity_tokens * ratio)
+            size = int(
+                finite_product(
+                    "host_to_device_ratio",
+                    ratio,
+                    self.device_capacity_tokens,
+                    "the host token count",
+                )
+            )
         page_num = size // self.page_size + 1
         return page_num * self.page_size, page_num
 
@@ -464,6 +547,12 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
         """Byte size of one storage element (SGLang 0.5.21+), or None for a logical anchor."""
+        split_factor = as_int("split_factor", split_factor)
+        if split_factor != 1 and not hasattr(self, "get_split_heads_page_buffer_meta"):
+            raise ValueError(
+                f"{type(self).__name__} has no head split: split_factor must be 1, got "
+                f"{split_factor}"
+            )
         indices = torch.zeros(self.page_size, dtype=torch.int64)
         meta = (
             self.get_split_heads_page_buffer_meta(indices, split_factor)
@@ -591,7 +680,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):
         a strided view of the pool's first allocation; a page outside the pool raises
         PageIndexError before anything is read."""
-        offset, shape, strides = self._spec.page_view(as_int("index", index))
+        index = as_int("index", index)
+        if not -(2**63) <= index < 2**63:
+            # The core takes an int64; no slot lies out there.
+            raise _core.PageIndexError(
+                f"page index {index} is out of range: the host pool has {self.size} slots"
+            )
+        offset, shape, strides = self._spec.page_view(index)
         base = self._page_base()
         return torch.as_strided(base, shape, strides, base.storage_offset() + offset)
 
@@ -756,11 +851,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
             and device_pool is not self._captured_first
             and self._foreign(device_pool)
         ):
-            binding = self._foreign_load(device_pool, layer_id, io_backend, bool(is_draft))
+            is_draft = truth("is_draft", is_draft)
+            binding = self._foreign_load(device_pool, layer_id, io_backend, is_draft)
             if binding is None:
                 return
             is_draft = False  # the one-layer binding holds the layer as a target
-        binding.load(layer_id, host_indices, device_indices, io_backend, bool(is_draft))
+        binding.load(
+            layer_id, host_indices, device_indices, io_backend, truth("is_draft", is_draft)
+        )
 
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
         """One all-layer backup through the core, every argument checked before a byte moves."""

@@ -15,6 +15,24 @@ from hostkv_rs._args import as_int
 
 logger = logging.getLogger(__name__)
 
+# Request tables hold slots and lengths (-1 marks an empty entry), as SGLang's int64 ones do.
+_TABLE_DTYPES = (torch.int64, torch.int32)
+
+
+def _table(name: str, table, dims: int) -> torch.Tensor:
+    """A request table argument: a tensor of `dims` dimensions, refused by name otherwise."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
+    if table.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {table.layout}")
+    if table.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values")
+    if table.dtype not in _TABLE_DTYPES:
+        raise TypeError(f"{name} must be an int64 or int32 tensor, got {table.dtype}")
+    if table.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(table.shape)}")
+    return table
+
 
 class HiSparseHostPoolMixin:
     def _round_up_to_page_size(self, size: int) -> int:
@@ -37,6 +55,8 @@ class HiSparseHostPoolMixin:
     ) -> torch.Tensor:
         """Grow request row `req_pool_idx` page by page until it covers `start_pos + num_tokens`
         and return that row's token slots `[start_pos, start_pos + num_tokens)`."""
+        _table("req_to_host_pool", req_to_host_pool, 2)
+        _table("req_to_host_pool_allocated_len", req_to_host_pool_allocated_len, 1)
         device = req_to_host_pool.device
         num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens <= 0:
@@ -46,6 +66,7 @@ class HiSparseHostPoolMixin:
         if start_pos < 0:
             raise ValueError(f"start_pos must not be negative, got {start_pos}")
         rows, width = req_to_host_pool.shape[0], req_to_host_pool.shape[1]
+        rows = min(rows, req_to_host_pool_allocated_len.shape[0])
         if not 0 <= req_pool_idx < rows:
             raise IndexError(f"req_pool_idx {req_pool_idx} is outside the {rows} request rows")
 
@@ -95,6 +116,16 @@ class HiSparseHostPoolMixin:
         self, req_to_host_pool: torch.Tensor, req_pool_idx: int, allocated_len: int
     ) -> torch.Tensor:
         """The row's non-negative host slots up to its page-rounded allocated length."""
-        host_len = min(self._round_up_to_page_size(int(allocated_len)), req_to_host_pool.shape[1])
+        _table("req_to_host_pool", req_to_host_pool, 2)
+        req_pool_idx = as_int("req_pool_idx", req_pool_idx)
+        allocated_len = as_int("allocated_len", allocated_len)
+        if allocated_len < 0:
+            raise ValueError(f"allocated_len must not be negative, got {allocated_len}")
+        if not -req_to_host_pool.shape[0] <= req_pool_idx < req_to_host_pool.shape[0]:
+            raise IndexError(
+                f"req_pool_idx {req_pool_idx} is outside the {req_to_host_pool.shape[0]} request "
+                f"rows"
+            )
+        host_len = min(self._round_up_to_page_size(allocated_len), req_to_host_pool.shape[1])
         host_indices = req_to_host_pool[req_pool_idx, :host_len]
         return host_indices[host_indices >= 0]

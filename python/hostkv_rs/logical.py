@@ -3,13 +3,13 @@ its slots as stable page anchors (SGLang's HiCache anchor pool)."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from hostkv_rs import _memory
 from hostkv_rs._args import as_int
-from hostkv_rs._slots import SlotFreeList, slots_in_pool
-from hostkv_rs.base import synchronized
+from hostkv_rs._indices import as_tensor
+from hostkv_rs._slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.base import new_pool_lock, synchronized
 
 
 class LogicalHostPool(SlotFreeList):
@@ -46,7 +46,11 @@ class LogicalHostPool(SlotFreeList):
         # True on purpose: a group's flag is the AND over its pools, and the anchor must not
         # veto the staged write-back of the pools that do carry bytes.
         self.can_use_write_back_jit = True
-        self.lock = threading.RLock()
+        # SGLang checks no memory here; a huge anchor pool would fail inside torch's allocator.
+        _memory.check_allocations_fit(
+            f"LogicalHostPool(size={size})", {"slot tables": slot_table_bytes(size)}
+        )
+        new_pool_lock(self)
         self.clear()
 
     @synchronized
@@ -74,8 +78,9 @@ class LogicalHostPool(SlotFreeList):
         # the conversion: int64 would truncate 1.5 to 1, and float or bool values are not slots.
         # Stricter than SGLang on purpose: a double or foreign free is refused (the MHA/MLA
         # pools' error), where SGLang's count of available slots would drift past the size.
-        if not isinstance(indices, torch.Tensor):
-            indices = torch.as_tensor(indices)
+        indices = as_tensor(indices)
+        if indices.dim() == 0:
+            raise TypeError(f"LogicalHostPool free: indices must be a sequence, got {indices!r}")
         n = len(indices)
         if n % self.page_size != 0:
             raise ValueError(

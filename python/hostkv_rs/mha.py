@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _handover, _memory
-from hostkv_rs._args import as_int, required
+from hostkv_rs._args import device_side_of, positive_int, required, truth
 from hostkv_rs._device_side import device_pool_extent, first_device, owned_range, ptr_table
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
@@ -91,7 +91,8 @@ class MHATokenToKVPoolHost(HostKVCache):
         )
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if is_buffer_info(source):
-            side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
+            with device_side_of(type(self).__name__):
+                side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
             required(
                 f"{type(self).__name__} from a buffer info",
                 device_capacity_tokens=device_capacity_tokens,
@@ -99,8 +100,9 @@ class MHATokenToKVPoolHost(HostKVCache):
                 end_layer=end_layer,
             )
         else:
-            side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
-            device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
+            with device_side_of(type(self).__name__):
+                side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
+                device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
         self.head_group_num = head_group_num
         super().__init__(
             dtype=self.dtype,
@@ -369,6 +371,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         return [self.k_buffer, self.v_buffer]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.kv_buffer is None or self.layout == "layer_first":
             return False
         return all(
@@ -401,7 +404,7 @@ class MHATokenToKVPoolHost(HostKVCache):
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         self._require_bytes()
         data_page = self._page_view(index)
-        return data_page.flatten() if flat else data_page
+        return data_page.flatten() if truth("flat", flat) else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(
@@ -427,7 +430,12 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""
-        split_factor = as_int("split_factor", split_factor)
+        split_factor = positive_int("split_factor", split_factor)
+        if split_factor >= 2**64:
+            # Past the core's u64; it could never divide head_num anyway (SGLang's assert).
+            raise AssertionError(
+                f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"
+            )
         self._require_bytes()
         return self._spec.split_heads_meta(self._plane_addrs(), index_list(indices), split_factor)
 

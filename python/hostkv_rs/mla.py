@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core, _memory
-from hostkv_rs._args import as_int, required
+from hostkv_rs._args import as_int, device_side_of, positive_int, required, truth
 from hostkv_rs._device_side import (
     device_pool_extent,
     first_device,
@@ -90,6 +90,14 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             layout=layout,
         )
         refuse_unserved(_layout_reason(layout) or device_type_reason(source))
+        if override_kv_cache_dim is not None:
+            # SGLang reads it as `override or default`: 0 keeps the default width.
+            override_kv_cache_dim = as_int("override_kv_cache_dim", override_kv_cache_dim)
+            if override_kv_cache_dim < 0:
+                raise ValueError(
+                    f"override_kv_cache_dim must be a width in elements, not negative (0 or "
+                    f"None: the device pool's), got {override_kv_cache_dim}"
+                )
         self.override_kv_cache_dim = override_kv_cache_dim
         self.layout = layout
         if is_buffer_info(source) or is_allocation_only(source):
@@ -102,12 +110,14 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 end_layer=end_layer,
                 target_layer_num=target_layer_num,
             )
-            side = self._from_buffer_info(source, drafts, target_layer_num, layer_shard_enabled)
+            with device_side_of(type(self).__name__):
+                side = self._from_buffer_info(source, drafts, target_layer_num, layer_shard_enabled)
             is_dummy = is_allocation_only(source)
         else:
-            side = self._from_device_pool(source, mtp_draft_device_pools)
-            device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
-        self._is_dummy = bool(is_dummy)
+            with device_side_of(type(self).__name__):
+                side = self._from_device_pool(source, mtp_draft_device_pools)
+                device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
+        self._is_dummy = truth("is_dummy", is_dummy)
         super().__init__(
             dtype=self.dtype,
             device_capacity_tokens=device_capacity_tokens,
@@ -182,14 +192,18 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self.kv_cache_dim = self.override_kv_cache_dim or (
             self.kv_lora_rank + self.qk_rope_head_dim
         )
+        self._layer_shard_enabled = bool(getattr(dp, "layer_shard_enabled", False))
+        if self._layer_shard_enabled:
+            # The host holds ceil(layer_num / shard) layers: a shard of 0 layers divides by zero.
+            positive_int("device pool layer_shard_size", dp.layer_shard_size)
         self.target_layer_num = sharded_host_layer_num(dp)
         self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
-        self._layer_shard_enabled = bool(getattr(dp, "layer_shard_enabled", False))
         start, end = owned_range(dp)
         layers = list(dp.kv_buffer)
-        if len(layers) < end:
+        if not 0 <= start <= end <= len(layers) or end - start > self.target_layer_num:
             raise ValueError(
-                f"device pool has {len(layers)} layers but owns layers [{start}, {end})"
+                f"device pool has {len(layers)} layers but owns layers [{start}, {end}) (the "
+                f"host holds {self.target_layer_num})"
             )
         draft_layers = []
         for depth, draft in enumerate(self.mtp_draft_device_pools):
@@ -219,7 +233,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         )
         self.dsa_kv_cache_store_fp8 = info.packed_fp8
         self.target_layer_num = as_int("target_layer_num", target_layer_num)
-        self._layer_shard_enabled = bool(layer_shard_enabled)
+        self._layer_shard_enabled = truth("layer_shard_enabled", layer_shard_enabled)
         if dummy:
             if drafts:
                 raise ValueError("Allocator-only MLA does not accept physical draft buffers")
@@ -324,6 +338,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         return [] if self.kv_buffer is None else [self.kv_buffer]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
             return False
         stride = self._spec.plane_nbytes[0] // self._spec.page_num
@@ -363,7 +378,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         self._require_bytes()
         data_page = self._page_view(index)
-        return data_page.flatten() if flat else data_page
+        return data_page.flatten() if truth("flat", flat) else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(

@@ -9,17 +9,16 @@ module only builds torch views, checks arguments and maps token indices to rows.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
-from hostkv_rs._args import as_int
+from hostkv_rs._args import as_int, positive_int, truth
 from hostkv_rs._device_side import LayerIndexError, ptr_table
 from hostkv_rs._indices import as_index_array, check_storage
-from hostkv_rs._slots import index_list, slots_in_pool
-from hostkv_rs.base import HostKVCache, get_allocator_from_storage, synchronized
+from hostkv_rs._slots import index_list, slot_table_bytes, slots_in_pool
+from hostkv_rs.base import HostKVCache, get_allocator_from_storage, new_pool_lock, synchronized
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def _unsupported_reason(cls, args, kwargs) -> str | None:
         buffers = args[1] if len(args) > 1 else kwargs.get("device_buffers")
         try:
-            first = next(iter(buffers or ()), None)
+            # Not `buffers or ()`: a tensor of several elements has no truth value.
+            first = next(iter(() if buffers is None else buffers), None)
         except TypeError:
             return None
         kind = getattr(getattr(first, "device", None), "type", None)
@@ -110,7 +110,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"{type(buf).__name__}"
                 )
         # SGLang 0.5.20+: pools whose rows are not the C4 page refuse token-granular transfers.
-        self.page_aligned_only = bool(page_aligned_only)
+        self.page_aligned_only = truth("page_aligned_only", page_aligned_only)
         device_buffers = list(device_buffers)
         item_bytes = as_int("item_bytes", item_bytes)
         num_host_pages = as_int("num_host_pages", num_host_pages)
@@ -130,6 +130,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.slot_page_size = slot_page_size
         self.dtype = torch.uint8
         self.device = device
+        truth("pin_memory", pin_memory)
         self.pin_memory = pin_memory
         self.allocator_type = allocator_type
         # SGLang's allocator object; the bytes themselves always come from a Rust HostRegion.
@@ -142,21 +143,37 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.size_per_token = item_bytes
         self.start_layer = 0
         self.end_layer = self.layer_num
-        self.lock = threading.RLock()
+        new_pool_lock(self)
         self.device_buffers = device_buffers
         self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
         self._device_rows = self._device_row_counts(device_buffers, item_bytes, "device buffer")
 
         requested_bytes = self.layer_num * num_host_pages * item_bytes
         # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
-        # `base.host_memory_budget_bytes` (or `_memory`'s) steers this check too.
-        available_bytes = pool_host_base.host_memory_budget_bytes()
+        # `base.host_memory_budget_bytes` (or `_memory`'s) steers this check too. SGLang books
+        # nothing here (it passes no request).
+        available_bytes, source = pool_host_base.host_memory_budget_and_source()
         if requested_bytes > available_bytes:
             raise ValueError(
                 f"Not enough host memory for V4 paged pool {pool_name}. "
-                f"Requesting {requested_bytes / 1e9:.2f} GB but only have "
-                f"{available_bytes / 1e9:.2f} GB free."
+                f"Requesting {_memory.gb(requested_bytes)} GB but only have "
+                f"{_memory.gb(available_bytes)} GB free.{pool_host_base.budget_source_text(source)}"
             )
+        # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
+        # a staging buffer on a CPU device count against the memory there is as well.
+        staging_bytes = 0
+        if layout == "page_first" and self.gpu_device.type == "cpu":
+            staging_bytes = min(num_host_pages, _WRITE_BACK_STAGING_PAGE_CHUNK) * (
+                self.layer_num * item_bytes
+            )
+        _memory.check_allocations_fit(
+            f"V4 paged pool {pool_name}",
+            {
+                "page rows": requested_bytes,
+                "slot tables": slot_table_bytes(self.size),
+                "staging buffer": staging_bytes,
+            },
+        )
         # The geometry in the core: refuses another layout with SGLang's text.
         self._spec = _core.PoolSpec(
             "v4_paged",
@@ -318,6 +335,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         return self._spec.contiguous_buf_infos(self._base)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.layout not in ("page_first", "page_first_direct") or self.kv_buffer is None:
             return False
         page_bytes = self._spec.plane_nbytes[0] // max(self._spec.page_num, 1)
@@ -377,6 +395,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
         L, Nh, SIB = self.layer_num, self.num_host_pages, scale_item_bytes
         nbytes = L * Nh * SIB
+        _memory.check_allocations_fit(
+            f"the indexer scale rows of V4 paged pool {self.pool_name}", {"scale rows": nbytes}
+        )
         logger.info(
             "Attaching %.2f MB host memory for V4 indexer scale pool '%s' "
             "(layers=%d, pages=%d, scale_item_bytes=%d, layout=%s).",
@@ -579,6 +600,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def get_data_page(self, index, flat=True):
         self._require_live()
         data_page = self._page_view(index)
+        flat = truth("flat", flat)
         if self.layout == "layer_first" and not flat:
             # SGLang stacks the layers' rows: a copy, not a view of the pool.
             return data_page.clone()
@@ -599,6 +621,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             raise TypeError(
                 f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
                 f"got {type(data_page).__name__}"
+            )
+        if data_page.is_meta:
+            raise ValueError(
+                f"{self.pool_name} set_from_flat_data_page: a page on the meta device holds no "
+                f"values"
             )
         check_storage(data_page, f"{self.pool_name} set_from_flat_data_page")
         expected = self.layer_num * self.item_bytes

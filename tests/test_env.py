@@ -1,0 +1,141 @@
+"""Environment variables the Python package reads: parsed in one place (hostkv_rs._env), and a bad
+value is refused naming the variable, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _env, _memory
+
+PACKAGE = pathlib.Path(_env.__file__).parent
+
+
+def _pool():
+    dp = MHATokenToKVPool(16, 4, torch.bfloat16, 1, 8, 2)
+    return MHATokenToKVPoolHost(dp, 2.0, 0, 4, "page_first", False)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in _env.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("value", ["abc", "1e3", "1.0", "-1", "0x1", "1_0", "١", "1024"])
+def test_a_bad_numa_node_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("HOSTKV_NUMA_NODE", value)
+    text = f"environment variable HOSTKV_NUMA_NODE={value!r}: expected a NUMA node id"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        _pool()
+
+
+def test_numa_node_values(monkeypatch):
+    assert _env.numa_node() is None
+    for value, want in (("", None), ("  ", None), (" 0 ", 0), ("+1", 1), ("1023", 1023)):
+        monkeypatch.setenv("HOSTKV_NUMA_NODE", value)
+        assert _env.numa_node() == want, value
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("SGLANG_HUGEPAGE_SIZE", "3MB", "'2MB' or '1GB' (or unset: base pages)"),
+        ("SGLANG_HUGEPAGE_MODE", "sometimes", "one of 'off', 'prefer', 'required', or unset"),
+        ("SGLANG_HUGEPAGE_STRICT", "maybe", "one of '1', 'true', '0', 'false' (any case)"),
+    ],
+)
+def test_bad_hugepage_settings_name_the_variable(monkeypatch, name, value, allowed):
+    monkeypatch.setenv(name, value)
+    text = f"environment variable {name}={value!r}: expected {allowed}"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        _pool()
+
+
+def test_hugepage_settings(monkeypatch):
+    assert _env.hugepage_settings() == ("", "off")
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2M")
+    assert _env.hugepage_settings() == ("2MB", "prefer")
+    monkeypatch.setenv("SGLANG_HUGEPAGE_STRICT", "TRUE")
+    assert _env.hugepage_settings() == ("2MB", "required")
+    monkeypatch.setenv("SGLANG_HUGEPAGE_MODE", " Off ")
+    assert _env.hugepage_settings() == ("2MB", "off")
+    monkeypatch.setenv("SGLANG_HUGEPAGE_MODE", "strict")  # the core's alias
+    assert _env.hugepage_settings() == ("2MB", "required")
+
+
+@pytest.mark.parametrize("value", ["x", "1.5", "1e3", str(2**40)])
+def test_a_bad_register_chunk_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", value)
+    text = f"environment variable SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB={value!r}: expected"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        _memory.register_chunk_limit_bytes()
+
+
+def test_register_chunk_values(monkeypatch):
+    assert _memory.register_chunk_limit_bytes() == 256 * 1024**3
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "-5")  # SGLang: max(gb, 1)
+    assert _memory.register_chunk_limit_bytes() == 1024**3
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "8")
+    assert _memory.register_chunk_limit_bytes() == 8 * 1024**3
+
+
+@pytest.mark.parametrize("name", ["SGLANG_NNODES", "NNODES"])
+@pytest.mark.parametrize("value", ["two", "0", "-2", "2.0"])
+def test_a_bad_node_count_names_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    text = f"environment variable {name}={value!r}: expected a positive decimal integer"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        _env.nnodes()
+
+
+def test_a_bad_node_count_is_not_swallowed_by_ranks_per_host(monkeypatch):
+    class Dist:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def is_initialized():
+            return True
+
+        @staticmethod
+        def get_world_size():
+            return 8
+
+    monkeypatch.setattr(torch, "distributed", Dist)
+    monkeypatch.setenv("NNODES", "2")
+    assert _memory.ranks_per_host() == 4
+    monkeypatch.setenv("SGLANG_NNODES", "4")  # SGLang's name wins
+    assert _memory.ranks_per_host() == 2
+    monkeypatch.setenv("SGLANG_NNODES", "four")
+    with pytest.raises(ValueError, match="SGLANG_NNODES='four'"):
+        _memory.ranks_per_host()
+
+
+_READS = re.compile(r"os\.environ\s*\[|os\.environ\.get|os\.getenv|environ\.get\(|getenv\(")
+
+
+# Modules that still read a variable themselves, and which one: to move into hostkv_rs._env.
+_NOT_YET_MOVED = {"l3/_native.py": "HOSTKV_MOONCAKE_LOG", "launch.py": "HOSTKV_RS_SGLANG"}
+
+
+def test_the_package_reads_environment_variables_only_in_env_module():
+    # Writes (os.environ.setdefault for a third-party library) are not reads of our settings.
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_env.py" or str(path.relative_to(PACKAGE)) in _NOT_YET_MOVED:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _READS.search(line):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert offenders == [], "read these through hostkv_rs._env:\n" + "\n".join(offenders)
+
+
+def test_every_variable_the_env_module_reads_is_listed():
+    source = (PACKAGE / "_env.py").read_text()
+    assert set(re.findall(r'"((?:HOSTKV|SGLANG)_[A-Z0-9_]+|NNODES)"', source)) == set(
+        _env.VARIABLES
+    )
