@@ -12,7 +12,7 @@ from hostkv_rs import (
     get_mha_host_pool_cls,
 )
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
 
 # Small geometries (prime layer count, 8-byte multiple item sizes) keep the suite fast on two
 # busy cores.
@@ -25,6 +25,7 @@ MHA_PAIRS = [
     ("kernel", "layer_first"),
     ("kernel", "page_first"),
     ("kernel", "page_head"),
+    ("kernel", "page_unified"),
     ("direct", "layer_first"),
     ("direct", "page_first_direct"),
 ]
@@ -32,9 +33,11 @@ ASYM_PAIRS = [("kernel", "page_first"), ("direct", "page_first_direct")]
 MLA_PAIRS = [
     ("kernel", "layer_first"),
     ("kernel", "page_first"),
+    ("kernel", "page_unified"),
     ("direct", "layer_first"),
     ("direct", "page_first_direct"),
 ]
+V4_PAIRS = [pair for pair in MLA_PAIRS if pair[1] != "page_unified"]
 
 
 def make_mha(
@@ -91,11 +94,37 @@ def distinct_pages(rng: np.random.Generator, low: int, high: int, count: int) ->
     return rng.permutation(np.arange(low, high))[:count]
 
 
-def host_segments(layout: str, tokens, layer: int, L: int, S: int, P: int, item: int, heads: int):
+def host_segments(
+    layout: str,
+    tokens,
+    layer: int,
+    L: int,
+    S: int,
+    P: int,
+    item: int,
+    heads: int,
+    component: int = 0,
+    components: int = 1,
+):
     """Byte offsets inside one plane (a K half, a V buffer, the MLA latent buffer) of token slots
     `tokens` at `layer`, as an (N, segments) array, plus the segment length and each segment's
-    byte offset inside the device row. page_head splits a row into `heads` segments."""
+    byte offset inside the device row. page_head splits a row into `heads` segments. page_unified
+    (SGLang 0.5.23's `page_dims`: page, head group, layer, component, slot, heads in group, dim)
+    splits it into `heads` head groups; its K and V are `components` of one allocation."""
     t = np.asarray(tokens, dtype=np.int64)
+    if layout == "page_unified":
+        seg = item // heads
+        g = np.arange(heads)
+        layer_bytes = components * P * seg
+        group_bytes = L * layer_bytes
+        off = (
+            (t // P)[:, None] * heads * group_bytes
+            + g[None, :] * group_bytes
+            + layer * layer_bytes
+            + component * P * seg
+            + (t % P)[:, None] * seg
+        )
+        return off, seg, g * seg
     if layout == "layer_first":
         off = layer * S * item + t * item
         return off[:, None], item, np.array([0])
@@ -124,8 +153,8 @@ def host_planes(pool) -> list[torch.Tensor]:
     if isinstance(buf, tuple):  # asymmetric MHA: K and V are separate allocations
         return [b.reshape(-1).view(torch.uint8) for b in buf]
     flat = buf.reshape(-1).view(torch.uint8)
-    if hasattr(pool, "kv_cache_dim"):  # MLA: one latent plane
-        return [flat]
+    if hasattr(pool, "kv_cache_dim") or pool.layout == "page_unified":
+        return [flat]  # MLA's latent plane; page_unified's one fused allocation
     half = flat.numel() // 2  # MHA: the V half follows the K half
     return [flat[:half], flat[half:]]
 
@@ -148,34 +177,55 @@ def plane_items(pool) -> list[int]:
     return [pool.head_num * pool.head_dim * e, pool.head_num * v_dim * e]
 
 
+def _segments_per_row(pool) -> int:
+    if pool.layout == "page_head":
+        return pool.head_num
+    if pool.layout == "page_unified":
+        return getattr(pool, "head_group_num", 1) if not hasattr(pool, "kv_cache_dim") else 1
+    return 1
+
+
+def _plane_segments(pool, p: int, item: int, host_idx, layer: int):
+    """(host buffer index, host_segments(...)) of plane `p`."""
+    unified = pool.layout == "page_unified"
+    components = len(plane_items(pool)) if unified else 1
+    segs = host_segments(
+        pool.layout,
+        host_idx,
+        layer,
+        pool.layer_num,
+        pool.size,
+        pool.page_size,
+        item,
+        _segments_per_row(pool),
+        p if unified else 0,
+        components,
+    )
+    return (0 if unified else p), segs
+
+
 def expected_backup(pool, host_before, device_pool, host_idx, dev_idx):
     """Host plane bytes after backing up every layer of `dev_idx` into `host_idx`."""
-    heads = pool.head_num if pool.layout == "page_head" else 1
     out = [np.array(p, copy=True) for p in host_before]
     dev = device_planes(device_pool)
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
         for layer in range(pool.layer_num):
-            offs, seg, row_offs = host_segments(
-                pool.layout, host_idx, layer, pool.layer_num, pool.size, pool.page_size, item, heads
-            )
+            hb, (offs, seg, row_offs) = _plane_segments(pool, p, item, host_idx, layer)
             rows = dev[p][layer].numpy()[d]  # (N, item)
             for s in range(offs.shape[1]):
                 cols = row_offs[s] + np.arange(seg)
-                out[p][offs[:, s][:, None] + np.arange(seg)[None, :]] = rows[:, cols]
+                out[hb][offs[:, s][:, None] + np.arange(seg)[None, :]] = rows[:, cols]
     return out
 
 
 def expected_load(pool, host_bytes, device_before, host_idx, dev_idx, layer):
     """Device plane bytes (per plane, per layer numpy arrays) after loading host `layer`."""
-    heads = pool.head_num if pool.layout == "page_head" else 1
     out = [[t.copy() for t in plane] for plane in device_before]
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
-        offs, seg, row_offs = host_segments(
-            pool.layout, host_idx, layer, pool.layer_num, pool.size, pool.page_size, item, heads
-        )
-        host = np.asarray(host_bytes[p])
+        hb, (offs, seg, row_offs) = _plane_segments(pool, p, item, host_idx, layer)
+        host = np.asarray(host_bytes[hb])
         for s in range(offs.shape[1]):
             cols = row_offs[s] + np.arange(seg)
             out[p][layer][d[:, None], cols[None, :]] = host[offs[:, s][:, None] + np.arange(seg)]

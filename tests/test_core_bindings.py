@@ -382,14 +382,14 @@ def test_large_backup_releases_gil_and_copies_exactly():
 
 
 def test_supported_pairs_are_the_contracts_matrix():
-    from reference import ASYM_PAIRS, MHA_PAIRS, MLA_PAIRS
+    from reference import ASYM_PAIRS, MHA_PAIRS, MLA_PAIRS, V4_PAIRS
 
     def as_set(pairs):
         return {(backend, layout) for backend, layout in pairs}
 
     swap = [(b, lay) for lay, b in _core.supported_pairs("mha")]
     assert as_set(swap) == as_set(MHA_PAIRS)
-    for kind, want in (("mha_asymmetric", ASYM_PAIRS), ("mla", MLA_PAIRS), ("v4_paged", MLA_PAIRS)):
+    for kind, want in (("mha_asymmetric", ASYM_PAIRS), ("mla", MLA_PAIRS), ("v4_paged", V4_PAIRS)):
         assert {(b, lay) for lay, b in _core.supported_pairs(kind)} == as_set(want), kind
     with pytest.raises(ValueError, match="unknown pool kind"):
         _core.supported_pairs("mamba")

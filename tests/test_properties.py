@@ -51,6 +51,8 @@ def geometries(draw):
     kind = draw(st.sampled_from(["mha", "asym", "mla"]))
     pairs = {"mha": MHA_PAIRS, "asym": ASYM_PAIRS, "mla": MLA_PAIRS}[kind]
     backend, layout = draw(st.sampled_from(pairs))
+    # page_unified moves head-group rows of a multiple of 16 bytes (SGLang's PageUnifiedLayout).
+    dims = st.sampled_from([16, 32]) if layout == "page_unified" else st.integers(1, 12)
     return {
         "kind": kind,
         "backend": backend,
@@ -58,8 +60,8 @@ def geometries(draw):
         "layers": draw(st.integers(1, 7)),
         "page_size": draw(st.sampled_from(PAGE_SIZES)),
         "heads": draw(st.integers(1, 3)),
-        "head_dim": draw(st.integers(1, 12)),
-        "v_head_dim": draw(st.integers(1, 12)),
+        "head_dim": draw(dims),
+        "v_head_dim": draw(dims),
         "dtype": draw(st.sampled_from(DTYPES)),
         "device_pages": draw(st.integers(1, 6)),
         "idx_dtype": draw(st.sampled_from([torch.int32, torch.int64])),

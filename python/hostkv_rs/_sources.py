@@ -9,7 +9,7 @@ import torch
 
 # Layouts SGLang has that hostkv_rs does not implement: page_unified (0.5.23) and the Ascend
 # page_first_kv_split. install() hands them to SGLang's own class.
-SGLANG_ONLY_LAYOUTS = ("page_unified", "page_first_kv_split")
+SGLANG_ONLY_LAYOUTS = ("page_first_kv_split",)
 
 
 def is_buffer_info(obj) -> bool:

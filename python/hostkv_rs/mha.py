@@ -135,7 +135,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             self.page_size,
             self._plane_item_bytes(),
             self._plane_memory(),
-            self.head_num if self.layout == "page_head" else 1,
+            self._segments_per_row(),
         )
         self._bind_device_side(side)
 
@@ -151,10 +151,10 @@ class MHATokenToKVPoolHost(HostKVCache):
             reason = scales_reason(source) or device_type_reason(source)
         return reason or io_backend_reason()
 
-    # Layouts SGLang's own class of this kind serves and hostkv_rs does not. page_first_kv_split
-    # is MLA-only in SGLang too (its MHA pools refuse it with the "Unsupported layout" ValueError
+    # Layouts SGLang's own class of this kind serves and hostkv_rs does not (none: SGLang's MHA
+    # pools refuse the Ascend-only page_first_kv_split with the "Unsupported layout" ValueError
     # ours raise).
-    _sglang_only_layouts = ("page_unified",)
+    _sglang_only_layouts: tuple[str, ...] = ()
 
     @classmethod
     def _layout_reason(cls, layout) -> str | None:
@@ -289,22 +289,46 @@ class MHATokenToKVPoolHost(HostKVCache):
             [self.head_dim, self.v_head_dim],
             self.dtype.itemsize,
             head_num=self.head_num,
+            head_group_num=self.head_group_num if self.layout == "page_unified" else None,
         )
+
+    @property
+    def _unified(self) -> bool:
+        """page_unified: K and V interleave in one fused page block (SGLang 0.5.23)."""
+        return self.layout == "page_unified"
+
+    def _segments_per_row(self) -> int:
+        if self.layout == "page_head":
+            return self.head_num
+        return self.head_group_num if self._unified else 1
 
     def init_kv_buffer(self):
         self._spec = spec = self._make_spec()
         self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
+        if self._unified:
+            # One allocation both planes address (the core's plane size is the allocation's).
+            self.page_unified_layout = _core.PageUnifiedLayout(
+                page_size=self.page_size,
+                layer_num=self.layer_num,
+                head_num=self.head_num,
+                head_group_num=self.head_group_num,
+                head_dim=self.head_dim,
+                itemsize=self.dtype.itemsize,
+            )
+            nbytes, shape = spec.plane_nbytes[0], tuple(spec.shape(0))
+        else:
+            nbytes, shape = sum(spec.plane_nbytes), (2, *spec.shape(0))
         region = _memory.alloc_host_region(
-            sum(spec.plane_nbytes), self.pin_memory, self._registration_granularity(0)
+            nbytes, self.pin_memory, self._registration_granularity(0)
         )
         self._host_regions = [region]
-        return _memory.region_view(region, self.dtype, (2, *spec.shape(0)))
+        return _memory.region_view(region, self.dtype, shape)
 
     def _registration_granularity(self, plane: int) -> int:
         # A chunked cudaHostRegister must not split one page-first copy unit (a page of every
-        # layer); layer_first and page_head have no such unit.
-        if self.layout not in ("page_first", "page_first_direct"):
+        # layer; page_unified's fused page block); layer_first and page_head have no such unit.
+        if self.layout not in ("page_first", "page_first_direct", "page_unified"):
             return 0
         return self._spec.plane_nbytes[plane] // self._spec.page_num
 
@@ -325,13 +349,22 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def _plane_addrs(self) -> list[int]:
         base = self.kv_buffer.data_ptr()
+        if self._unified:
+            return [base, base]
         return [base, base + self.layer_num * self.size * self.token_stride_size]
 
     def _plane_memory(self) -> list:
         """Each plane as the core holds it: its memory's owner and the byte offset in it."""
+        if self._unified:
+            return [(self.kv_buffer, 0), (self.kv_buffer, 0)]
         return [(self.kv_buffer, 0), (self.kv_buffer, self._spec.plane_nbytes[0])]
 
     def _init_data_refs(self, transpose_direct: bool):
+        if self._unified:
+            # SGLang 0.5.23: no per-component per-layer view exists in the fused page block.
+            self.k_data_refs, self.v_data_refs, self.host_kv_data_refs = [], [], []
+            self.k_data_ptrs = self.v_data_ptrs = None
+            return
         # Per-layer views without copying: page_first (and, from SGLang 0.5.23, page_first_direct)
         # transposes [page, layer, ...] to [layer, page, ...]. For the other page-major layouts
         # dim 0 is the page, so these views are not per-layer; SGLang builds them anyway and
@@ -372,7 +405,7 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None or self.layout == "layer_first":
+        if self.kv_buffer is None or self.layout in ("layer_first", "page_unified"):
             return False
         return all(
             base % page_size_bytes == 0 and page % page_size_bytes == 0

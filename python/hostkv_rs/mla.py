@@ -148,7 +148,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self.layout == "page_first":
             view = self.kv_buffer.transpose(0, 1)
         else:
-            # page_first_direct: dim 0 is the page, so these are page slabs, as in SGLang.
+            # page_first_direct / page_unified: dim 0 is the page, so these are page slabs, as in
+            # SGLang.
             view = self.kv_buffer
         count = min(self.layer_num, view.shape[0])
         self.data_refs = [view[i] for i in range(count)]
@@ -300,10 +301,20 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self._spec = spec = self._make_spec()
         self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
+        if self.layout == "page_unified":
+            self.page_unified_layout = _core.PageUnifiedLayout(
+                page_size=self.page_size,
+                layer_num=self.layer_num,
+                head_num=1,
+                head_group_num=1,
+                head_dim=self.kv_cache_dim,
+                itemsize=self.dtype.itemsize,
+                is_mla=True,
+            )
         # A chunked cudaHostRegister must not split one page-first copy unit.
         granularity = (
             spec.plane_nbytes[0] // spec.page_num
-            if self.layout in ("page_first", "page_first_direct")
+            if self.layout in ("page_first", "page_first_direct", "page_unified")
             else 0
         )
         region = _memory.alloc_host_region(spec.plane_nbytes[0], self.pin_memory, granularity)

@@ -89,9 +89,14 @@ impl PlaneLayout {
             1
         };
         if item_bytes % heads != 0 {
+            let (name, unit) = if layout == Layout::PageUnified {
+                ("head_group_num", "head group")
+            } else {
+                ("head_num", "head")
+            };
             return Err(Error::Geometry(format!(
-                "item size {item_bytes} bytes is not divisible by {heads} segments ({} stores \
-                 one segment of item_size / segments bytes per head or head group)",
+                "item size {item_bytes} bytes is not divisible by {name} {heads} ({} stores one \
+                 segment of item_size / {name} bytes per {unit})",
                 layout.name()
             )));
         }
@@ -454,7 +459,7 @@ mod tests {
     #[test]
     fn rejects_bad_geometry() {
         let e = PlaneLayout::new(Layout::PageHead, 2, 8, 4, 12, 5).unwrap_err();
-        assert!(e.to_string().contains("not divisible by 5 segments"), "{e}");
+        assert!(e.to_string().contains("not divisible by head_num 5"), "{e}");
         let e = PlaneLayout::new(Layout::PageFirstDirect, 2, 10, 4, 16, 1).unwrap_err();
         assert!(
             e.to_string().contains("not a multiple of page_size=4"),

@@ -136,10 +136,14 @@ def _torch_ops(host, dp, layout: str, h, d, page_size: int, op: str):
         names = ("kv_buffer",) if hasattr(dp, "kv_buffer") else ("k_buffer", "v_buffer")
         hp, hr = h // page_size, h % page_size
         pairs = []
-        for name, plane in zip(names, planes):
+        for c, (name, plane) in enumerate(zip(names, planes)):
             buf = host.kv_buffer if name == "kv_buffer" else getattr(host, name)
             for layer in range(len(plane)):
-                if layout == "layer_first":
+                if layout == "page_unified" and name == "kv_buffer":  # MLA (Pn, L, P, D)
+                    index = (buf, (hp, layer, hr))
+                elif layout == "page_unified":  # (Pn, G, L, 2, P, H/G, D)
+                    index = (host.kv_buffer, (hp, slice(None), layer, c, hr))
+                elif layout == "layer_first":
                     index = (buf[layer], (h,))
                 elif layout == "page_first":
                     index = (buf, (h, layer))

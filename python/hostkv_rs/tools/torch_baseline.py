@@ -16,6 +16,8 @@ def host_planes(host_pool, kind: str) -> list:
     """Host plane tensors in their contract shapes (host-pool-contract.md §2)."""
     if kind == "mla":
         return [host_pool.kv_buffer]
+    if host_pool.layout == "page_unified":  # (Pn, G, L, 2, P, H/G, D): K and V interleaved
+        return [host_pool.kv_buffer[:, :, :, 0], host_pool.kv_buffer[:, :, :, 1]]
     return [host_pool.k_buffer, host_pool.v_buffer]
 
 
@@ -36,7 +38,16 @@ def host_layer_view(plane, layout: str, layer: int):
         return plane[:, layer]
     if layout == "page_head":  # (Pn, H, P, L, D) -> (Pn, P, H, D)
         return plane[:, :, :, layer].transpose(1, 2)
+    if layout == "page_unified":
+        if plane.dim() == 4:  # MLA (Pn, L, P, D)
+            return plane[:, layer]
+        return plane[:, :, layer].transpose(1, 2)  # (Pn, G, P, H/G, D) -> (Pn, P, G, H/G, D)
     raise ValueError(f"Unsupported layout: {layout}")
+
+
+def _as_rows(rows, view, index):
+    """`rows` shaped as `view[index]` (page_unified splits a row's heads into groups)."""
+    return rows.reshape(rows.shape[0], *view.shape[len(index) :])
 
 
 def torch_backup(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx):
@@ -46,7 +57,8 @@ def torch_backup(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx):
             rows = dev_layer[dev_idx]
             if rows.device.type != "cpu":
                 rows = rows.to("cpu")
-            host_layer_view(hplane, layout, layer)[hi] = rows
+            view = host_layer_view(hplane, layout, layer)
+            view[hi] = _as_rows(rows, view, hi)
 
 
 def torch_load(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx, layer):
@@ -56,7 +68,7 @@ def torch_load(dev_planes, hst_planes, layout, page_size, host_idx, dev_idx, lay
         rows = host_layer_view(hplane, layout, layer)[hi]
         if dev_layer.device.type != "cpu":
             rows = rows.to(dev_layer.device, non_blocking=True)
-        dev_layer[dev_idx] = rows
+        dev_layer[dev_idx] = rows.reshape(rows.shape[0], *dev_layer.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------
