@@ -1,8 +1,8 @@
 """Constructions hostkv_rs does not serve go to SGLang's own class.
 
 `hostkv_rs.sglang.install()` records, for each of our pool classes, the SGLang class it stands in
-for. When SGLang then builds one of ours with something we do not implement (a layout such as
-`page_unified`, KV scales, an NPU device pool), `HostKVCache.__new__` builds SGLang's class with
+for. When SGLang then builds one of ours with something we do not implement (the Ascend layout
+`page_first_kv_split`, KV scales, an NPU device pool), `HostKVCache.__new__` builds SGLang's class with
 the same arguments instead and logs one line saying so. Without install() (no SGLang), our own
 constructor refuses the same construction with SGLang's error text, so nothing is dropped
 silently either way.

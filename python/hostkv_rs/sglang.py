@@ -14,8 +14,8 @@
 * never replaces SGLang's `HostKVCache`: our classes are registered as virtual subclasses of it and
   of the classes they replace, and SGLang's own subclasses of a replaced class are registered
   with ours, so every isinstance check SGLang makes answers as before;
-* records SGLang's classes so a construction hostkv_rs does not serve (`page_unified`,
-  `page_first_kv_split`, KV scales, NPU device pools) is handed to SGLang's own class, with one
+* records SGLang's classes so a construction hostkv_rs does not serve (`page_first_kv_split`,
+  KV scales, NPU device pools) is handed to SGLang's own class, with one
   log line; SGLang's other host pools (K-only, DSA indexer, Mamba, V4 state, HiSparse MHA, MXFP8,
   unified, QSA ...) are never touched.
 

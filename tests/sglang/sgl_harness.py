@@ -80,8 +80,9 @@ if not os.environ.get("HOSTKV_SGLANG_INSTALL_FIRST"):
             "before the test harness captured SGLang's classes"
         )
 
-# Layouts per pool kind that SGLang accepts in every release here (page_unified, v23, and the
-# Ascend-only page_first_kv_split are handed to SGLang by hostkv_rs, see test_construction).
+# Layouts per pool kind that SGLang accepts in every release here (page_unified, 0.5.23 only, is
+# compared in test_page_unified.py; the Ascend-only page_first_kv_split is handed to SGLang by
+# hostkv_rs, see test_construction).
 MHA_PAIRS = [
     ("layer_first", "kernel"),
     ("page_first", "kernel"),

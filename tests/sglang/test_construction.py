@@ -190,8 +190,6 @@ HANDOFFS = {
     "MHA fp8 with per-token scales": (_token_scaled_fp8_mha, False, "page_first", "kernel", None),
     "MXFP8 MHA": (_mxfp8_mha, False, "page_first", "kernel", (0, 5, 21)),
     "MLA page_first_kv_split": (H.mla_device, True, "page_first_kv_split", "kernel", None),
-    "MHA page_unified": (H.mha_device, False, "page_unified", "kernel", (0, 5, 23)),
-    "MLA page_unified": (H.mla_device, True, "page_unified", "kernel", (0, 5, 23)),
     "MHA kernel_ascend": (H.mha_device, False, "page_first_direct", "kernel_ascend", None),
     "MLA kernel_ascend": (H.mla_device, True, "page_first_kv_split", "kernel_ascend", None),
 }
