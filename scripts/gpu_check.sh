@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [path/to/hostkv_rs-*.whl]
 #
 # Build the wheel where the Rust toolchain is, with the kernel emulator the CPU suite runs
-# (`maturin build --release --features python,emulator -o target/wheels`, as scripts/test.sh), copy
+# (`maturin build --release --features python,emulator,raw-calls -o target/wheels`, as scripts/test.sh), copy
 # it with this repository's tests/ and scripts/. Without an argument the newest
 # target/wheels/hostkv_rs-*.whl is used; SKIP_INSTALL=1 tests the hostkv_rs already importable.
 # The wheel is installed into a private folder (pip --target, no network, no dependencies), so
