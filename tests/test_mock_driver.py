@@ -901,3 +901,56 @@ def test_direct_backend_refuses_pageable_host_memory(mock_dir):
         assert m.mock_counter(5) == 0 and m.mock_pending_ops() == 0
         """,
     )
+
+
+def test_four_threads_and_a_busy_one_share_the_driver_without_deadlock_or_lost_bytes(mock_dir):
+    # Loads and backups on four threads at once (each its own registered pool, device layers and
+    # stream; kernel and direct), next to a pure-Python thread that never releases the GIL on
+    # its own, under a tiny switch interval: every call must finish (a watchdog ends the
+    # scenario otherwise) and every byte must match the CPU engine's twin.
+    run_scenario(
+        mock_dir,
+        """
+        import faulthandler
+        faulthandler.dump_traceback_later(200, exit=True)
+        sys.setswitchinterval(1e-5)
+        stop = threading.Event()
+        errors = []
+
+        def busy():
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        def worker(k):
+            try:
+                s = m.mock_stream_create(0)
+                for r in range(40):
+                    layout, backend = [("layer_first", "kernel"), ("page_first", "kernel"),
+                                       ("layer_first", "direct"),
+                                       ("page_first_direct", "direct")][(k + r) % 4]
+                    backup = (r % 2 == 0)
+                    pool = Pool(layout, [16, 8] if backend == "kernel" else [16], backup=backup,
+                                seed=1000 * k + r)
+                    n = pool.page * 2
+                    hi = (np.arange(n) + pool.page * (r % 4)).astype(np.int64)
+                    di = (np.arange(n) + pool.page).astype(np.int64)
+                    pool.run(backend, hi, di, s, layer=1)
+                    m.mock_sync_all()
+                    pool.check(f"thread {k} round {r} {layout}/{backend}")
+            except BaseException as exc:
+                errors.append(f"thread {k}: {exc!r}")
+
+        spin = threading.Thread(target=busy)
+        spin.start()
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        spin.join()
+        assert not errors, errors
+        _core.check_device_errors()
+        """,
+    )
