@@ -524,13 +524,12 @@ fn raw_for(map: IndexMap, want: &[i64]) -> Vec<i64> {
             }
             v
         }
-        IndexMap::PageRows { page } => {
-            let mut v = vec![-7; want.len() * page as usize];
-            for (i, &w) in want.iter().enumerate() {
-                v[i * page as usize] = w * page as i64;
-            }
-            v
-        }
+        // Whole pages of token slots: the CPU engine checks every index of a page (the kernel
+        // reads only the first, so the rest must agree with it).
+        IndexMap::PageRows { page } => want
+            .iter()
+            .flat_map(|&w| (0..page as i64).map(move |j| w * page as i64 + j))
+            .collect(),
         IndexMap::C4Value | IndexMap::C4Scale => unreachable!("built from tokens"),
     }
 }
