@@ -23,6 +23,7 @@ VARIABLES = {
     "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB": "largest single cudaHostRegister call, in GiB",
     "SGLANG_NNODES": "nodes of the job (host memory is split over the ranks of one node)",
     "NNODES": "nodes of the job, when SGLANG_NNODES is unset",
+    "HOSTKV_RS_SGLANG": "serve SGLang's host pools in every process (hostkv_rs.launch)",
 }
 
 # Linux numbers NUMA nodes below MAX_NUMNODES (at most 1 << 10).
@@ -144,3 +145,13 @@ def nnodes() -> int:
         if value is not None:
             return value
     return 1
+
+
+def sglang_switch() -> bool:
+    """HOSTKV_RS_SGLANG: whether hostkv_rs.launch's start-up hook installs hostkv_rs into SGLang."""
+    value = raw("HOSTKV_RS_SGLANG")
+    if value is None or value.lower() in ("0", "false", "no", "off"):
+        return False
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    raise _refuse("HOSTKV_RS_SGLANG", value, "one of 1, true, yes, on, 0, false, no, off, or unset")

@@ -30,8 +30,10 @@ def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def switched_on(environ=os.environ) -> bool:
-    return environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+def switched_on() -> bool:
+    from hostkv_rs import _env
+
+    return _env.sglang_switch()
 
 
 def _say(message: str) -> None:
