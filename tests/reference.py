@@ -185,7 +185,7 @@ def _segments_per_row(pool) -> int:
     return 1
 
 
-def _plane_segments(pool, p: int, item: int, host_idx, layer: int):
+def plane_segments(pool, p: int, item: int, host_idx, layer: int):
     """(host buffer index, host_segments(...)) of plane `p`."""
     unified = pool.layout == "page_unified"
     components = len(plane_items(pool)) if unified else 1
@@ -211,7 +211,7 @@ def expected_backup(pool, host_before, device_pool, host_idx, dev_idx):
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
         for layer in range(pool.layer_num):
-            hb, (offs, seg, row_offs) = _plane_segments(pool, p, item, host_idx, layer)
+            hb, (offs, seg, row_offs) = plane_segments(pool, p, item, host_idx, layer)
             rows = dev[p][layer].numpy()[d]  # (N, item)
             for s in range(offs.shape[1]):
                 cols = row_offs[s] + np.arange(seg)
@@ -224,7 +224,7 @@ def expected_load(pool, host_bytes, device_before, host_idx, dev_idx, layer):
     out = [[t.copy() for t in plane] for plane in device_before]
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
-        hb, (offs, seg, row_offs) = _plane_segments(pool, p, item, host_idx, layer)
+        hb, (offs, seg, row_offs) = plane_segments(pool, p, item, host_idx, layer)
         host = np.asarray(host_bytes[hb])
         for s in range(offs.shape[1]):
             cols = row_offs[s] + np.arange(seg)

@@ -37,8 +37,8 @@ from reference import (
     MLA_PAIRS,
     device_planes,
     host_planes,
-    host_segments,
     plane_items,
+    plane_segments,
 )
 
 DEVICE_PAGES = 6
@@ -69,8 +69,10 @@ def make_mha(layout, page_size, dtype, v_head_dim=None, layers=LAYERS, heads=4, 
 
 def make_mla(layout, page_size, dtype):
     # 328 elements per row: 656 bytes in bf16 (not a multiple of 128, like GLM/DSA FP8 MLA).
+    # page_unified moves rows of a multiple of 16 bytes only (SGLang's PageUnifiedLayout): 320.
+    latent = 256 if layout == "page_unified" else 264
     dp = MLATokenToKVPool(
-        DEVICE_PAGES * page_size, page_size, dtype, 264, 64, LAYERS, device="cuda"
+        DEVICE_PAGES * page_size, page_size, dtype, latent, 64, LAYERS, device="cuda"
     )
     return MLATokenToKVPoolHost(dp, 2.0, 0, page_size, layout), dp
 
@@ -107,33 +109,27 @@ def snap_dev(dp):
 
 
 def expect_backup(pool, host_before, dev, host_idx, dev_idx):
-    heads = pool.head_num if pool.layout == "page_head" else 1
     out = [h.copy() for h in host_before]
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
         for layer in range(pool.layer_num):
-            offs, seg, row_offs = host_segments(
-                pool.layout, host_idx, layer, pool.layer_num, pool.size, pool.page_size, item, heads
-            )
+            hb, (offs, seg, row_offs) = plane_segments(pool, p, item, host_idx, layer)
             rows = dev[p][layer][d]
             for s in range(offs.shape[1]):
                 cols = row_offs[s] + np.arange(seg)
-                out[p][offs[:, s][:, None] + np.arange(seg)[None, :]] = rows[:, cols]
+                out[hb][offs[:, s][:, None] + np.arange(seg)[None, :]] = rows[:, cols]
     return out
 
 
 def expect_load(pool, host, dev_before, host_idx, dev_idx, layers):
-    heads = pool.head_num if pool.layout == "page_head" else 1
     out = [[t.copy() for t in plane] for plane in dev_before]
     d = np.asarray(dev_idx, dtype=np.int64)
     for p, item in enumerate(plane_items(pool)):
         for layer in layers:
-            offs, seg, row_offs = host_segments(
-                pool.layout, host_idx, layer, pool.layer_num, pool.size, pool.page_size, item, heads
-            )
+            hb, (offs, seg, row_offs) = plane_segments(pool, p, item, host_idx, layer)
             for s in range(offs.shape[1]):
                 cols = row_offs[s] + np.arange(seg)
-                out[p][layer][d[:, None], cols[None, :]] = host[p][
+                out[p][layer][d[:, None], cols[None, :]] = host[hb][
                     offs[:, s][:, None] + np.arange(seg)
                 ]
     return out
