@@ -7,6 +7,7 @@ skip with the reason; the format and destroy-hook tests at the top need no store
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -203,6 +204,100 @@ def test_mooncake_log_level_defaults_to_error_unless_asked(monkeypatch):
             monkeypatch.setenv(k, v)
         _native.quiet_logging_env()
         assert os.environ.get("MC_LOG_LEVEL") == expected, env
+
+
+def test_tags_tell_fp8_variants_mla_splits_and_models_apart():
+    e4m3, e5m2 = (
+        make_mha("page_first", dtype=d)[0] for d in (torch.float8_e4m3fn, torch.float8_e5m2)
+    )
+    assert e4m3.dtype == e5m2.dtype == torch.uint8  # the storage dtype cannot tell them apart
+    tags = {page_format(e4m3).tag, page_format(e5m2).tag}
+    assert len(tags) == 2 and {"float8_e4m3fn", "float8_e5m2"} <= {
+        field for tag in tags for field in tag.split("-")
+    }
+    splits = [make_mla("page_first", kv_lora_rank=r, rope=q)[0] for r, q in ((12, 4), (8, 8))]
+    assert splits[0].kv_cache_dim == splits[1].kv_cache_dim  # same bytes per token, and yet:
+    formats = [page_format(p) for p in splits]
+    assert formats[0].page_bytes == formats[1].page_bytes
+    assert formats[0].tag != formats[1].tag
+    assert "-lora12-rope4-" in formats[0].tag and "-lora8-rope8-" in formats[1].tag
+    pool = splits[0]
+    by_model = {m: page_format(pool, model_id=m) for m in ("org/a", "org/b")}
+    assert by_model["org/a"].tag != by_model["org/b"].tag != page_format(pool).tag
+    assert page_format(pool).tag.endswith("-mnone") and page_format(pool).model_id is None
+    assert by_model["org/a"].identity != by_model["org/b"].identity
+    assert page_format(pool, model_id="org/a").tag == by_model["org/a"].tag  # deterministic
+    # a dtype the caller names for a uint8 pool that cannot say (0.5.23 buffer infos)
+    e4m3.device_pool = types.SimpleNamespace()
+    assert page_format(e4m3).dtype_known is False
+    assert page_format(e4m3, kv_dtype=torch.float8_e5m2).tag == page_format(e5m2).tag
+    with pytest.raises(ValueError, match="model_id"):
+        page_format(pool, model_id="")
+
+
+def test_the_sglang_servers_model_path_and_kv_dtype_name_the_pages(monkeypatch):
+    args = types.SimpleNamespace(
+        model_path="org/llama", revision="r1", quantization=None, kv_cache_dtype="fp8_e5m2"
+    )
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.get_server_args = lambda: args
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    pool = make_mha("page_first", dtype=torch.float8_e5m2)[0]
+    fmt = page_format(pool)
+    assert fmt.model_id == "org/llama@r1"
+    assert fmt.tag == page_format(pool, model_id="org/llama@r1").tag
+    assert page_format(pool, model_id="other").model_id == "other"  # the caller's wins
+    pool.device_pool = types.SimpleNamespace()  # a buffer info's pool: only uint8 is known
+    assert page_format(pool).tag == fmt.tag and page_format(pool).dtype_known
+    args.model_path = None  # not published: no identity, no error
+    assert page_format(pool).model_id is None
+
+
+def test_the_proof_header_round_trips_and_names_each_failure():
+    from hostkv_rs.l3 import proof
+
+    headers = proof.Headers(2)
+    ours = proof.text_digest("model\ntag").to_bytes(16, "little")
+    proof.encode(headers.view, 64, 4096, ours, 12345)
+    assert proof.decode(headers.view, 64, 4096, ours) == (None, 12345)
+    assert proof.decode(headers.view, 64, 4096, bytes(16)) == (proof.IDENTITY, None)
+    assert proof.decode(headers.view, 64, 4095, ours)[0] == proof.FOREIGN
+    assert proof.decode(headers.view, 0, 4096, ours)[0] == proof.FOREIGN  # zeros: not ours
+    for at in (0, 9, 17, 30, 45, 60):  # any damaged byte: never a proof of something else
+        damaged = proof.Headers(1)
+        damaged.array[:] = headers.array[64:]
+        damaged.array[at] ^= 0x10
+        kind, digest = proof.decode(damaged.view, 0, 4096, ours)
+        assert kind is not None or digest != 12345, at
+    with pytest.raises(IndexError):
+        headers.slot(2)
+
+
+def test_page_digests_read_only_the_pools_own_memory():
+    from hostkv_rs.l3 import proof
+    from hostkv_rs.l3.format import _host_allocations
+
+    pool = POOLS["mha-layer_first"]()
+    fill(pool, 4)
+    memory = proof.PoolBytes(_host_allocations(pool))
+    ptrs, sizes = pool.get_page_buffer_meta(slots(pool, [2]))
+    pieces = memory.pieces((ptrs, sizes))
+    assert b"".join(p.tobytes() for p in pieces) == page_bytes(pool, 2)
+    from hostkv_rs import _core
+
+    want = _core.digest([memoryview(page_bytes(pool, 2))])
+    assert proof.page_digest(memory, (ptrs, sizes)) == want
+    memory.check(ptrs, sizes)
+    end = host_buffers(pool)[-1]
+    for ptr, size in ((end[0] + end[1] - 8, 16), (host_buffers(pool)[0][0] - 64, 16)):
+        with pytest.raises(ValueError, match="outside the pool's host memory"):
+            memory.piece(ptr, size)
+        with pytest.raises(ValueError, match="outside the pool's host memory"):
+            memory.check([*ptrs, ptr], [*sizes, size])
+        with pytest.raises(ValueError, match="outside the pool's host memory"):
+            memory.pieces(([*ptrs, ptr], [*sizes, size]))
 
 
 # ----------------------------------------------------------------- a real store
@@ -656,6 +751,239 @@ def test_demo_l3_mooncake_is_quiet_when_it_works():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "result      : verified OK" in proc.stdout
     assert proc.stderr == ""
+
+
+@pytest.fixture
+def make_tier(clients):
+    """Fresh tiers (counters at zero) over the session's clients: `make_tier("a" | "b", ...)`."""
+    from hostkv_rs.l3 import MooncakeTier
+
+    made = []
+
+    def make(which: str, **kwargs):
+        client = dict(zip("ab", clients))[which]
+        tier = MooncakeTier(client.store, master=client.master, **kwargs)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.detach()
+
+
+def _round(make_tier, saver_pool, loader_pool, saver_kwargs=None, loader_kwargs=None, n=2):
+    """Save pages 1.. of `saver_pool` through client a, load them through client b into pages
+    3.. of `loader_pool`: (keys, load statuses, loader tier)."""
+    a = make_tier("a", **(saver_kwargs or {}))
+    b = make_tier("b", **(loader_kwargs or {}))
+    fill(saver_pool, 1)
+    fill(loader_pool, 2)
+    a.attach(saver_pool)
+    b.attach(loader_pool)
+    keys = fresh_keys(n)
+    assert statuses(a.save(keys, slots(saver_pool, range(1, 1 + n)))) == ["stored"] * n
+    before = snapshot(loader_pool)
+    got = statuses(b.load(keys, slots(loader_pool, range(3, 3 + n))))
+    return keys, got, b, before
+
+
+@needs_mooncake
+def test_fp8_e4m3fn_and_e5m2_pools_miss_each_other(make_tier):
+    pair = (torch.float8_e4m3fn, torch.float8_e5m2)
+    for saver, loader in (pair, pair[::-1]):
+        src, dst = (make_mha("page_first", dtype=d)[0] for d in (saver, loader))
+        _keys, got, _b, before = _round(make_tier, src, dst)
+        assert got == ["missing", "missing"], (saver, loader)
+        assert snapshot(dst) == before
+
+
+@needs_mooncake
+def test_mla_latent_and_rope_splits_of_the_same_width_miss_each_other(make_tier):
+    splits = ((12, 4), (8, 8))
+    for saver, loader in (splits, splits[::-1]):
+        src = make_mla("layer_first", kv_lora_rank=saver[0], rope=saver[1])[0]
+        dst = make_mla("layer_first", kv_lora_rank=loader[0], rope=loader[1])[0]
+        assert page_format(src).page_bytes == page_format(dst).page_bytes
+        _keys, got, _b, before = _round(make_tier, src, dst)
+        assert got == ["missing", "missing"], (saver, loader)
+        assert snapshot(dst) == before
+
+
+@needs_mooncake
+def test_pools_of_two_models_miss_each_other(make_tier):
+    src, dst = POOLS["mha-page_first"](), POOLS["mha-page_first"]()
+    _keys, got, b, before = _round(
+        make_tier, src, dst, {"model_id": "org/model-a"}, {"model_id": "org/model-b"}
+    )
+    assert got == ["missing", "missing"]
+    assert snapshot(dst) == before
+    assert sum(b.mismatches.values()) == 0  # other keys: a plain miss, not a failed proof
+    # the same model id: hits, byte-exact
+    src, dst = POOLS["mha-page_first"](), POOLS["mha-page_first"]()
+    _keys, got, _b, _ = _round(make_tier, src, dst, {"model_id": "m"}, {"model_id": "m"})
+    assert got == ["loaded", "loaded"]
+    assert page_bytes(dst, 3) == page_bytes(src, 1) and page_bytes(dst, 4) == page_bytes(src, 2)
+
+
+def _raw_object(tier, key: str) -> bytearray:
+    data = tier.store.get(tier.key(key))
+    assert len(data) == tier.format.object_bytes
+    return bytearray(data)
+
+
+def _replace_raw(tier, key: str, data: bytes) -> None:
+    """Put `data` under the tier's store key for `key` with a raw Mooncake call."""
+    store_key = tier.key(key)
+    tier.store.remove(store_key, True)
+    assert tier.store.put(store_key, bytes(data)) == 0
+
+
+@needs_mooncake
+@pytest.mark.parametrize("case", ["mha-layer_first", "mla-page_first", "v4-page_first_direct"])
+def test_a_foreign_object_of_the_right_size_is_a_counted_miss_and_the_page_is_zeroed(
+    make_tier, case, caplog
+):
+    dst = POOLS[case]()
+    fill(dst, 2)
+    b = make_tier("b")
+    b.attach(dst)
+    keys = fresh_keys(2)
+    size = b.format.object_bytes
+    for k, byte in zip(keys, (b"x", b"\0")):
+        assert b.store.put(b.key(k), byte * size) == 0
+    assert b.exists(keys) == [True, True]  # the right size: only the proof tells
+    before = snapshot(dst)
+    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
+        got = b.load(keys, slots(dst, [3, 4]))
+    assert statuses(got) == ["mismatch", "mismatch"] and not any(got)
+    assert "zero-filled" in got[0].detail
+    assert b.mismatches == {"foreign": 2}
+    zero = bytes(b.format.page_bytes)
+    assert snapshot(dst) == with_pages(dst, before, {3: zero, 4: zero})
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "proof" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]  # once per tier and kind
+    # saving the real pages replaces the foreign objects (found again, counted again)
+    src = POOLS[case]()
+    fill(src, 5)
+    a = make_tier("a")
+    a.attach(src)
+    assert statuses(a.save(keys, slots(src, [1, 2]))) == ["stored", "stored"]
+    assert a.mismatches == {"foreign": 2}
+    assert all(b.load(keys, slots(dst, [3, 4])))
+    assert page_bytes(dst, 3) == page_bytes(src, 1) and page_bytes(dst, 4) == page_bytes(src, 2)
+
+
+@needs_mooncake
+@pytest.mark.parametrize(
+    "case", ["mha-page_first", "mha-layer_first", "mla-dcp2-rank1-layer_first"]
+)
+def test_a_corrupted_stored_object_is_a_miss(make_tier, case):
+    src, dst = POOLS[case](), POOLS[case]()
+    keys, got, b, before = _round(make_tier, src, dst, n=3)
+    assert got == ["loaded"] * 3
+    fmt = b.format
+    header = 64
+    page = _raw_object(b, keys[0])
+    page[header + fmt.page_bytes - 1] ^= 0x01  # the page's last byte
+    _replace_raw(b, keys[0], page)
+    head = _raw_object(b, keys[1])
+    head[45] ^= 0x80  # inside the stored digest
+    _replace_raw(b, keys[1], head)
+    fill(dst, 3)
+    before = snapshot(dst)
+    got = b.load(keys, slots(dst, [3, 4, 5]))
+    assert statuses(got) == ["mismatch", "mismatch", "loaded"]
+    assert b.mismatches == {"digest": 1, "foreign": 1}
+    zero = bytes(fmt.page_bytes)
+    want = with_pages(dst, before, {3: zero, 4: zero, 5: page_bytes(src, 3)})
+    assert snapshot(dst) == want
+
+
+@needs_mooncake
+def test_an_object_of_another_identity_under_our_key_is_a_miss(make_tier):
+    src, dst = POOLS["mla-page_first"](), POOLS["mla-page_first"]()
+    keys, got, loader, _ = _round(make_tier, src, dst, {"model_id": "x"}, {"model_id": "x"}, n=1)
+    assert got == ["loaded"]
+    loader.detach()
+    theirs = make_tier("a", model_id="x")
+    their_pool = POOLS["mla-page_first"]()
+    theirs.attach(their_pool)
+    ours = make_tier("b", model_id="y")
+    ours.attach(dst)
+    # a well-formed object for model x copied under model y's key
+    _replace_raw(ours, keys[0], _raw_object(theirs, keys[0]))
+    got = ours.load(keys, slots(dst, [2]))
+    assert statuses(got) == ["mismatch"] and ours.mismatches == {"identity": 1}
+    assert page_bytes(dst, 2) == bytes(ours.format.page_bytes)
+
+
+@needs_mooncake
+def test_a_key_listed_twice_in_one_save_is_refused_and_nothing_is_stored(make_tier):
+    pool = POOLS["mha-page_first"]()
+    a = make_tier("a")
+    a.attach(pool)
+    k1, k2 = fresh_keys(2)
+    with pytest.raises(ValueError, match=f"key '{k1}' is listed twice in one save"):
+        a.save([k1, k2, k1], slots(pool, [1, 2, 3]))
+    assert a.exists([k1, k2]) == [False, False]
+
+
+@needs_mooncake
+def test_a_second_writer_with_other_bytes_is_reported_not_skipped(make_tier, caplog):
+    case = "mha-page_first_direct"
+    first, second, dst = POOLS[case](), POOLS[case](), POOLS[case]()
+    fill(first, 1)
+    fill(second, 2)
+    a, b, reader = make_tier("a"), make_tier("b"), make_tier("b")
+    a.attach(first)
+    b.attach(second)
+    keys = fresh_keys(3)
+    assert statuses(a.save(keys, slots(first, [1, 2, 3]))) == ["stored"] * 3
+    # the second writer: one page the same as the first's, two with other bytes
+    for (address, _n), data in zip(
+        host_buffers(second), with_pages(second, snapshot(second), {2: page_bytes(first, 2)})
+    ):
+        ctypes.memmove(address, data, len(data))
+    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
+        got = b.save(keys, slots(second, [1, 2, 3]))
+        again = b.save(keys[:1], slots(second, [1]))
+    assert statuses(got) == ["conflict", "skipped", "conflict"] and not got[0]
+    assert statuses(again) == ["conflict"]
+    assert b.second_writers == 3 and a.second_writers == 0
+    warned = [r for r in caplog.records if "another writer" in r.getMessage()]
+    assert len(warned) == 1
+    assert warned[0].levelname == "WARNING" and keys[0] in warned[0].getMessage()
+    # the first writer's pages are kept, whole
+    reader.attach(dst)
+    assert all(reader.load(keys, slots(dst, [4, 5, 6])))
+    for s, d in zip([1, 2, 3], [4, 5, 6]):
+        assert page_bytes(dst, d) == page_bytes(first, s)
+
+
+@needs_mooncake
+def test_pages_without_proof_never_mix_with_proven_ones(make_tier):
+    src, dst = POOLS["mha-layer_first"](), POOLS["mha-layer_first"]()
+    keys, got, _b, _ = _round(make_tier, src, dst, {"digests": False}, {"digests": False})
+    assert got == ["loaded", "loaded"]  # the bare format round trips (what the bench compares)
+    for d, s in zip([3, 4], [1, 2]):
+        assert page_bytes(dst, d) == page_bytes(src, s)
+    proven = make_tier("b")
+    other = POOLS["mha-layer_first"]()
+    proven.attach(other)
+    assert statuses(proven.load(keys, slots(other, [1, 2]))) == ["missing", "missing"]
+
+
+@needs_mooncake
+def test_a_tier_without_a_model_identity_says_so_once(make_tier, caplog):
+    tier = make_tier("a")
+    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
+        for _ in range(2):
+            tier.attach(POOLS["mla-page_first"]())
+            tier.detach()
+        named = make_tier("a", model_id="org/m")
+        named.attach(POOLS["mla-page_first"]())
+    said = [r for r in caplog.records if "no model identity" in r.getMessage()]
+    assert len(said) == 1 and "model_id=" in said[0].getMessage()
 
 
 # ----------------------------------------------------------------- no master left behind

@@ -2,11 +2,18 @@
 
     from hostkv_rs.l3 import MooncakeTier
 
-    tier = MooncakeTier.connect("127.0.0.1:50051", "http://127.0.0.1:8080/metadata")
+    tier = MooncakeTier.connect(
+        "127.0.0.1:50051", "http://127.0.0.1:8080/metadata", model_id="meta-llama/Llama-3.1-8B"
+    )
     tier.attach(host_pool)                       # registers the pool's host memory once
     results = tier.save(keys, host_indices)      # one key per page; a PageResult per page
     results = tier.load(keys, other_indices)     # all(results) when every page came back
     tier.detach()                                # also done by host_pool.destroy() and GC
+
+Every stored page carries its proof (`hostkv_rs.l3.proof`): a 64-byte header with the XXH3-128
+digest of its bytes and of its writer's identity (model_id, else the SGLang server's model path,
+plus the format tag), checked on every load. A page that fails is a miss (Status.MISMATCH,
+counted in `tier.mismatches`, logged once per kind) and is zero-filled in the pool.
 
 Needs the optional extra `mooncake`: `pip install ".[mooncake]"` in the hostkv_rs checkout (the
 package is not on PyPI; it pulls mooncake-transfer-engine-non-cuda, which also needs the Debian

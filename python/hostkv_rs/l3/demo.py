@@ -14,6 +14,8 @@ import uuid
 
 import torch
 
+DEMO_MODEL_ID = "hostkv-rs demo (random bytes)"
+
 
 def _page_tensors(pool, slots: torch.Tensor) -> list[torch.Tensor]:
     """Byte tensors over every buffer of the pages at `slots` (zero-copy views)."""
@@ -69,12 +71,20 @@ def round_trip(host_pool, host_idx: torch.Tensor, make_pool, say, *, master=None
     tiers = []
     other = None
     try:
-        saver = MooncakeTier.connect(master, metadata, global_segment_size=segment)
+        # the demo's pages are random bytes of no model: it names itself as their producer
+        saver = MooncakeTier.connect(
+            master, metadata, global_segment_size=segment, model_id=DEMO_MODEL_ID
+        )
         tiers.append(saver)
-        loader = MooncakeTier.connect(master, metadata, global_segment_size=0)
+        loader = MooncakeTier.connect(
+            master, metadata, global_segment_size=0, model_id=DEMO_MODEL_ID
+        )
         tiers.append(loader)
-        say(f"  l3 tier     : key tag {fmt.tag}; {fmt.buffers_per_page} buffer(s) per page")
-        saver.attach(host_pool)
+        fmt = saver.attach(host_pool)
+        say(
+            f"  l3 tier     : key tag {fmt.tag}; {fmt.buffers_per_page} buffer(s) per page, "
+            "each object with its digest"
+        )
         keys = [f"demo-{uuid.uuid4().hex[:12]}-{i}" for i in range(n)]
         t0 = time.perf_counter()
         saved = saver.save(keys, host_idx)

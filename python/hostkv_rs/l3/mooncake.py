@@ -1,28 +1,40 @@
-"""`MooncakeTier`: host pool pages to and from a Mooncake Store, zero-copy.
+"""`MooncakeTier`: host pool pages to and from a Mooncake Store, zero-copy, each with its proof.
 
 One object per page, moved straight between the pool's registered host memory and the store
-(`batch_put_from` / `batch_get_into`, or their multi-buffer forms when a page is several buffers,
-e.g. MHA layer_first: 2 x layers of them). Safe by construction:
+(multi-buffer puts and gets: a 64-byte proof header from a small registered buffer, then the
+page's own buffers, e.g. MHA layer_first: 2 x layers of them). Safe by construction:
 
-* keys carry the page format tag (`hostkv_rs.l3.format`): another layout, dtype, geometry or
-  shard computes other keys and misses;
-* a load counts only when the stored object has exactly the page's size; sizes are checked
-  before any byte moves, so a short or long object never touches the pool;
+* keys carry the page format tag (`hostkv_rs.l3.format`): another layout, dtype (the one the
+  bytes encode: fp8 e4m3fn and e5m2 differ), geometry (MLA latent and rope widths apart), shard
+  or model (`model_id=`, else the SGLang server's model path) computes other keys and misses;
+* every object carries a proof header (`hostkv_rs.l3.proof`): the XXH3-128 digest of the page's
+  bytes and of the writer's identity (model identity + format tag). A load verifies both; an
+  object that fails (foreign, another identity, bytes not matching their digest) is a miss
+  (`Status.MISMATCH`), counted in `tier.mismatches`, logged once per kind, and its page is
+  zero-filled, never left holding the foreign bytes;
+* a load counts only when the stored object has exactly the page's size (+ header); sizes are
+  checked before any byte moves, so a short or long object never touches the pool;
 * a page whose transfer fails after it started is zero-filled (never half-written) and reported;
   a page that fails before any byte moved is left as it was;
-* pages already stored with the right size are skipped on save (a wrong-size object under the
-  key is replaced);
+* save refuses a key listed twice (ValueError naming it, nothing stored); a page already stored
+  with the same bytes is skipped; one stored under the key with other bytes by another writer is
+  kept and reported (`Status.CONFLICT`, `tier.second_writers`, one log line); a wrong-size or
+  foreign object under the key is replaced. Not seen: a writer that puts the key between our
+  existence check and our put (Mooncake's put then reports success and keeps the first object;
+  its put sessions say "exists", but their ranged puts ran at half the speed here). The object
+  kept is whole either way, and the next save of the key reports the difference;
 * the master not answering raises `StoreUnavailable` (nothing is written to the pool then);
   `connect` asks the master's TCP port first, so a wrong address fails in seconds, in one line
   (`hostkv_rs.l3._native`), instead of Mooncake's ~100 s of retries;
 * Mooncake's native logging stays quiet unless HOSTKV_MOONCAKE_LOG is set (`_native`);
 * `detach()`, the pool's `destroy()` and the pool's garbage collection all unregister its host
-  memory from the client, once, so a later pool at the same addresses can register again.
+  memory (and the header buffer) from the client, once, so a later pool at the same addresses can
+  register again.
 """
 
 from __future__ import annotations
 
-import ctypes
+import collections
 import enum
 import ipaddress
 import logging
@@ -34,8 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from hostkv_rs._indices import as_index_array
-from hostkv_rs.l3 import _native
-from hostkv_rs.l3.format import PageFormat, host_buffers, page_format
+from hostkv_rs.l3 import _native, proof
+from hostkv_rs.l3.format import PageFormat, _host_allocations, page_format
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +81,11 @@ _NOTHING_MOVED = {OBJECT_NOT_FOUND, INVALID_PARAMS, RPC_FAIL, -703, -400}
 DEFAULT_SEGMENT_BYTES = 1 << 30
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 DEFAULT_BATCH_BYTES = 256 << 20
+# Pages per store call at most: bounds the registered header buffer (64 bytes a page).
+MAX_BATCH_PAGES = 1024
+# A batch is moved in groups of about this many bytes so that one group hashes while the store
+# moves the next (save: hash ahead of the put; load: hash behind the get).
+OVERLAP_BYTES = 32 << 20
 
 
 def code_name(code: int) -> str:
@@ -77,17 +94,25 @@ def code_name(code: int) -> str:
 
 class Status(str, enum.Enum):
     STORED = "stored"  # save: written now
-    SKIPPED = "skipped"  # save: already stored with the right size
-    LOADED = "loaded"  # load: every byte of the page came from the store
+    SKIPPED = "skipped"  # save: already stored with the same bytes
+    LOADED = "loaded"  # load: every byte of the page came from the store, and its proof holds
     REMOVED = "removed"
     MISSING = "missing"  # no object under this key (for this pool's format)
     WRONG_SIZE = "wrong_size"  # load: the object is not exactly one page; the pool is untouched
+    MISMATCH = "mismatch"  # load: the object's proof failed (see `detail`); page zero-filled
+    CONFLICT = "conflict"  # save: another writer stored other bytes under the key; theirs kept
     FULL = "full"  # save: the store has no room
     BUSY = "busy"  # remove: a reader holds a lease on the object (use force=True)
     FAILED = "failed"  # see `code`
 
 
 _OK = {Status.STORED, Status.SKIPPED, Status.LOADED, Status.REMOVED}
+
+_MISMATCH_TEXT = {
+    proof.FOREIGN: "is not a page object this tier writes (no valid proof header)",
+    proof.IDENTITY: "was written for another model identity or page format",
+    proof.DIGEST: "holds bytes that do not match their digest (corrupted or torn)",
+}
 
 
 @dataclass(frozen=True)
@@ -147,10 +172,12 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _unregister(store, spans, lock=None) -> None:
+def _unregister(store, spans, lock=None, keep=None) -> None:
     """Finalizer body: unregister `spans` from `store` (never raises: it runs from destroy(), from
     garbage collection, or from detach()). Under the tier's lock, so a destroy() on another thread
-    waits for a transfer in flight."""
+    waits for a transfer in flight. `keep` is memory registered among `spans` (the header
+    buffer): the finalizer holds it so it is not freed while the client still has it."""
+    del keep
     if lock is not None:
         with lock:
             _unregister(store, spans)
@@ -165,6 +192,25 @@ def _unregister(store, spans, lock=None) -> None:
             logger.warning("Mooncake unregister_buffer(%#x) returned %s", address, code_name(rc))
 
 
+@dataclass
+class _Op:
+    """One save or load: the pages, and byte views of the pool's memory for hashing them."""
+
+    pool: object  # held for the operation: its collection would unregister it mid-transfer
+    fmt: PageFormat
+    keys: list  # store keys
+    pages: list  # (ptrs, sizes) per page
+    memory: proof.PoolBytes | None
+    first: int = 0  # index of the current chunk's first page (header slot 0)
+
+    def pieces(self, i: int):
+        return self.memory.pieces(self.pages[i])
+
+    def zero(self, i: int) -> None:
+        for piece in self.pieces(i):
+            piece[...] = 0
+
+
 class MooncakeTier:
     """A store tier over a running Mooncake Store for one host pool at a time.
 
@@ -175,8 +221,20 @@ class MooncakeTier:
     pages (page_size consecutive slots per page, in key order; logical slots under DCP).
     Results are one `PageResult` per key (`exists` returns booleans).
 
-    `namespace` prefixes every key (e.g. the model name); `tp_rank`/`tp_size`/`pp_rank`/`pp_size`
-    name this shard (the pool itself knows its DCP rank).
+    `model_id` names the weights whose KV the pages are (a model path, a hub id + revision):
+    two models with the same geometry and the same token keys must not read each other's pages,
+    and nothing in a pool tells them apart. Without it the SGLang server's model path is used
+    when SGLang runs in this process, else the pages carry no model identity (logged once).
+    `kv_dtype` names the dtype the pool's bytes encode when the pool cannot say (a uint8-stored
+    fp8 cache built from an SGLang 0.5.23 buffer info outside a server). `namespace` prefixes
+    every key; `tp_rank`/`tp_size`/`pp_rank`/`pp_size` name this shard (the pool itself knows
+    its DCP rank).
+
+    Counters: `mismatches` (a Counter of loads and saves that found an object under our key
+    whose proof failed, by kind: "foreign", "identity", "digest") and `second_writers` (saves
+    that found the page stored with other bytes). `digests=False` stores pages without proof,
+    under their own tag, only to measure what the proof costs (`python -m hostkv_rs.l3.bench
+    --digest both`).
     """
 
     def __init__(
@@ -191,6 +249,9 @@ class MooncakeTier:
         max_batch_bytes: int = DEFAULT_BATCH_BYTES,
         owns_store: bool = False,
         master: str = "",
+        model_id: str | None = None,
+        kv_dtype=None,
+        digests: bool = True,
     ):
         self.store = store
         self.namespace = namespace
@@ -202,10 +263,19 @@ class MooncakeTier:
         }
         self.max_batch_bytes = int(max_batch_bytes)
         self.master = master
+        self.model_id = model_id
+        self.kv_dtype = kv_dtype
+        self.digests = bool(digests)
+        self.mismatches: collections.Counter[str] = collections.Counter()
+        self.second_writers = 0
+        self._logged: set[str] = set()
         self._owns_store = owns_store
         self._lock = threading.RLock()
         self._pool_ref = None
         self._format: PageFormat | None = None
+        self._identity = b""
+        self._headers: proof.Headers | None = None
+        self._chunk_pages = 1
         self._finalizer = None
         self._closed = False
 
@@ -272,9 +342,10 @@ class MooncakeTier:
     def format(self) -> PageFormat | None:
         return self._format if self.attached else None
 
-    def attach(self, pool) -> PageFormat:
+    def attach(self, pool, *, model_id: str | None = None) -> PageFormat:
         """Register every host buffer of `pool` with the client (once) and make it the pool this
-        tier moves pages of. Returns its page format."""
+        tier moves pages of. `model_id` overrides the tier's for this pool. Returns its page
+        format."""
         with self._lock:
             self._check_open()
             if self.attached:
@@ -282,8 +353,24 @@ class MooncakeTier:
                     f"this tier already has a pool attached ({type(self.pool).__name__}); "
                     "detach() it first"
                 )
-            fmt = page_format(pool, namespace=self.namespace, **self.ranks)
-            spans = host_buffers(pool)
+            fmt = page_format(
+                pool,
+                namespace=self.namespace,
+                model_id=model_id if model_id is not None else self.model_id,
+                kv_dtype=self.kv_dtype,
+                digests=self.digests,
+                **self.ranks,
+            )
+            allocations = _host_allocations(pool)
+            try:
+                proof.PoolBytes(allocations)  # every allocation can be viewed for hashing
+            except ValueError as exc:
+                raise L3Error(f"{type(pool).__name__}: {exc}") from exc
+            spans = [(address, nbytes) for address, nbytes, _owner in allocations]
+            chunk_pages = max(1, min(MAX_BATCH_PAGES, self.max_batch_bytes // fmt.page_bytes))
+            headers = proof.Headers(chunk_pages) if self.digests else None
+            if headers is not None:
+                spans.append((headers.address, headers.nbytes))
             done = []
             for address, nbytes in spans:
                 rc = self.store.register_buffer(address, nbytes)
@@ -298,15 +385,35 @@ class MooncakeTier:
                     )
                 done.append((address, nbytes))
             # One finalizer does the unregistering for all three ways out (detach, destroy(), GC);
-            # it holds the client and the addresses, never the pool.
-            finalizer = weakref.finalize(pool, _unregister, self.store, tuple(done), self._lock)
+            # it holds the client, the addresses and the header buffer, never the pool.
+            finalizer = weakref.finalize(
+                pool, _unregister, self.store, tuple(done), self._lock, headers
+            )
             finalizer.atexit = False  # at exit the client goes away with its registrations
             from hostkv_rs.base import on_destroy
 
             on_destroy(pool, finalizer)
             self._pool_ref = weakref.ref(pool)
             self._format = fmt
+            self._identity = proof.text_digest(fmt.identity).to_bytes(16, "little")
+            self._headers = headers
+            self._chunk_pages = chunk_pages
             self._finalizer = finalizer
+            if fmt.model_id is None:
+                self._log_once(
+                    "no-model",
+                    "L3 pages of %s carry no model identity (pass model_id= to MooncakeTier): "
+                    "another model with the same geometry saving the same keys would load as "
+                    "hits",
+                    type(pool).__name__,
+                )
+            if not fmt.dtype_known:
+                self._log_once(
+                    "dtype",
+                    "%s stores uint8 and does not say which dtype the bytes are (pass kv_dtype= "
+                    "to MooncakeTier): an fp8 e4m3fn and an e5m2 pool would share keys",
+                    type(pool).__name__,
+                )
             return fmt
 
     def detach(self) -> None:
@@ -316,6 +423,7 @@ class MooncakeTier:
             pool = self._pool_ref() if self._pool_ref is not None else None
             self._pool_ref = None
             self._format = None
+            self._headers = None
             if finalizer is not None:
                 finalizer()
                 if pool is not None:
@@ -359,8 +467,8 @@ class MooncakeTier:
             raise L3Error(f"the attached {type(pool).__name__} has been destroyed")
         return pool, self._format
 
-    def _pages(self, keys, host_indices):
-        """(pool, format, store keys, [(ptrs, sizes)] per page) after checking the request."""
+    def _pages(self, keys, host_indices) -> _Op:
+        """The request checked: store keys, (ptrs, sizes) per page, views of the pool's bytes."""
         pool, fmt = self._require_pool()
         keys = [str(k) for k in keys]
         indices = as_index_array(host_indices, torch.device("cpu"))
@@ -370,7 +478,7 @@ class MooncakeTier:
                 f"({fmt.slots_per_page} per page), got {indices.numel()}"
             )
         if not keys:
-            return pool, fmt, [], []
+            return _Op(pool, fmt, [], [], None)
         rows = indices.to(torch.int64).reshape(len(keys), fmt.slots_per_page)
         if not torch.equal(rows - rows[:, :1], torch.arange(fmt.slots_per_page).expand_as(rows)):
             raise ValueError(
@@ -384,6 +492,7 @@ class MooncakeTier:
                 f"{type(pool).__name__}.get_page_buffer_meta gave {len(ptrs)} buffers for "
                 f"{len(keys)} pages; expected {per} per page"
             )
+        memory = proof.PoolBytes(_host_allocations(pool))
         pages = []
         for i in range(len(keys)):
             p = [int(x) for x in ptrs[i * per : (i + 1) * per]]
@@ -391,13 +500,60 @@ class MooncakeTier:
             if sum(s) != fmt.page_bytes:
                 raise L3Error(f"page {i} has {sum(s)} bytes, the format says {fmt.page_bytes}")
             pages.append((p, s))
+        try:  # never hash, zero or transfer outside the pool
+            memory.check(ptrs, sizes)
+        except ValueError as exc:
+            raise L3Error(f"{type(pool).__name__}.get_page_buffer_meta: {exc}") from exc
         store_keys = [f"{k}@{fmt.tag}" for k in keys]
-        return pool, fmt, store_keys, pages
+        return _Op(pool, fmt, store_keys, pages, memory)
 
-    def _chunks(self, n: int, page_bytes: int):
-        step = max(1, self.max_batch_bytes // max(page_bytes, 1))
+    def _chunks(self, n: int):
+        step = self._chunk_pages
         for start in range(0, n, step):
             yield range(start, min(n, start + step))
+
+    @staticmethod
+    def _groups(idx: list[int], object_bytes: int) -> list[list[int]]:
+        """`idx` in runs of about OVERLAP_BYTES (at least a page each) for the hashing of one run
+        to overlap the store moving another. Each run is one more store call (a master round
+        trip or two), so a batch under twice that is halved only when hashing it takes longer
+        than such a call (8 MiB: a millisecond or more), and a small one stays whole."""
+        total = len(idx) * object_bytes
+        if total >= 2 * OVERLAP_BYTES:
+            target = OVERLAP_BYTES
+        elif total >= 8 << 20:
+            target = -(-total // 2)
+        else:
+            return [list(idx)]
+        per = max(1, target // object_bytes)
+        return [idx[k : k + per] for k in range(0, len(idx), per)]
+
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        """A warning the first time this tier meets `kind`, debug after (the counters count)."""
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        logger.log(level, message, *args)
+
+    def _mismatch(self, kind: str, key: str, outcome: str) -> None:
+        self.mismatches[kind] += 1
+        self._log_once(
+            f"mismatch-{kind}",
+            "L3 object %s %s: %s (counted in tier.mismatches[%r]; further ones are not logged)",
+            key,
+            _MISMATCH_TEXT[kind],
+            outcome,
+            kind,
+        )
+
+    def _second_writer(self, key: str) -> None:
+        self.second_writers += 1
+        self._log_once(
+            "second-writer",
+            "L3 key %s already holds this page with other bytes from another writer: theirs is "
+            "kept and this save reported as a conflict (counted in tier.second_writers; further "
+            "ones are not logged)",
+            key,
+        )
 
     # ----------------------------------------------------------------- store queries
 
@@ -445,37 +601,60 @@ class MooncakeTier:
     # ----------------------------------------------------------------- operations
 
     def exists(self, keys) -> list[bool]:
-        """Whether each page is stored for this pool's format with exactly one page of bytes."""
+        """Whether each page is stored for this pool's format with exactly one page object's
+        bytes (its proof is checked when it is loaded)."""
         with self._lock:
             _pool, fmt = self._require_pool()
             store_keys = [f"{k}@{fmt.tag}" for k in keys]
             if not store_keys:
                 return []
             _codes, sizes = self._stored_sizes(store_keys)
-            return [sizes.get(k) == fmt.page_bytes for k in store_keys]
+            return [sizes.get(k) == fmt.object_bytes for k in store_keys]
 
     def save(self, keys, host_indices) -> list[PageResult]:
         """Store each page under its key from the pool's memory (no copy on this side). Pages
-        already stored with the right size are skipped."""
+        already stored with the same bytes are skipped; other bytes under the key are another
+        writer's, kept and reported (CONFLICT). A key listed twice raises ValueError before
+        anything is stored: its two pages cannot both be what the key names."""
+        keys = [str(k) for k in keys]
+        seen: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if key in seen:
+                raise ValueError(
+                    f"key {key!r} is listed twice in one save (pages {seen[key]} and {i}); "
+                    "each key names one page"
+                )
+            seen[key] = i
         return self._by_chunks(keys, host_indices, self._save_chunk)
 
     def _by_chunks(self, keys, host_indices, run_chunk) -> list[PageResult]:
-        """`run_chunk(fmt, store_keys, pages, chunk, results)` over batches of at most
-        `max_batch_bytes`, filling one result per page."""
+        """`run_chunk(op, chunk, results)` over batches of at most `max_batch_bytes` (and
+        MAX_BATCH_PAGES pages), filling one result per page."""
         with self._lock:
-            _pool, fmt, store_keys, pages = self._pages(keys, host_indices)
-            results: list[PageResult | None] = [None] * len(store_keys)
-            for chunk in self._chunks(len(store_keys), fmt.page_bytes):
-                run_chunk(fmt, store_keys, pages, list(chunk), results)
+            op = self._pages(keys, host_indices)
+            results: list[PageResult | None] = [None] * len(op.keys)
+            for chunk in self._chunks(len(op.keys)):
+                op.first = chunk.start
+                run_chunk(op, list(chunk), results)
             return results
 
-    def _save_chunk(self, fmt, store_keys, pages, chunk, results):
-        ckeys = [store_keys[i] for i in chunk]
+    def _header(self, op: _Op, i: int) -> int:
+        """Address of page `i`'s header slot (one per page of the chunk)."""
+        return self._headers.slot(i - op.first)
+
+    def _hash(self, op: _Op, idx):
+        """Futures of the digests of pages `idx`, computed off this thread."""
+        pool = proof.hasher()
+        return [pool.submit(proof.page_digest, op.memory, op.pages[i]) for i in idx]
+
+    def _save_chunk(self, op: _Op, chunk, results):
+        fmt = op.fmt
+        ckeys = [op.keys[i] for i in chunk]
         codes, sizes = self._stored_sizes(ckeys, results)
-        todo, replace = [], []
+        todo, replace, present = [], [], []
         for i, key, code in zip(chunk, ckeys, codes):
-            if code == 1 and sizes.get(key) == fmt.page_bytes:
-                results[i] = PageResult(Status.SKIPPED)
+            if code == 1 and sizes.get(key) == fmt.object_bytes:
+                present.append(i)
             else:
                 todo.append(i)
                 if code == 1:
@@ -484,66 +663,210 @@ class MooncakeTier:
             # A wrong-size object under our key is unusable by any pool of this format.
             logger.warning("replacing %d stored object(s) of the wrong size", len(replace))
             self.store.batch_remove(replace, True)
-        if not todo:
+        if present:
+            if self.digests:
+                again = self._compare_stored(op, present, results, "replaced by this save")
+            else:
+                for i in present:
+                    results[i] = PageResult(Status.SKIPPED)
+                again = []
+            todo += again
+        if todo:
+            self._put(op, sorted(todo), results)
+
+    def _compare_stored(self, op: _Op, idx, results, foreign_outcome: str) -> list[int]:
+        """Settle pages `idx`, whose keys hold an object of the right size, by its header: the
+        same page digest is SKIPPED, another is CONFLICT. Returns the pages to put again (their
+        object vanished, or it is not ours: those objects are removed first)."""
+        if not hasattr(self.store, "batch_get_session_start"):
+            # a client without ranged reads: the stored header cannot be had alone
+            self._log_once(
+                "no-ranged-get",
+                "this Mooncake client has no ranged get (batch_get_into_multi_buffer_ranges): "
+                "pages already stored are skipped without comparing their bytes",
+            )
+            for i in idx:
+                results[i] = PageResult(Status.SKIPPED, detail="not compared")
+            return []
+        ours = self._hash(op, idx)  # while the headers come
+        keys = [op.keys[i] for i in idx]
+        rcs = self._read_headers(keys, [self._header(op, i) for i in idx])
+        again, foreign, unavailable = [], [], None
+        for i, key, rc, digest in zip(idx, keys, rcs, ours):
+            rc = int(rc)
+            if rc == OBJECT_NOT_FOUND:  # removed or evicted since the size check
+                again.append(i)
+                continue
+            if rc != proof.HEADER_BYTES:
+                results[i] = PageResult(
+                    Status.FAILED, min(0, rc), detail=f"stored header: got {rc} bytes"
+                )
+                unavailable = rc if rc == RPC_FAIL else unavailable
+                continue
+            at = (i - op.first) * proof.HEADER_BYTES
+            kind, theirs = proof.decode(self._headers.view, at, op.fmt.page_bytes, self._identity)
+            if kind is not None:
+                self._mismatch(kind, key, foreign_outcome)
+                foreign.append(i)
+            elif theirs == digest.result():
+                results[i] = PageResult(Status.SKIPPED)
+            else:
+                self._second_writer(key)
+                results[i] = PageResult(
+                    Status.CONFLICT, detail="stored with other bytes by another writer; kept"
+                )
+        if unavailable is not None:
+            raise self._unavailable("batch_get_into_multi_buffer_ranges", unavailable, results)
+        if foreign:
+            self.store.batch_remove([op.keys[i] for i in foreign], True)
+        return again + foreign
+
+    def _read_headers(self, keys, addresses) -> list[int]:
+        """The first HEADER_BYTES of each object into `addresses`: bytes read, or an error code
+        per key. Mooncake serves a ranged get only inside a get session (-600 outside one)."""
+        store = self.store
+        starts = [int(c) for c in store.batch_get_session_start(keys)]
+        try:
+            go = [j for j, c in enumerate(starts) if c == 0]
+            rcs = list(starts)
+            if go:
+                got = store.batch_get_into_multi_buffer_ranges(
+                    [keys[j] for j in go],
+                    [[addresses[j]] for j in go],
+                    [[proof.HEADER_BYTES]] * len(go),
+                    [[0]] * len(go),
+                )
+                for j, rc in zip(go, got):
+                    rcs[j] = int(rc)
+            return rcs
+        finally:
+            store.batch_get_session_end(keys)
+
+    def _put(self, op: _Op, todo, results):
+        if not self.digests:
+            self._put_raw(op, todo, results)
             return
-        put_keys = [store_keys[i] for i in todo]
-        if fmt.buffers_per_page == 1:
+        fmt = op.fmt
+        groups = self._groups(todo, fmt.object_bytes)
+        digests = self._hash(op, groups[0])
+        unavailable = None
+        for g, group in enumerate(groups):
+            # the next group hashes on the pool's threads while this one is put
+            ahead = self._hash(op, groups[g + 1]) if g + 1 < len(groups) else []
+            for i, digest in zip(group, digests):
+                at = (i - op.first) * proof.HEADER_BYTES
+                proof.encode(
+                    self._headers.view, at, fmt.page_bytes, self._identity, digest.result()
+                )
+            digests = ahead
+            unavailable = self._put_group(op, group, results) or unavailable
+        if unavailable is not None:
+            raise self._unavailable("batch_put_from_multi_buffers", unavailable, results)
+
+    def _put_group(self, op: _Op, group, results) -> int | None:
+        """Put `group`, each page behind its header. Returns RPC_FAIL when the master did not
+        answer."""
+        keys = [op.keys[i] for i in group]
+        rcs = self.store.batch_put_from_multi_buffers(
+            keys,
+            [[self._header(op, i), *op.pages[i][0]] for i in group],
+            [[proof.HEADER_BYTES, *op.pages[i][1]] for i in group],
+        )
+        unavailable = None
+        for i, rc in zip(group, rcs):
+            unavailable = self._put_result(results, i, int(rc)) or unavailable
+        return unavailable
+
+    @staticmethod
+    def _put_result(results, i: int, rc: int) -> int | None:
+        if rc == 0:
+            results[i] = PageResult(Status.STORED)
+        elif rc == NO_AVAILABLE_HANDLE:
+            results[i] = PageResult(Status.FULL, rc)
+        else:
+            results[i] = PageResult(Status.FAILED, rc)
+            if rc == RPC_FAIL:
+                return rc
+        return None
+
+    def _put_raw(self, op: _Op, todo, results):
+        """The proof-less put (digests=False), as the tier stored pages before proofs."""
+        put_keys = [op.keys[i] for i in todo]
+        if op.fmt.buffers_per_page == 1:
             rcs = self.store.batch_put_from(
-                put_keys, [pages[i][0][0] for i in todo], [pages[i][1][0] for i in todo]
+                put_keys, [op.pages[i][0][0] for i in todo], [op.pages[i][1][0] for i in todo]
             )
         else:
             rcs = self.store.batch_put_from_multi_buffers(
-                put_keys, [pages[i][0] for i in todo], [pages[i][1] for i in todo]
+                put_keys, [op.pages[i][0] for i in todo], [op.pages[i][1] for i in todo]
             )
         unavailable = None
         for i, rc in zip(todo, rcs):
-            rc = int(rc)
-            if rc == 0:
-                results[i] = PageResult(Status.STORED)
-            elif rc == NO_AVAILABLE_HANDLE:
-                results[i] = PageResult(Status.FULL, rc)
-            else:
-                results[i] = PageResult(Status.FAILED, rc)
-                if rc == RPC_FAIL:
-                    unavailable = rc
+            unavailable = self._put_result(results, i, int(rc)) or unavailable
         if unavailable is not None:
             raise self._unavailable("batch_put_from", unavailable, results)
 
     def load(self, keys, host_indices) -> list[PageResult]:
-        """Fetch each page into the pool's memory at `host_indices` (no copy on this side). Only
-        objects of exactly one page are fetched; others leave the pool untouched."""
+        """Fetch each page into the pool's memory at `host_indices` (no copy on this side) and
+        check its proof. Only objects of exactly one page object's size are fetched; others leave
+        the pool untouched. A page whose proof fails is zero-filled and reported MISMATCH."""
         return self._by_chunks(keys, host_indices, self._load_chunk)
 
-    def _load_chunk(self, fmt, store_keys, pages, chunk, results):
-        ckeys = [store_keys[i] for i in chunk]
+    def _load_chunk(self, op: _Op, chunk, results):
+        fmt = op.fmt
+        ckeys = [op.keys[i] for i in chunk]
         _codes, sizes = self._stored_sizes(ckeys, results)
         todo = []
         for i, key in zip(chunk, ckeys):
             size = sizes.get(key)
             if size is None:
                 results[i] = PageResult(Status.MISSING, OBJECT_NOT_FOUND)
-            elif size != fmt.page_bytes:
+            elif size != fmt.object_bytes:
                 results[i] = PageResult(
-                    Status.WRONG_SIZE, detail=f"object has {size} bytes, a page {fmt.page_bytes}"
+                    Status.WRONG_SIZE,
+                    detail=f"object has {size} bytes, a page object {fmt.object_bytes}",
                 )
             else:
                 todo.append(i)
         if not todo:
             return
-        get_keys = [store_keys[i] for i in todo]
-        if fmt.buffers_per_page == 1:
-            rcs = self.store.batch_get_into(
-                get_keys, [pages[i][0][0] for i in todo], [pages[i][1][0] for i in todo]
+        unavailable, pending = None, []
+        try:
+            for group in self._groups(todo, fmt.object_bytes) if self.digests else [todo]:
+                unavailable = self._get_group(op, group, results, pending) or unavailable
+        finally:
+            # verified even when a later group raised: a loaded page is never left unproven
+            self._verify(op, pending, results)
+        if unavailable is not None:
+            raise self._unavailable("batch_get_into", unavailable, results)
+
+    def _get_group(self, op: _Op, group, results, pending) -> int | None:
+        """Get `group`; pages that arrived whole go to `pending` with their digests' futures
+        (hashed while the next group moves). Returns RPC_FAIL when the master did not answer."""
+        fmt, store = op.fmt, self.store
+        keys = [op.keys[i] for i in group]
+        if not self.digests and fmt.buffers_per_page == 1:
+            rcs = store.batch_get_into(
+                keys, [op.pages[i][0][0] for i in group], [op.pages[i][1][0] for i in group]
+            )
+        elif not self.digests:
+            rcs = store.batch_get_into_multi_buffers(
+                keys, [op.pages[i][0] for i in group], [op.pages[i][1] for i in group]
             )
         else:
-            rcs = self.store.batch_get_into_multi_buffers(
-                get_keys, [pages[i][0] for i in todo], [pages[i][1] for i in todo]
+            rcs = store.batch_get_into_multi_buffers(
+                keys,
+                [[self._header(op, i), *op.pages[i][0]] for i in group],
+                [[proof.HEADER_BYTES, *op.pages[i][1]] for i in group],
             )
-        unavailable = None
-        for i, rc in zip(todo, rcs):
+        unavailable, whole = None, []
+        for i, rc in zip(group, rcs):
             rc = int(rc)
-            if rc == fmt.page_bytes:
-                results[i] = PageResult(Status.LOADED)
+            if rc == fmt.object_bytes:
+                if self.digests:
+                    whole.append(i)
+                else:
+                    results[i] = PageResult(Status.LOADED)
                 continue
             if rc == OBJECT_NOT_FOUND:  # removed or evicted since the size check
                 results[i] = PageResult(Status.MISSING, rc)
@@ -551,13 +874,26 @@ class MooncakeTier:
             if rc == RPC_FAIL:
                 unavailable = rc
             if rc >= 0 or rc not in _NOTHING_MOVED:
-                _zero(pages[i])  # bytes may have moved: never leave a half-written page
+                op.zero(i)  # bytes may have moved: never leave a half-written page
                 detail = "page zero-filled"
             else:
                 detail = "pool untouched"
             results[i] = PageResult(Status.FAILED, min(0, rc), detail=f"got {rc} bytes; {detail}")
-        if unavailable is not None:
-            raise self._unavailable("batch_get_into", unavailable, results)
+        pending.extend(zip(whole, self._hash(op, whole)))
+        return unavailable
+
+    def _verify(self, op: _Op, pending, results) -> None:
+        for i, digest in pending:
+            at = (i - op.first) * proof.HEADER_BYTES
+            kind, theirs = proof.decode(self._headers.view, at, op.fmt.page_bytes, self._identity)
+            if kind is None and theirs != digest.result():
+                kind = proof.DIGEST
+            if kind is None:
+                results[i] = PageResult(Status.LOADED)
+                continue
+            op.zero(i)
+            self._mismatch(kind, op.keys[i], "a miss, page zero-filled")
+            results[i] = PageResult(Status.MISMATCH, detail=f"{kind} proof; page zero-filled")
 
     def remove(self, keys, *, force: bool = False) -> list[PageResult]:
         """Remove each page's object. A page a reader holds a lease on (Mooncake leases objects
@@ -585,8 +921,3 @@ class MooncakeTier:
             if unavailable is not None:
                 raise self._unavailable("batch_remove", unavailable, results)
             return results
-
-
-def _zero(page) -> None:
-    for ptr, size in zip(*page):
-        ctypes.memset(ptr, 0, size)
