@@ -3,6 +3,8 @@
 # do not: the PTX is committed and embedded with include_str!).
 #
 #   scripts/gen_ptx.sh            regenerate and validate
+#   scripts/gen_ptx.sh --check    regenerate into a temporary folder, validate, and fail unless it
+#                                 equals the committed .ptx (CI: the PTX is what the .cu says)
 #   NVCC=/path/to/nvcc scripts/gen_ptx.sh
 #
 # Steps per kernel file: nvcc -ptx for compute_80; pin the header to `.version 8.0` /
@@ -14,6 +16,8 @@
 # that a committed .ptx is stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CHECK=0
+[[ "${1:-}" == "--check" ]] && CHECK=1
 
 if [[ -z "${NVCC:-}" ]]; then
     if command -v nvcc >/dev/null 2>&1; then
@@ -72,6 +76,25 @@ for cu in "$KDIR"/*.cu; do
         fi
         echo "ptxas $arch: $(grep -E 'Used [0-9]+ registers' "$TMP/ptxas.$arch.log" | sed 's/ptxas info *: //' | tr '\n' ';')"
     done
-    mv "$TMP/$name.ptx" "$out"
-    echo "wrote $out (source-sha256 $hash)"
+    # The copy loops move 16-byte vectors (what reaches PCIe bandwidth), and nothing goes through
+    # local memory.
+    grep -Eq 'ld\.[a-z.]*v4\.u32|ld\.[a-z.]*v2\.u64' "$TMP/$name.ptx" ||
+        { echo "gen_ptx.sh: $name.ptx has no 16-byte vector loads" >&2; exit 1; }
+    grep -Eq 'st\.[a-z.]*v4\.u32|st\.[a-z.]*v2\.u64' "$TMP/$name.ptx" ||
+        { echo "gen_ptx.sh: $name.ptx has no 16-byte vector stores" >&2; exit 1; }
+    if grep -Eq '\.local|ld\.local|st\.local' "$TMP/$name.ptx"; then
+        echo "gen_ptx.sh: $name.ptx uses local memory" >&2
+        exit 1
+    fi
+    if ((CHECK)); then
+        if ! cmp -s "$TMP/$name.ptx" "$out"; then
+            diff "$out" "$TMP/$name.ptx" | head -20 >&2
+            echo "gen_ptx.sh: the committed $out differs from what $cu compiles to; run scripts/gen_ptx.sh" >&2
+            exit 1
+        fi
+        echo "checked $out: identical to a fresh compile of $cu"
+    else
+        mv "$TMP/$name.ptx" "$out"
+        echo "wrote $out (source-sha256 $hash)"
+    fi
 done

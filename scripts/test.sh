@@ -33,6 +33,24 @@ PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python --lib --locked -- -
 PYO3_BUILD_EXTENSION_MODULE=1 cargo clippy --features python,emulator,raw-calls --lib --locked -- -D warnings
 $PY -m ruff check python tests
 
+echo "== PTX: the committed PTX is what the .cu compiles to, ptxas-clean for sm_80 and sm_90"
+# nvcc/ptxas from NVIDIA's PyPI wheels, in a cached venv of their own (the test interpreter's
+# torch brings CUDA runtime wheels of its own version).
+NVCC_VENV=${HOSTKV_NVCC_VENV:-$HOME/.cache/hostkv_rs/nvcc-13.0.88}
+find_nvcc() { ls "$NVCC_VENV"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -1 || true; }
+NVCC_BIN=$(find_nvcc)
+if [[ -z $NVCC_BIN ]]; then
+  { $PY -m venv --clear "$NVCC_VENV" && "$NVCC_VENV/bin/python" -m pip install -q \
+      nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+      nvidia-cuda-runtime==13.0.96; } || echo "   could not install nvcc 13.0.88 from PyPI"
+  NVCC_BIN=$(find_nvcc)
+fi
+if [[ -n ${NVCC_BIN:-} && -x $NVCC_BIN ]]; then
+  NVCC=$NVCC_BIN bash scripts/gen_ptx.sh --check
+else
+  echo "   skipped: no nvcc (the PTX is not re-checked in this run)"
+fi
+
 echo "== cargo test"
 cargo test --locked --features emulator
 # The benches are compiled (type-checked) by the clippy --all-targets runs above; building them
