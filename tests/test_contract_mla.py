@@ -410,3 +410,137 @@ def test_stride_page_alignment_uses_the_page_stride(layout, aligned):
     host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, layout)
     assert host.is_stride_page_aligned() is aligned
     assert host.is_stride_page_aligned(8192) is False
+
+
+# ---- where SGLang's releases differ (tests/sglang/test_release_semantics.py compares them) ----
+
+_DCP_L3_TEXT = (
+    "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped keys); "
+    "--hicache-storage-backend with --dcp-size > 1 should have been rejected at server start."
+)
+
+
+def geometry_of(dp, *drop):
+    """`dp` without its layers and pointer tables: what SGLang <= 0.5.21 reads of it."""
+    gone = {"kv_buffer", "data_ptrs", *drop}
+    return types.SimpleNamespace(**{k: v for k, v in vars(dp).items() if k not in gone})
+
+
+def _same_bytes(a, b) -> bool:
+    # Random bytes hold NaNs, which torch.equal never finds equal.
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture
+def release(monkeypatch):
+    """release((0, 5, 21)): the pools follow that SGLang release, as if it were installed."""
+    from hostkv_rs import _sources
+
+    def follow(version):
+        monkeypatch.setattr(_sources, "sglang_release", lambda: version)
+
+    return follow
+
+
+def test_without_sglang_the_newest_releases_semantics_hold():
+    from hostkv_rs import _sources
+
+    assert _sources.sglang_release() is None
+    assert not _sources.binds_on_transfer() and not _sources.refuses_dcp_l3_pages()
+    assert not _sources.ignores_transfer_device_pool()
+    # A device pool without layers is refused at construction, as 0.5.22 does.
+    with pytest.raises(TypeError, match="kv_buffer"):
+        MLATokenToKVPoolHost(geometry_of(duck_mla()), 2.0, 0, 4, "layer_first")
+
+
+def test_dummy_pool_reads_only_the_geometry():
+    # Every release with is_dummy reads no device layers, no pointer table and no device.
+    dp = geometry_of(duck_mla(size=64, page_size=16), "device")
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", is_dummy=True)
+    assert (host.size, host.layer_num, host.kv_buffer) == (144, 3, None)
+    idx = torch.arange(16)
+    # SGLang 0.5.20-0.5.22: a layer this rank does not hold returns before the dummy assertion.
+    assert host.load_to_device_per_layer(dp, idx, idx, 3, "kernel") is None
+    with pytest.raises(AssertionError, match=re.escape("load on a dummy (non-src MLA) host pool")):
+        host.load_to_device_per_layer(dp, idx, idx, 2, "kernel")
+    with pytest.raises(
+        AssertionError, match=re.escape("backup on a dummy (non-src MLA) host pool")
+    ):
+        host.backup_from_device_all_layer(dp, idx, idx, "kernel")
+
+
+def test_dummy_pool_sizes_from_the_token_count_when_the_capacity_is_zero():
+    # SGLang's dummy init reads `host_capacity_tokens or size`.
+    dp = duck_mla(size=64, page_size=16, host_capacity_tokens=0)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", is_dummy=True)
+    assert (host.device_capacity_tokens, host.size) == (64, 144)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_dcp_l3_pages_before_0_5_23_raise_sglangs_assertion(layout, release):
+    release((0, 5, 22))
+    host = MLATokenToKVPoolHost(duck_mla(page_size=4), 2.0, 0, 8, layout, dcp_size=2, dcp_rank=1)
+    page = torch.zeros(host.get_dummy_flat_data_page().numel(), dtype=host.dtype)
+    before = snapshot_host(host)
+    with pytest.raises(AssertionError, match=re.escape(_DCP_L3_TEXT)):
+        host.get_data_page(host.logical_page_size)
+    with pytest.raises(AssertionError, match=re.escape(_DCP_L3_TEXT)):
+        host.set_from_flat_data_page(host.logical_page_size, page)
+    assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused page write")
+    # Without DCP nothing changes.
+    plain = MLATokenToKVPoolHost(duck_mla(page_size=4), 2.0, 0, 4, layout)
+    plain.set_from_flat_data_page(4, page + 1)
+    assert bool((plain.get_data_page(4) == 1).all())
+
+
+def test_geometry_only_pool_moves_the_layers_each_transfer_names(release):
+    # SGLang <= 0.5.21 builds from the geometry alone; each transfer reads the pool it names.
+    release((0, 5, 21))
+    rng = np.random.default_rng(5)
+    full = duck_mla(page_size=4)
+    dp = geometry_of(full)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 4, "layer_first")
+    assert host._device_side is None and host.device_kv_buffers == ()
+    assert host.data_ptrs.device == torch.device("cpu")
+    fill_random([t.view(torch.uint8) for t in full.kv_buffer], rng)
+    h, d = host.alloc(8), torch.arange(4, 12)
+    host.backup_from_device_all_layer(full, h, d, "kernel")
+    for layer in range(3):
+        assert _same_bytes(host.kv_buffer[layer][h], full.kv_buffer[layer][d])
+    other = duck_mla(page_size=4)
+    host.load_to_device_per_layer(other, h, d, 1, "kernel")
+    assert _same_bytes(other.kv_buffer[1][d], full.kv_buffer[1][d])
+    assert not other.kv_buffer[0].any() and not other.kv_buffer[2].any()
+    assert host.load_to_device_per_layer(other, h, d, 3, "kernel") is None  # not held
+    # Naming the geometry-only pool (or none: the construction pool) is SGLang's AttributeError.
+    for named in (dp, None):
+        with pytest.raises(AttributeError, match="kv_buffer"):
+            host.load_to_device_per_layer(named, h, d, 0, "kernel")
+        with pytest.raises(AttributeError, match="kv_buffer"):
+            host.backup_from_device_all_layer(named, h, d, "kernel")
+    with pytest.raises(ValueError, match=re.escape("Unsupported layout: layer_first")):
+        host.load_to_device_per_layer(dp, h, d, 0, "kernel_ascend")
+    # The geometry must still describe the named pool's rows.
+    wide = duck_mla(page_size=4, rank=20)
+    with pytest.raises(ValueError, match="kv_cache_dim=24 differs"):
+        host.load_to_device_per_layer(wide, h, d, 0, "kernel")
+
+
+def test_geometry_only_pool_from_0_5_22_is_refused(release):
+    release((0, 5, 22))
+    with pytest.raises(TypeError, match="kv_buffer"):
+        MLATokenToKVPoolHost(geometry_of(duck_mla()), 2.0, 0, 4, "layer_first")
+
+
+@pytest.mark.parametrize(("version", "moved"), [((0, 5, 21), "named"), ((0, 5, 22), "built")])
+def test_a_transfer_naming_another_device_pool(version, moved, release):
+    # SGLang <= 0.5.21 moves the named pool's layers, 0.5.22 the ones it captured.
+    release(version)
+    built, named = duck_mla(page_size=4), duck_mla(page_size=4)
+    host = MLATokenToKVPoolHost(built, 2.0, 0, 4, "layer_first")
+    fill_random(host_planes(host), np.random.default_rng(9))
+    h, d = host.alloc(8), torch.arange(4, 12)
+    host.load_to_device_per_layer(named, h, d, 0, "kernel")
+    wrote, untouched = (named, built) if moved == "named" else (built, named)
+    assert _same_bytes(wrote.kv_buffer[0][d], host.kv_buffer[0][h])
+    assert not untouched.kv_buffer[0].any()

@@ -1,8 +1,12 @@
 """What SGLang hands a host pool to mirror: a device pool (0.5.18-0.5.22) or a buffer info
-(0.5.23's `MHABufferInfo` / `MLABufferInfo`), and what in either hostkv_rs does not serve."""
+(0.5.23's `MHABufferInfo` / `MLABufferInfo`), what in either hostkv_rs does not serve, and which
+release's semantics the pools follow where releases differ."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 import sys
 
 import torch
@@ -10,6 +14,55 @@ import torch
 # Layouts SGLang has that hostkv_rs does not implement: page_unified (0.5.23) and the Ascend
 # page_first_kv_split. install() hands them to SGLang's own class.
 SGLANG_ONLY_LAYOUTS = ("page_first_kv_split",)
+
+
+def sglang_release() -> tuple[int, int, int] | None:
+    """The SGLang release whose semantics the pools follow where releases differ: the one
+    install() found, else the installed distribution's (a pool behaves the same before and after
+    install()), else None (no SGLang: the newest release's behaviour, 0.5.23)."""
+    from hostkv_rs import sglang as shim
+
+    found = shim.release()
+    parsed = _release_tuple(found.version) if found is not None else None
+    return parsed if parsed is not None else _distribution_release()
+
+
+@functools.cache
+def _distribution_release() -> tuple[int, int, int] | None:
+    try:
+        version = importlib.metadata.version("sglang")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    return _release_tuple(version)
+
+
+def _release_tuple(version) -> tuple[int, int, int] | None:
+    numbers = re.findall(r"\d+", str(version))
+    if len(numbers) < 3:
+        return None  # a stand-in or unknown version: the newest release's behaviour
+    major, minor, patch = (int(n) for n in numbers[:3])
+    return major, minor, patch
+
+
+def binds_on_transfer() -> bool:
+    """SGLang <= 0.5.21 reads only the geometry of the device pool a host pool is built from; its
+    transfers read the layers of the pool each call is given. 0.5.22 reads the layers at
+    construction, and without SGLang so do ours."""
+    release = sglang_release()
+    return release is not None and release < (0, 5, 22)
+
+
+def ignores_transfer_device_pool() -> bool:
+    """SGLang 0.5.22+ moves the device layers it captured and ignores the device pool a transfer
+    names; without SGLang ours read a pool other than the captured ones, as <= 0.5.21 does."""
+    release = sglang_release()
+    return release is not None and release >= (0, 5, 22)
+
+
+def refuses_dcp_l3_pages() -> bool:
+    """SGLang <= 0.5.22 has no DCP-aware L3 flat pages (0.5.23 addresses the rank-local page)."""
+    release = sglang_release()
+    return release is not None and release < (0, 5, 23)
 
 
 def is_buffer_info(obj) -> bool:

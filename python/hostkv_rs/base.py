@@ -19,7 +19,7 @@ from functools import wraps
 
 import torch
 
-from hostkv_rs import _core, _device_side, _handover, _memory, _slots
+from hostkv_rs import _core, _device_side, _handover, _memory, _slots, _sources
 from hostkv_rs._args import (
     as_int,
     finite_number,
@@ -724,13 +724,44 @@ class HostKVCache(SlotFreeList, abc.ABC):
         raise NotImplementedError()
 
     def _foreign(self, device_pool) -> bool:
-        """A device pool other than the ones this pool was built from (device-pool form only;
-        SGLang 0.5.22+ and the buffer-info form ignore the argument)."""
+        """A device pool other than the ones this pool was built from, read as SGLang <= 0.5.21
+        reads it (device-pool form only; SGLang 0.5.22+ and the buffer-info form ignore the
+        argument, and so do ours under an installed 0.5.22+)."""
         if device_pool is None or not self._captured_pools:
             return False
         if any(device_pool is pool for pool in self._captured_pools):
             return False
+        if _sources.ignores_transfer_device_pool():
+            return False
         return all(hasattr(device_pool, name) for name in self._device_plane_names)
+
+    # Controller layer ids the construction pool owns, when it gave only its geometry (SGLang
+    # <= 0.5.21 captures nothing then): no binding exists until a transfer names a device pool.
+    _geometry_only_layers: range | None = None
+
+    def _lookup_layer(self, layer_id, is_draft: bool):
+        """The host layer of controller layer `layer_id`, None for a target layer not held."""
+        if self._device_side is not None:
+            return self._device_side.lookup(layer_id, is_draft)
+        key = layer_key(layer_id)
+        if is_draft:
+            raise LayerIndexError(
+                f"is_draft layer_id {key} is not a packed MTP draft layer: this host pool holds "
+                f"no drafts"
+            )
+        owned = self._geometry_only_layers
+        return key - owned.start if key in owned else None
+
+    def _layer_targets(self) -> list[tuple[int, int]]:
+        if self._device_side is not None:
+            return self._device_side.targets
+        owned = self._geometry_only_layers
+        return [(slot, slot - owned.start) for slot in owned]
+
+    def _host_layer_total(self) -> int:
+        if self._device_side is not None:
+            return self._device_side.host_layer_num
+        return self.layer_num
 
     def _device_rows_like(self) -> list:
         """Per plane, the `(dtype, (heads, head_dim))` device rows must have (see
@@ -783,7 +814,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             tensors,
             slots,
             0,
-            self._device_side.host_layer_num,
+            self._host_layer_total(),
             host_layers=host_layers,
             like=self._device_rows_like(),
             name=type(self).__name__,
@@ -801,9 +832,11 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _foreign_load(self, device_pool, layer_id, io_backend, is_draft):
         """The binding of a per-layer load from a device pool handed to the call, or None when
         this pool does not hold that target layer (SGLang returns without copying)."""
-        host_layer = self._device_side.lookup(layer_id, is_draft)
+        host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None
+        # SGLang refuses an unserved (layout, backend) pair before it reads the device pool.
+        self._check_io(io_backend)
         self._check_device_pool(device_pool)
         # SGLang <= 0.5.21: the given pool's layer (layer 0 of a draft pool).
         device_layer = 0 if is_draft else layer_key(layer_id)
@@ -820,7 +853,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """The binding of an all-layer backup from a device pool handed to the call."""
         self._check_device_pool(device_pool)
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        targets = self._device_side.targets
+        targets = self._layer_targets()
         for slot, _ in targets:
             if not all(slot < len(plane) for plane in planes):
                 raise _core.TransferError(
@@ -846,12 +879,15 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """One per-layer load through the core, every argument checked before a byte moves. A
         target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
         binding = self._device_side
-        if (
+        if binding is None or (
             device_pool is not None
             and device_pool is not self._captured_first
             and self._foreign(device_pool)
         ):
             is_draft = truth("is_draft", is_draft)
+            if binding is None:
+                # Built from geometry alone: the layers are those of the pool this call names.
+                device_pool = self.device_pool if device_pool is None else device_pool
             binding = self._foreign_load(device_pool, layer_id, io_backend, is_draft)
             if binding is None:
                 return
@@ -877,11 +913,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
                     f"packed target + MTP draft device pools {name} has {packed} layers but the "
                     f"host pool holds {self.layer_num}"
                 )
-        elif (
+        elif binding is None or (
             device_pool is not None
             and device_pool is not self._captured_first
             and self._foreign(device_pool)
         ):
+            if binding is None:
+                device_pool = self.device_pool if device_pool is None else device_pool
             self._check_io(io_backend)
             self._live_core()
             binding = self._foreign_backup(device_pool)

@@ -15,6 +15,7 @@ from hostkv_rs._device_side import device_pool_extent, first_device, owned_range
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     arg,
+    binds_on_transfer,
     cat_tables,
     device_source,
     device_type_reason,
@@ -46,7 +47,9 @@ class MHATokenToKVPoolHost(HostKVCache):
     host_size, page_size, layout, ..., mtp_draft_device_pools=...)`) or from a buffer info
     (0.5.23: `MHATokenToKVPoolHost(buffer_info, ratio, host_size, page_size, layout, ...,
     device_capacity_tokens=, start_layer=, end_layer=, draft_buffer_infos=...)`). Either way
-    the device layers are captured and checked once, here; transfers move them.
+    the device layers are captured and checked once, here; transfers move them. Under an
+    installed SGLang <= 0.5.21 a device pool without K/V layers gives only its geometry, as
+    there: each transfer then reads the layers of the pool it names.
 
     Supported (io_backend, layout): kernel + layer_first/page_first/page_head, direct +
     layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
@@ -120,7 +123,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,
         )
-        self._transfer_device = first_device(side["planes"])
+        self._transfer_device = side.get("device") or first_device(side["planes"])
         self.device_k_buffers, self.device_v_buffers = side["all_layers"]
         self.device_k_data_ptrs, self.device_v_data_ptrs = side["ptr_tables"]
         self.element_dim = self.head_num * self.head_dim
@@ -137,7 +140,8 @@ class MHATokenToKVPoolHost(HostKVCache):
             self._plane_memory(),
             self._segments_per_row(),
         )
-        self._bind_device_side(side)
+        if side["planes"] is not None:
+            self._bind_device_side(side)
 
     # ----------------------------------------------------------------- device side
 
@@ -163,7 +167,9 @@ class MHATokenToKVPoolHost(HostKVCache):
         return None
 
     def _from_device_pool(self, dp, drafts, pool_label: str) -> dict:
-        """SGLang 0.5.18-0.5.22: geometry from the device pool, layers from it and its drafts."""
+        """SGLang 0.5.18-0.5.22: geometry from the device pool, layers from it and its drafts
+        (under SGLang <= 0.5.21 a pool without K/V layers gives only its geometry, and the layers
+        come from the pool each transfer names, as there)."""
         for pool in (dp, *drafts):
             refuse_unserved(scales_reason(pool))
         self.device_pool = dp
@@ -181,6 +187,20 @@ class MHATokenToKVPoolHost(HostKVCache):
         self.target_layer_num = dp.layer_num
         self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
         start, end = owned_range(dp)
+        planes_given = all(hasattr(dp, name) for name in self._device_plane_names)
+        if not self.mtp_draft_device_pools and not planes_given and binds_on_transfer():
+            if not 0 <= start <= end <= self.target_layer_num:
+                raise ValueError(
+                    f"device pool owns layers [{start}, {end}) but claims layer_num={dp.layer_num}"
+                )
+            self._captured_pools = ()
+            self._geometry_only_layers = range(start, end)
+            return {
+                "planes": None,
+                "device": torch.device(dp.device),
+                "all_layers": ((), ()),
+                "ptr_tables": (None, None),
+            }
         k_all, v_all = list(dp.k_buffer), list(dp.v_buffer)
         if len(k_all) < end or len(v_all) < end:
             raise ValueError(

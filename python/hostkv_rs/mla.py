@@ -13,6 +13,7 @@ from hostkv_rs._args import as_int, device_side_of, positive_int, required, trut
 from hostkv_rs._device_side import (
     device_pool_extent,
     first_device,
+    layer_key,
     owned_range,
     ptr_table,
     sharded_host_layer_num,
@@ -21,6 +22,7 @@ from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
     SGLANG_ONLY_LAYOUTS,
     arg,
+    binds_on_transfer,
     cat_tables,
     device_source,
     device_type_reason,
@@ -28,6 +30,7 @@ from hostkv_rs._sources import (
     is_allocation_only,
     is_buffer_info,
     refuse_unserved,
+    refuses_dcp_l3_pages,
 )
 from hostkv_rs.base import HostKVCache
 from hostkv_rs.hisparse import HiSparseHostPoolMixin
@@ -41,13 +44,17 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     layout, which this package does not build, so it is refused with SGLang's
     `Unsupported layout: {layout}`.
 
-    `is_dummy=True` sizes the pool and runs the slot allocator without allocating any bytes
-    (`kv_buffer = data_refs = data_ptrs = None`); transfers on it fail SGLang's asserts.
+    `is_dummy=True` sizes the pool from the device pool's geometry alone and runs the slot
+    allocator without allocating any bytes (`kv_buffer = data_refs = data_ptrs = None`);
+    transfers on it fail SGLang's asserts (a load of a layer this rank does not hold returns
+    first, as 0.5.20-0.5.22 do).
 
     MTP packing: with `mtp_draft_device_pools` the host holds the target's layers followed by one
     layer per draft pool; backups read the packed device layer lists, and a draft load comes with
     `is_draft=True`, `layer_id = target_layer_num + k` and the draft device pool. DCP: slots are
-    logical (widened) and transfers translate them to this rank's physical slots.
+    logical (widened) and transfers translate them to this rank's physical slots; an L3 flat
+    page is the rank-local page (0.5.23), refused with SGLang's "not yet DCP-aware" assertion
+    under an installed SGLang <= 0.5.22.
     """
 
     _device_plane_names = ("kv_buffer",)
@@ -114,9 +121,13 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 side = self._from_buffer_info(source, drafts, target_layer_num, layer_shard_enabled)
             is_dummy = is_allocation_only(source)
         else:
+            is_dummy = truth("is_dummy", is_dummy)
             with device_side_of(type(self).__name__):
-                side = self._from_device_pool(source, mtp_draft_device_pools)
+                side = self._from_device_pool(source, mtp_draft_device_pools, is_dummy)
                 device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
+            if is_dummy and not device_capacity_tokens:
+                # SGLang's dummy init reads `host_capacity_tokens or size`.
+                device_capacity_tokens = source.size
         self._is_dummy = truth("is_dummy", is_dummy)
         super().__init__(
             dtype=self.dtype,
@@ -142,7 +153,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self._is_dummy:
             self._init_dummy()
             return
-        self._transfer_device = first_device(side["planes"])
+        self._transfer_device = side.get("device") or first_device(side["planes"])
         self.device_kv_buffers = side["all_layers"]
         self.device_data_ptrs = side["ptr_table"]
         if self.layout == "page_first":
@@ -167,7 +178,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             [self.kv_buffer],
             1,
         )
-        self._bind_device_side(side)
+        if side["planes"] is not None:
+            self._bind_device_side(side)
 
     @classmethod
     def _unsupported_reason(cls, args, kwargs) -> str | None:
@@ -179,9 +191,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             reason = device_type_reason(source)
         return reason or io_backend_reason()
 
-    def _from_device_pool(self, dp, drafts) -> dict:
+    def _from_device_pool(self, dp, drafts, dummy: bool) -> dict:
         """SGLang 0.5.18-0.5.22: geometry from the device pool; under CP layer sharding the host
-        holds ceil(L / shard) target layers, the owned ones first."""
+        holds ceil(L / shard) target layers, the owned ones first. The device layers are read
+        only where the release reads them: never for an allocator-only pool, and not before a
+        transfer for a pool without `kv_buffer` under SGLang <= 0.5.21 (`binds_on_transfer`)."""
         self.device_pool = dp
         self.mtp_draft_device_pools = tuple(drafts)
         self._captured_pools = (dp, *self.mtp_draft_device_pools)
@@ -199,7 +213,12 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             positive_int("device pool layer_shard_size", dp.layer_shard_size)
         self.target_layer_num = sharded_host_layer_num(dp)
         self.layer_num = self.target_layer_num + len(self.mtp_draft_device_pools)
+        if dummy:
+            self._captured_pools = ()
+            return {}
         start, end = owned_range(dp)
+        if not self.mtp_draft_device_pools and not hasattr(dp, "kv_buffer") and binds_on_transfer():
+            return self._geometry_only_side(dp, start, end)
         layers = list(dp.kv_buffer)
         if not 0 <= start <= end <= len(layers) or end - start > self.target_layer_num:
             raise ValueError(
@@ -220,6 +239,23 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             "device_layer_num": dp.layer_num,
             "all_layers": tuple(layers + draft_layers),
             "ptr_table": cat_tables(getattr(p, "data_ptrs", None) for p in self._captured_pools),
+        }
+
+    def _geometry_only_side(self, dp, start: int, end: int) -> dict:
+        """The device side of a pool built from geometry alone (SGLang <= 0.5.21 reads the
+        device layers only when a transfer names a pool): nothing is captured."""
+        if not 0 <= start <= end or end - start > self.target_layer_num:
+            raise ValueError(
+                f"device pool owns layers [{start}, {end}) but the host holds "
+                f"{self.target_layer_num}"
+            )
+        self._captured_pools = ()
+        self._geometry_only_layers = range(start, end)
+        return {
+            "planes": None,
+            "device": torch.device(dp.device),
+            "all_layers": (),
+            "ptr_table": None,
         }
 
     def _from_buffer_info(self, info, drafts, target_layer_num, layer_shard_enabled) -> dict:
@@ -374,6 +410,14 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         """Host layer of controller layer `layer_id` -> that device layer; a target layer this
         rank does not hold (layer sharding, or out of range) returns without copying."""
         if self._is_dummy:
+            # Built from a device pool (SGLang 0.5.20-0.5.22), a target layer this rank does not
+            # hold returns before the dummy check; 0.5.23's allocation-only pool checks first.
+            if (
+                self.device_pool is not None
+                and not truth("is_draft", is_draft)
+                and not self._is_device_layer_owned(device_pool, layer_key(layer_id))
+            ):
+                return
             raise AssertionError("load on a dummy (non-src MLA) host pool")
         self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
@@ -387,6 +431,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     # ----------------------------------------------------------------- L3 flat pages
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        self._refuse_dcp_pages()
         self._require_bytes()
         data_page = self._page_view(index)
         return data_page.flatten() if truth("flat", flat) else data_page
@@ -400,9 +445,17 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         ).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        # SGLang <= 0.5.22 does not check here: it stores the page at physical row `index`, a
+        # logical slot (another rank's rows, or past the pool); get_data_page's refusal keeps
+        # the pair consistent, and those releases reject L3 with DCP at server start.
+        self._refuse_dcp_pages()
         self._require_bytes()
         view = self._page_view(index)
         view.copy_(self._flat_page_as(data_page, view.shape))
+
+    def _refuse_dcp_pages(self) -> None:
+        if self.dcp_size > 1 and refuses_dcp_l3_pages():
+            raise AssertionError(_DCP_L3_TEXT)
 
     # ----------------------------------------------------------------- zero-copy metadata
 
@@ -412,6 +465,13 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         slots and each logical page maps to this rank's one physical page (SGLang 0.5.23)."""
         self._require_bytes()
         return self._spec.page_meta([self.kv_buffer.data_ptr()], index_list(indices))
+
+
+# SGLang <= 0.5.22's assertion in get_data_page (0.5.23 addresses the rank-local page).
+_DCP_L3_TEXT = (
+    "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped keys); "
+    "--hicache-storage-backend with --dcp-size > 1 should have been rejected at server start."
+)
 
 
 def _layout_reason(layout) -> str | None:
