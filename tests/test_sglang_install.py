@@ -117,6 +117,15 @@ def fake_sglang(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+def test_install_without_any_sglang_says_so_once(monkeypatch):
+    monkeypatch.setattr(shim.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError) as exc:
+        shim.install()
+    text = str(exc.value)
+    assert "SGLang is not importable: it is not installed" in text and "pip install sglang" in text
+    assert text.count("sglang") <= 3, text  # one reason, not one per module
+
+
 def test_install_without_sglang_raises_import_error(monkeypatch):
     monkeypatch.setattr(shim, "KNOWN_MODULES", ("sglang_definitely_absent.pool_host",))
     with pytest.raises(ImportError, match="SGLang is not importable"):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import pkgutil
 import sys
@@ -135,6 +136,11 @@ def install() -> dict[str, list[str]]:
     """Patch SGLang to build hostkv_rs pools. Returns {module name: [patched attributes]} for this
     call (empty when already installed). Raises ImportError when SGLang is not importable."""
     global _release
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError(
+            f"hostkv_rs.sglang.install(): SGLang is not importable: it is not installed in this "
+            f"interpreter ({sys.executable}); install it (pip install sglang) first"
+        )
     ours = _replacements()
     with _lock:
         imported, failures = _import_known()
