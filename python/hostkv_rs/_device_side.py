@@ -51,6 +51,11 @@ def owned_range(device_pool) -> tuple[int, int]:
     if getattr(device_pool, "layer_shard_enabled", False):
         start, end = device_pool._owned_local_layer_range()
         return int(start), int(end)
+    if not hasattr(device_pool, "layer_num"):
+        raise TypeError(
+            f"device_pool must be a device KV pool (with layer_num), got "
+            f"{type(device_pool).__name__}"
+        )
     return 0, int(device_pool.layer_num)
 
 

@@ -132,11 +132,20 @@ def _import_known() -> tuple[list, dict]:
     return imported, failures
 
 
+def _sglang_installed() -> bool:
+    # find_spec may raise for a name a finder refuses outright (a test suite's guard against an
+    # accidental namespace package called `sglang`): that is "not installed" too.
+    try:
+        return importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def install() -> dict[str, list[str]]:
     """Patch SGLang to build hostkv_rs pools. Returns {module name: [patched attributes]} for this
     call (empty when already installed). Raises ImportError when SGLang is not importable."""
     global _release
-    if importlib.util.find_spec("sglang") is None:
+    if not _sglang_installed():
         raise ImportError(
             f"hostkv_rs.sglang.install(): SGLang is not importable: it is not installed in this "
             f"interpreter ({sys.executable}); install it (pip install sglang) first"
