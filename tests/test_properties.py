@@ -41,6 +41,9 @@ SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    # CI draws the same examples on every run, so a landing never depends on luck; other runs
+    # explore new ones (raise the count to search harder).
+    derandomize=os.environ.get("CI") == "true",
 )
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8]
 PAGE_SIZES = [1, 2, 3, 5, 7, 16]
