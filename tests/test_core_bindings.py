@@ -395,6 +395,29 @@ def test_supported_pairs_are_the_contracts_matrix():
         _core.supported_pairs("mamba")
 
 
+def test_the_support_table_answers_every_transfer_kind_and_the_hand_back_column():
+    v4 = _core.PoolSpec("v4_paged", "page_first", 2, 8, 1, [64], 1, name="c4")
+    mla = _core.PoolSpec("mla", "page_first_direct", 2, 8, 4, [16], 2)
+    # kernel_ascend moves V4 pages the direct way on a host; SGLang names the pool in its refusal.
+    assert (
+        _core.PoolSpec("v4_paged", "layer_first", 2, 8, 1, [64], 1).check_pair("kernel_ascend")
+        == "direct"
+    )
+    with pytest.raises(ValueError, match=r"^c4 _host_page_view: kernel_ascend requires"):
+        v4.check_pair("kernel_ascend")
+    with pytest.raises(ValueError, match=r"^Unsupported V4 paged host layout/backend: page_first/"):
+        v4.check_pair("kernel", "tokens")
+    assert mla.check_pair("direct") == "direct"
+    with pytest.raises(ValueError, match="Layer-sharded direct HiCache backup only supports"):
+        mla.check_pair("direct", "sharded_backup")
+    with pytest.raises(ValueError, match="does not support IO backend: 7$"):
+        mla.check_pair(7, "sharded_backup")
+    with pytest.raises(ValueError, match='unknown transfer kind "pages"'):
+        mla.check_pair("kernel", "pages")
+    assert _core.handed_back_layouts("mla") == ["page_first_kv_split"]
+    assert _core.handed_back_layouts("mha") == []
+
+
 @pytest.mark.parametrize(
     ("index_map", "error", "text"),
     [

@@ -11,10 +11,6 @@ import sys
 
 import torch
 
-# Layouts SGLang has that hostkv_rs does not implement: page_unified (0.5.23) and the Ascend
-# page_first_kv_split. install() hands them to SGLang's own class.
-SGLANG_ONLY_LAYOUTS = ("page_first_kv_split",)
-
 
 def sglang_release() -> tuple[int, int, int] | None:
     """The SGLang release whose semantics the pools follow where releases differ: the one

@@ -155,14 +155,12 @@ class MHATokenToKVPoolHost(HostKVCache):
             reason = scales_reason(source) or device_type_reason(source)
         return reason or io_backend_reason()
 
-    # Layouts SGLang's own class of this kind serves and hostkv_rs does not (none: SGLang's MHA
-    # pools refuse the Ascend-only page_first_kv_split with the "Unsupported layout" ValueError
-    # ours raise).
-    _sglang_only_layouts: tuple[str, ...] = ()
-
     @classmethod
     def _layout_reason(cls, layout) -> str | None:
-        if isinstance(layout, str) and layout in cls._sglang_only_layouts:
+        # What SGLang's own class of this kind serves and hostkv_rs does not: the support table's
+        # hand-back column (empty for MHA: SGLang's MHA pools refuse the Ascend-only
+        # page_first_kv_split with the "Unsupported layout" ValueError ours raise).
+        if isinstance(layout, str) and layout in _core.handed_back_layouts(cls._spec_kind):
             return f"layout {layout!r} is not implemented by hostkv_rs"
         return None
 
@@ -498,9 +496,6 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
     item sizes. `token_stride_size` and `layout_dim` are deliberately absent (AttributeError), as
     in SGLang, so code assuming one shared K/V stride fails loudly. Layouts: page_first (kernel)
     and page_first_direct (direct)."""
-
-    # SGLang's asymmetric pool refuses every other layout itself (ValueError, same text as ours).
-    _sglang_only_layouts = ()
 
     def get_ksize_per_token(self):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize

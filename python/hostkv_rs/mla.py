@@ -20,7 +20,6 @@ from hostkv_rs._device_side import (
 )
 from hostkv_rs._slots import index_list
 from hostkv_rs._sources import (
-    SGLANG_ONLY_LAYOUTS,
     arg,
     binds_on_transfer,
     cat_tables,
@@ -425,7 +424,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self._is_dummy:
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
         if self._layer_shard_enabled:
-            _check_sharded_backup(io_backend, self.layout)
+            # SGLang copies one owned layer at a time, through fewer (layout, backend) pairs.
+            self._spec.check_pair(io_backend, "sharded_backup")
         self._backup_planes(device_pool, host_indices, device_indices, io_backend)
 
     # ----------------------------------------------------------------- L3 flat pages
@@ -475,19 +475,6 @@ _DCP_L3_TEXT = (
 
 
 def _layout_reason(layout) -> str | None:
-    if isinstance(layout, str) and layout in SGLANG_ONLY_LAYOUTS:
+    if isinstance(layout, str) and layout in _core.handed_back_layouts("mla"):
         return f"layout {layout!r} is not implemented by hostkv_rs"
     return None
-
-
-def _check_sharded_backup(io_backend, layout: str) -> None:
-    """SGLang's refusals for a layer-sharded MLA backup (it copies one owned layer at a time):
-    kernel + layer_first/page_first and direct + layer_first only, with its texts."""
-    if io_backend not in ("kernel", "direct"):
-        raise ValueError(f"Layer-sharded HiCache backup does not support IO backend: {io_backend}")
-    if io_backend == "kernel" and layout not in ("layer_first", "page_first"):
-        raise ValueError(f"Layer-sharded HiCache backup does not support layout: {layout}")
-    if io_backend == "direct" and layout != "layer_first":
-        raise ValueError(
-            f"Layer-sharded direct HiCache backup only supports layer_first layout, got {layout}"
-        )

@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 # kernel_ascend moves whole pages one layer at a time through `_host_page_view`, which SGLang
 # builds for these layouts only; with CPU (or CUDA) device buffers we run the same page-row
 # copy on the core's direct path.
-_ASCEND_LAYOUTS = ("layer_first", "page_first_direct")
 # `layer_id` of a backup: every layer.
 _ALL_LAYERS = object()
 # SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK: the staging buffer holds at most this many page rows.
@@ -497,30 +496,21 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"got {self.gpu_device}"
             )
         if host.numel() % self.slot_page_size != 0:
-            self._spec.check_token_pair(io_backend)
-            return self._token_plan(io_backend, host, dev, self._layers(layer_id))
+            backend = self._spec.check_pair(io_backend, "tokens")
+            return self._token_plan(io_backend, backend, host, dev, self._layers(layer_id))
+        if io_backend == "kernel_ascend" and layer_id is _ALL_LAYERS and not self.layer_num:
+            return None  # SGLang checks the layout in each layer's page view: there are none
+        backend = self._spec.check_pair(io_backend)
         binding = self._page_binding
-        if io_backend == "kernel_ascend":
-            if self.layout not in _ASCEND_LAYOUTS and (
-                layer_id is not _ALL_LAYERS or self.layer_num
-            ):
-                raise ValueError(
-                    f"{self.pool_name} _host_page_view: kernel_ascend requires layer_first or "
-                    f"page_first_direct layout, got {self.layout!r}"
-                )
-            backend = "direct"
-            if self._ascend_binding is not None:
-                binding = self._ascend_binding
-        else:
-            backend = io_backend
-            self._spec.check_pair(io_backend)
+        if io_backend == "kernel_ascend" and self._ascend_binding is not None:
+            binding = self._ascend_binding
         if not self._layers(layer_id):
             return None  # a pool without layers has nothing to back up
         if self._region is None:
             raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
         return [(binding, backend, host, dev)]
 
-    def _token_plan(self, io_backend, host, dev, layers):
+    def _token_plan(self, io_backend, backend, host, dev, layers):
         """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
         page row (see the constants at the top), whatever the io_backend."""
         if self._token_bindings is None and self._region is not None:
@@ -539,7 +529,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._check_token_range(host, dev, min(self._device_rows[layer] for layer in layers))
         # The two segments of a C4 token are rows of two finer geometries over the same bytes
         # (576-byte values, 8-byte scales); the core maps each token to its row in each.
-        backend = "direct" if io_backend == "kernel_ascend" else io_backend
         values, scales = self._token_bindings
         return [(values, backend, host, dev), (scales, backend, host, dev)]
 
@@ -576,12 +565,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
                 f"got {self.gpu_device}"
             )
-        if self.layout != "layer_first":
-            raise ValueError(
-                f"{self.pool_name} token-granular backups need the layer_first layout (per-layer "
-                f"host rows), got {self.layout}"
-            )
-        calls = self._token_plan("kernel", host, dev, self._layers(_ALL_LAYERS))
+        # SGLang moves these tokens with its DSV4 kernel, which needs per-layer host rows.
+        backend = self._spec.check_pair("kernel", "tokens")
+        calls = self._token_plan("kernel", backend, host, dev, self._layers(_ALL_LAYERS))
         for binding, backend, h, d in calls or ():
             binding.backup(h, d, backend)
 

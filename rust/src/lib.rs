@@ -15,6 +15,7 @@ pub mod plan;
 pub mod plan_fuzz;
 pub mod pool;
 pub mod request;
+pub mod support;
 
 #[cfg(feature = "python")]
 mod python;

@@ -18,7 +18,7 @@ pub use crate::error::Side;
 use crate::error::{Error, Result, TransferError};
 use crate::index_map::{IndexMap, MapParams};
 use crate::layout::PlaneLayout;
-use crate::request::{Backend, DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
+use crate::request::{DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
 
 /// Copy `len` bytes from address `src` to address `dst`. Plain data: nothing dereferences a
 /// `CopyOp` except the engines, for copies a [`Plan`] produced.
@@ -39,21 +39,6 @@ pub enum Strategy {
     /// One `P * I` block per (page, layer, plane), reading the first index of each page
     /// (direct + page_first_direct).
     PageBlocks,
-}
-
-pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
-    match (backend, layout) {
-        (Backend::Kernel, _) => Ok(Strategy::PerItem),
-        (Backend::Direct, Layout::LayerFirst) => Ok(Strategy::Runs),
-        (Backend::Direct, Layout::PageFirstDirect) => Ok(Strategy::PageBlocks),
-        (Backend::Direct, Layout::PageUnified) => Err(Error::Unsupported(
-            "Unsupported layout 'page_unified' for io backend 'direct'".into(),
-        )),
-        (Backend::Direct, other) => Err(Error::Unsupported(format!(
-            "Unsupported layout: {}",
-            other.name()
-        ))),
-    }
 }
 
 /// The request's planes, its strategy and the layers it touches, all checked.
@@ -130,7 +115,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         }
         *slot = Some(pl);
     }
-    let strategy = strategy(g.layout, req.backend())?;
+    let strategy = crate::support::strategy(g.layout, req.backend())?;
     let (first_layer, layer_count) = match req.op() {
         Op::Backup => (0, g.layers as u64),
         Op::BackupLayer { host_layer } | Op::Load { host_layer } => {
@@ -974,7 +959,7 @@ pub fn total_bytes(ops: &[CopyOp]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::{DeviceSide, HostGeometry};
+    use crate::request::{Backend, DeviceSide, HostGeometry};
 
     type Parts = (
         HostGeometry,
@@ -2289,6 +2274,7 @@ mod counting_alloc {
 mod footprint_tests {
     use super::counting_alloc;
     use super::*;
+    use crate::request::Backend;
     use crate::request::{DeviceSide, HostGeometry};
 
     /// One transfer over freshly allocated pools: `(layout, backend, layers, rows, page, heads,

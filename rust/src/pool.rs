@@ -7,6 +7,7 @@
 use crate::error::{Error, Result};
 use crate::layout::PlaneLayout;
 use crate::request::{Backend, Layout};
+use crate::support::{self, Transfer};
 
 /// Which SGLang host pool this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,39 +33,6 @@ impl PoolKind {
                 "unknown pool kind {other:?}; expected mha, mha_asymmetric, mla or v4_paged"
             ))),
         }
-    }
-}
-
-/// The layouts each kind allocates, and SGLang's construction refusal for any other.
-fn parse_layout(kind: PoolKind, layout: &str) -> Result<Layout> {
-    let allowed: &[Layout] = match kind {
-        PoolKind::Mha => &[
-            Layout::LayerFirst,
-            Layout::PageFirst,
-            Layout::PageFirstDirect,
-            Layout::PageHead,
-            Layout::PageUnified,
-        ],
-        PoolKind::AsymmetricMha => &[Layout::PageFirst, Layout::PageFirstDirect],
-        PoolKind::Mla => &[
-            Layout::LayerFirst,
-            Layout::PageFirst,
-            Layout::PageFirstDirect,
-            Layout::PageUnified,
-        ],
-        PoolKind::V4Paged => &[
-            Layout::LayerFirst,
-            Layout::PageFirst,
-            Layout::PageFirstDirect,
-        ],
-    };
-    match Layout::parse(layout) {
-        Ok(l) if allowed.contains(&l) => Ok(l),
-        _ if kind == PoolKind::AsymmetricMha => Err(Error::Unsupported(format!(
-            "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \
-             'page_first' or 'page_first_direct'."
-        ))),
-        _ => Err(Error::Unsupported(format!("Unsupported layout: {layout}"))),
     }
 }
 
@@ -166,7 +134,7 @@ impl PoolSpec {
         dcp_rank: usize,
         name: &str,
     ) -> Result<Self> {
-        let layout = parse_layout(kind, layout)?;
+        let layout = support::build(kind, layout)?;
         if layout == Layout::PageUnified {
             let mla = kind == PoolKind::Mla;
             let (h, g) = if mla { (1, 1) } else { (heads, head_groups) };
@@ -362,23 +330,28 @@ impl PoolSpec {
         })
     }
 
-    /// SGLang's (layout, io_backend) check for this kind, with its refusal texts; `io_backend`
-    /// is None when the caller passed something that is not a string (`shown` is its text).
-    pub fn check_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<Backend> {
-        check_pair(self.kind, self.layout, io_backend, shown)
+    /// The support table's route for a transfer of `transfer` kind on this pool, or SGLang's
+    /// refusal text; `io_backend` is None when the caller passed something that is not a string
+    /// (`shown` is its text).
+    pub fn route(
+        &self,
+        io_backend: Option<&str>,
+        shown: &str,
+        transfer: Transfer,
+    ) -> Result<support::Route> {
+        support::route(
+            self.kind,
+            self.layout,
+            io_backend,
+            shown,
+            transfer,
+            &self.name,
+        )
     }
 
-    /// DeepSeek V4's token-granular path (a transfer that is not whole slot pages): SGLang's
-    /// dedicated DSV4 kernel needs per-layer host rows, so layer_first with any of its backends.
-    pub fn check_token_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<()> {
-        let backend_ok = matches!(io_backend, Some("kernel" | "direct" | "kernel_ascend"));
-        if self.kind == PoolKind::V4Paged && self.layout == Layout::LayerFirst && backend_ok {
-            return Ok(());
-        }
-        Err(Error::Unsupported(format!(
-            "Unsupported V4 paged host layout/backend: {}/{shown}",
-            self.layout.name()
-        )))
+    /// SGLang's (layout, io_backend) check for slot transfers: the engine backend they use.
+    pub fn check_pair(&self, io_backend: Option<&str>, shown: &str) -> Result<Backend> {
+        Ok(self.route(io_backend, shown, Transfer::Slots)?.backend)
     }
 
     // ---- L3 pages --------------------------------------------------------------------------
@@ -742,101 +715,6 @@ impl PoolSpec {
     }
 }
 
-/// SGLang's (layout, io_backend) check for a pool kind, with its refusal texts (see
-/// [`PoolSpec::check_pair`]).
-pub fn check_pair(
-    kind: PoolKind,
-    layout_: Layout,
-    io_backend: Option<&str>,
-    shown: &str,
-) -> Result<Backend> {
-    use Layout::*;
-    let layout = layout_.name();
-    let unsupported = |m: String| Err(Error::Unsupported(m));
-    match kind {
-        PoolKind::AsymmetricMha => match io_backend {
-            Some("kernel") if layout_ == PageFirst => Ok(Backend::Kernel),
-            Some("kernel") => unsupported(format!(
-                "Unsupported layout for models with head_dim != v_head_dim and \
-                 io_backend='kernel': {layout}; expected 'page_first'."
-            )),
-            Some("direct") if layout_ == PageFirstDirect => Ok(Backend::Direct),
-            Some("direct") => unsupported(format!(
-                "Unsupported layout for models with head_dim != v_head_dim and \
-                 io_backend='direct': {layout}; expected 'page_first_direct'."
-            )),
-            _ => unsupported(format!(
-                "Unsupported IO backend for models with head_dim != v_head_dim: {shown}; \
-                 expected 'kernel' or 'direct'."
-            )),
-        },
-        PoolKind::V4Paged => match (io_backend, layout_) {
-            (Some("kernel"), LayerFirst | PageFirst) => Ok(Backend::Kernel),
-            (Some("direct"), LayerFirst | PageFirstDirect) => Ok(Backend::Direct),
-            _ => unsupported(format!(
-                "Unsupported V4 paged host layout/backend: {layout}/{shown}"
-            )),
-        },
-        PoolKind::Mha | PoolKind::Mla => {
-            let mha = kind == PoolKind::Mha;
-            let served = match io_backend {
-                // page_unified moves through the kernels only (SGLang 0.5.23's controller
-                // refuses it for the direct backend, below).
-                Some("direct") if layout_ == PageUnified => {
-                    return unsupported(format!(
-                        "Unsupported layout '{layout}' for io backend 'direct'"
-                    ))
-                }
-                Some("kernel") => Some((
-                    Backend::Kernel,
-                    matches!(layout_, LayerFirst | PageFirst | PageUnified)
-                        || (mha && layout_ == PageHead),
-                )),
-                Some("direct") => Some((
-                    Backend::Direct,
-                    matches!(layout_, LayerFirst | PageFirstDirect),
-                )),
-                _ => None,
-            };
-            match served {
-                Some((backend, true)) => Ok(backend),
-                Some((_, false)) => unsupported(format!("Unsupported layout: {layout}")),
-                // kernel_ascend needs an Ascend NPU; SGLang checks its layout first (MHA
-                // serves it on page_first_direct, MLA only on page_first_kv_split).
-                None if io_backend == Some("kernel_ascend")
-                    && !(mha && layout_ == PageFirstDirect) =>
-                {
-                    unsupported(format!("Unsupported layout: {layout}"))
-                }
-                None => unsupported(format!("Unsupported IO backend: {shown}")),
-            }
-        }
-    }
-}
-
-/// Every (layout, io_backend) pair a pool kind builds and moves bytes with (the benchmark's
-/// matrix), from the same checks as construction and transfers.
-pub fn supported_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
-    let mut out = Vec::new();
-    for layout in [
-        Layout::LayerFirst,
-        Layout::PageFirst,
-        Layout::PageFirstDirect,
-        Layout::PageHead,
-        Layout::PageUnified,
-    ] {
-        if parse_layout(kind, layout.name()).is_err() {
-            continue;
-        }
-        for backend in ["kernel", "direct"] {
-            if let Ok(b) = check_pair(kind, layout, Some(backend), backend) {
-                out.push((layout, b));
-            }
-        }
-    }
-    out
-}
-
 /// SGLang 0.5.23's `PageUnifiedLayout` (`pool_host/page_unified.py`): its checks with their texts,
 /// and the sizes and L3 chunk spans derived from it. Per page the bytes are
 /// `(head_group, layer, component, page_size, heads_in_group, head_dim)`; the planes' offsets are
@@ -981,7 +859,7 @@ mod tests {
     fn supported_pairs_are_the_contracts_matrix() {
         use Backend::{Direct as D, Kernel as K};
         use Layout::*;
-        let pairs = |k| supported_pairs(k);
+        let pairs = |k| support::served_pairs(k);
         // host-pool-contract §3.2-3.5.
         assert_eq!(
             pairs(PoolKind::Mha),

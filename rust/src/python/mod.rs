@@ -30,10 +30,18 @@ fn cuda_available(py: Python<'_>) -> bool {
 #[pyfunction]
 fn supported_pairs(py: Python<'_>, kind: &str) -> PyResult<Vec<(&'static str, &'static str)>> {
     let kind = crate::pool::PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
-    Ok(crate::pool::supported_pairs(kind)
+    Ok(crate::support::served_pairs(kind)
         .into_iter()
         .map(|(l, b)| (l.name(), b.name()))
         .collect())
+}
+
+/// Layouts SGLang's own class of a pool kind serves and hostkv_rs does not: install() hands a
+/// pool with one of them to SGLang.
+#[pyfunction]
+fn handed_back_layouts(py: Python<'_>, kind: &str) -> PyResult<Vec<&'static str>> {
+    let kind = crate::pool::PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+    Ok(crate::support::handed_back(kind))
 }
 
 #[pyfunction]
@@ -105,6 +113,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
     m.add_function(wrap_pyfunction!(supported_pairs, m)?)?;
+    m.add_function(wrap_pyfunction!(handed_back_layouts, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
     Ok(())
 }

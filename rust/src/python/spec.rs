@@ -98,26 +98,24 @@ impl PyPoolSpec {
         self.spec.page_num()
     }
 
-    /// SGLang's (layout, io_backend) check for this pool kind: "kernel" or "direct", or
-    /// ValueError with SGLang's text (whatever `io_backend` is).
-    fn check_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        let text = io_backend.cast::<pyo3::types::PyString>().ok();
-        let name = text.map(|t| t.to_cow()).transpose()?;
-        let shown = io_backend.str()?.to_cow()?.into_owned();
-        match self.spec.check_pair(name.as_deref(), &shown) {
-            Ok(crate::request::Backend::Kernel) => Ok("kernel"),
-            Ok(crate::request::Backend::Direct) => Ok("direct"),
-            Err(e) => Err(to_py(py, e)),
-        }
-    }
-
-    /// DeepSeek V4's token-granular (layout, io_backend) check, with SGLang's text.
-    fn check_token_pair(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The support table's check of a transfer (`transfer`: "slots", "tokens" for DeepSeek V4's
+    /// token-granular path, "sharded_backup" for a layer-sharded MLA backup): the engine backend
+    /// it runs on ("kernel" or "direct"), or ValueError with SGLang's text (whatever
+    /// `io_backend` is).
+    #[pyo3(signature = (io_backend, transfer = "slots"))]
+    fn check_pair(
+        &self,
+        py: Python<'_>,
+        io_backend: &Bound<'_, PyAny>,
+        transfer: &str,
+    ) -> PyResult<&'static str> {
+        let transfer = crate::support::Transfer::parse(transfer).map_err(|e| to_py(py, e))?;
         let text = io_backend.cast::<pyo3::types::PyString>().ok();
         let name = text.map(|t| t.to_cow()).transpose()?;
         let shown = io_backend.str()?.to_cow()?.into_owned();
         self.spec
-            .check_token_pair(name.as_deref(), &shown)
+            .route(name.as_deref(), &shown, transfer)
+            .map(|r| r.backend.name())
             .map_err(|e| to_py(py, e))
     }
 

@@ -1,0 +1,461 @@
+//! The support table: for every (pool kind, layout, io backend, transfer) the copy hostkv_rs
+//! moves bytes with, or SGLang's refusal text for it. Construction, every transfer check, the
+//! planner's strategy, the CLI's and the benchmark's matrix, and the layouts install() hands back
+//! to SGLang's own classes all read this one module.
+//!
+//! Adding a layout is rows here (and its byte order in `crate::layout`); a refusal text changes
+//! only in [`refusal`].
+
+use crate::error::{Error, Result};
+use crate::plan::Strategy;
+use crate::pool::PoolKind;
+use crate::request::{Backend, Layout};
+
+/// What a transfer moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    /// Slots or whole pages between the device pool and this host pool (every kind).
+    Slots,
+    /// DeepSeek V4's token-granular path (SGLang's `transfer_cache_dsv4_mla`): per token, its
+    /// value and scale segments of a C4 page row.
+    Tokens,
+    /// A layer-sharded MLA backup: each rank copies the layers it owns, one layer at a time.
+    ShardedBackup,
+}
+
+impl Transfer {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "slots" => Ok(Self::Slots),
+            "tokens" => Ok(Self::Tokens),
+            "sharded_backup" => Ok(Self::ShardedBackup),
+            other => Err(Error::Value(format!(
+                "unknown transfer kind {other:?}; expected slots, tokens or sharded_backup"
+            ))),
+        }
+    }
+}
+
+/// The io_backend an SGLang caller named (`None` for a value that is not a string).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Io {
+    Kernel,
+    Direct,
+    /// Ascend's kernels: served only where SGLang moves the same bytes the direct way on a host
+    /// without an NPU (V4 paged pools).
+    KernelAscend,
+    Other,
+}
+
+impl Io {
+    fn of(name: Option<&str>) -> Self {
+        match name {
+            Some("kernel") => Self::Kernel,
+            Some("direct") => Self::Direct,
+            Some("kernel_ascend") => Self::KernelAscend,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// How a served cell moves bytes: the engine backend and the planner's strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub backend: Backend,
+    pub strategy: Strategy,
+}
+
+/// What construction does with a layout a caller names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Build {
+    /// hostkv_rs allocates and serves it.
+    Ours,
+    /// SGLang's own class of this kind serves it and hostkv_rs does not: install() hands the
+    /// pool back to SGLang (Ascend's `page_first_kv_split` for MLA).
+    HandBack,
+}
+
+use Layout::*;
+use PoolKind::*;
+use Strategy::*;
+use Transfer::*;
+
+/// The layouts each kind builds.
+const BUILDS: &[(PoolKind, &str, Build)] = &[
+    (Mha, "layer_first", Build::Ours),
+    (Mha, "page_first", Build::Ours),
+    (Mha, "page_first_direct", Build::Ours),
+    (Mha, "page_head", Build::Ours),
+    (Mha, "page_unified", Build::Ours),
+    (AsymmetricMha, "page_first", Build::Ours),
+    (AsymmetricMha, "page_first_direct", Build::Ours),
+    (Mla, "layer_first", Build::Ours),
+    (Mla, "page_first", Build::Ours),
+    (Mla, "page_first_direct", Build::Ours),
+    (Mla, "page_unified", Build::Ours),
+    (Mla, "page_first_kv_split", Build::HandBack),
+    (V4Paged, "layer_first", Build::Ours),
+    (V4Paged, "page_first", Build::Ours),
+    (V4Paged, "page_first_direct", Build::Ours),
+];
+
+/// Every served cell: (kind, layout, io backend, transfer) -> (engine backend, strategy). A cell
+/// that is not here is refused with [`refusal`]'s text.
+const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend, Strategy)] = &[
+    (Mha, LayerFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
+    (Mha, LayerFirst, Io::Direct, Slots, Backend::Direct, Runs),
+    (Mha, PageFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
+    (
+        Mha,
+        PageFirstDirect,
+        Io::Direct,
+        Slots,
+        Backend::Direct,
+        PageBlocks,
+    ),
+    (Mha, PageHead, Io::Kernel, Slots, Backend::Kernel, PerItem),
+    (
+        Mha,
+        PageUnified,
+        Io::Kernel,
+        Slots,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        AsymmetricMha,
+        PageFirst,
+        Io::Kernel,
+        Slots,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        AsymmetricMha,
+        PageFirstDirect,
+        Io::Direct,
+        Slots,
+        Backend::Direct,
+        PageBlocks,
+    ),
+    (Mla, LayerFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
+    (Mla, LayerFirst, Io::Direct, Slots, Backend::Direct, Runs),
+    (Mla, PageFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
+    (
+        Mla,
+        PageFirstDirect,
+        Io::Direct,
+        Slots,
+        Backend::Direct,
+        PageBlocks,
+    ),
+    (
+        Mla,
+        PageUnified,
+        Io::Kernel,
+        Slots,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        Mla,
+        LayerFirst,
+        Io::Kernel,
+        ShardedBackup,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        Mla,
+        LayerFirst,
+        Io::Direct,
+        ShardedBackup,
+        Backend::Direct,
+        Runs,
+    ),
+    (
+        Mla,
+        PageFirst,
+        Io::Kernel,
+        ShardedBackup,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::Kernel,
+        Slots,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::Direct,
+        Slots,
+        Backend::Direct,
+        Runs,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::KernelAscend,
+        Slots,
+        Backend::Direct,
+        Runs,
+    ),
+    (
+        V4Paged,
+        PageFirst,
+        Io::Kernel,
+        Slots,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        V4Paged,
+        PageFirstDirect,
+        Io::Direct,
+        Slots,
+        Backend::Direct,
+        PageBlocks,
+    ),
+    (
+        V4Paged,
+        PageFirstDirect,
+        Io::KernelAscend,
+        Slots,
+        Backend::Direct,
+        PageBlocks,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::Kernel,
+        Tokens,
+        Backend::Kernel,
+        PerItem,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::Direct,
+        Tokens,
+        Backend::Direct,
+        Runs,
+    ),
+    (
+        V4Paged,
+        LayerFirst,
+        Io::KernelAscend,
+        Tokens,
+        Backend::Direct,
+        Runs,
+    ),
+];
+
+/// The layout a pool of `kind` is built with, or SGLang's construction refusal. A layout
+/// SGLang serves and hostkv_rs does not ([`handed_back`]) is refused here too: only install()'s
+/// hand-over reaches SGLang's class for it.
+pub fn build(kind: PoolKind, layout: &str) -> Result<Layout> {
+    let ours = BUILDS
+        .iter()
+        .any(|&(k, l, b)| k == kind && l == layout && b == Build::Ours);
+    match Layout::parse(layout) {
+        Ok(parsed) if ours => Ok(parsed),
+        _ if kind == AsymmetricMha => Err(Error::Unsupported(format!(
+            "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \
+             'page_first' or 'page_first_direct'."
+        ))),
+        _ => Err(Error::Unsupported(format!("Unsupported layout: {layout}"))),
+    }
+}
+
+/// Layouts SGLang's own class of `kind` serves and hostkv_rs does not.
+pub fn handed_back(kind: PoolKind) -> Vec<&'static str> {
+    BUILDS
+        .iter()
+        .filter(|&&(k, _, b)| k == kind && b == Build::HandBack)
+        .map(|&(_, l, _)| l)
+        .collect()
+}
+
+/// The route of a transfer, or SGLang's refusal. `io_backend` is None when the caller passed
+/// something that is not a string; `shown` is its text; `pool` names the pool in the texts that
+/// name it.
+pub fn route(
+    kind: PoolKind,
+    layout: Layout,
+    io_backend: Option<&str>,
+    shown: &str,
+    transfer: Transfer,
+    pool: &str,
+) -> Result<Route> {
+    let io = Io::of(io_backend);
+    SERVED
+        .iter()
+        .find(|&&(k, l, i, t, _, _)| k == kind && l == layout && i == io && t == transfer)
+        .map(|&(.., backend, strategy)| Route { backend, strategy })
+        .ok_or_else(|| Error::Unsupported(refusal(kind, layout, io, shown, transfer, pool)))
+}
+
+/// The planner's strategy for a (layout, backend) pair, whatever the kind. The kernels address
+/// every layout one item at a time (a raw request may pair them with any layout); the copy
+/// engine's strategy is the table's, which gives every kind the same one, and raw requests that
+/// name an unserved direct pair get SGLang's layout refusal.
+pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
+    if backend == Backend::Kernel {
+        return Ok(PerItem);
+    }
+    SERVED
+        .iter()
+        .find(|&&(_, l, _, t, b, _)| l == layout && b == backend && t == Slots)
+        .map(|&(.., s)| s)
+        .ok_or_else(|| Error::Unsupported(refusal(Mha, layout, Io::Direct, "direct", Slots, "")))
+}
+
+/// Every (layout, io_backend) pair a pool kind builds and moves slots with (the CLI's and the
+/// benchmark's matrix), in the table's order.
+pub fn served_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
+    SERVED
+        .iter()
+        .filter(|&&(k, _, i, t, _, _)| k == kind && t == Slots && i != Io::KernelAscend)
+        .map(|&(_, l, _, _, b, _)| (l, b))
+        .collect()
+}
+
+/// SGLang's text for a cell the table does not serve, in the order SGLang checks.
+fn refusal(
+    kind: PoolKind,
+    layout_: Layout,
+    io: Io,
+    shown: &str,
+    transfer: Transfer,
+    pool: &str,
+) -> String {
+    let layout = layout_.name();
+    match (transfer, kind) {
+        (Tokens, _) => format!("Unsupported V4 paged host layout/backend: {layout}/{shown}"),
+        (ShardedBackup, _) => match io {
+            Io::Kernel => format!("Layer-sharded HiCache backup does not support layout: {layout}"),
+            Io::Direct => format!(
+                "Layer-sharded direct HiCache backup only supports layer_first layout, got \
+                 {layout}"
+            ),
+            _ => format!("Layer-sharded HiCache backup does not support IO backend: {shown}"),
+        },
+        (Slots, AsymmetricMha) => match io {
+            Io::Kernel => format!(
+                "Unsupported layout for models with head_dim != v_head_dim and \
+                 io_backend='kernel': {layout}; expected 'page_first'."
+            ),
+            Io::Direct => format!(
+                "Unsupported layout for models with head_dim != v_head_dim and \
+                 io_backend='direct': {layout}; expected 'page_first_direct'."
+            ),
+            _ => format!(
+                "Unsupported IO backend for models with head_dim != v_head_dim: {shown}; \
+                 expected 'kernel' or 'direct'."
+            ),
+        },
+        (Slots, V4Paged) if io == Io::KernelAscend => format!(
+            "{pool} _host_page_view: kernel_ascend requires layer_first or page_first_direct \
+             layout, got '{layout}'"
+        ),
+        (Slots, V4Paged) => format!("Unsupported V4 paged host layout/backend: {layout}/{shown}"),
+        (Slots, Mha | Mla) => match io {
+            // SGLang 0.5.23's controller refuses page_unified for the direct backend.
+            Io::Direct if layout_ == PageUnified => {
+                format!("Unsupported layout '{layout}' for io backend 'direct'")
+            }
+            Io::Kernel | Io::Direct => format!("Unsupported layout: {layout}"),
+            // kernel_ascend needs an Ascend NPU; SGLang checks its layout first (MHA serves it on
+            // page_first_direct, MLA only on page_first_kv_split).
+            Io::KernelAscend if !(kind == Mha && layout_ == PageFirstDirect) => {
+                format!("Unsupported layout: {layout}")
+            }
+            _ => format!("Unsupported IO backend: {shown}"),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KINDS: [PoolKind; 4] = [Mha, AsymmetricMha, Mla, V4Paged];
+
+    #[test]
+    fn every_served_cell_is_a_built_layout() {
+        for &(kind, layout, ..) in SERVED {
+            assert_eq!(
+                build(kind, layout.name()).unwrap(),
+                layout,
+                "{kind:?} {layout:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_layout_has_one_strategy_per_backend_whatever_the_kind() {
+        for &(_, layout, _, _, backend, strategy) in SERVED {
+            assert_eq!(super::strategy(layout, backend).unwrap(), strategy);
+        }
+        let e = super::strategy(PageFirst, Backend::Direct).unwrap_err();
+        assert_eq!(e.to_string(), "Unsupported layout: page_first");
+        let e = super::strategy(PageUnified, Backend::Direct).unwrap_err();
+        assert!(e.to_string().contains("for io backend 'direct'"), "{e}");
+    }
+
+    #[test]
+    fn handed_back_layouts_are_refused_by_construction() {
+        assert_eq!(handed_back(Mla), ["page_first_kv_split"]);
+        for kind in KINDS {
+            for layout in handed_back(kind) {
+                assert!(build(kind, layout).is_err());
+            }
+        }
+        assert!(handed_back(Mha).is_empty());
+    }
+
+    #[test]
+    fn refusals_use_sglangs_texts() {
+        let r = |k, l, io: Option<&str>, t| {
+            route(k, l, io, io.unwrap_or("7"), t, "c4")
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            r(V4Paged, PageFirst, Some("kernel_ascend"), Slots),
+            "c4 _host_page_view: kernel_ascend requires layer_first or page_first_direct \
+             layout, got 'page_first'"
+        );
+        assert_eq!(
+            r(Mla, PageFirstDirect, Some("kernel"), ShardedBackup),
+            "Layer-sharded HiCache backup does not support layout: page_first_direct"
+        );
+        assert_eq!(
+            r(Mla, LayerFirst, None, ShardedBackup),
+            "Layer-sharded HiCache backup does not support IO backend: 7"
+        );
+        assert_eq!(
+            r(V4Paged, PageFirst, Some("kernel"), Tokens),
+            "Unsupported V4 paged host layout/backend: page_first/kernel"
+        );
+        assert_eq!(
+            r(Mha, PageFirstDirect, Some("kernel_ascend"), Slots),
+            "Unsupported IO backend: kernel_ascend"
+        );
+        assert_eq!(
+            r(Mla, PageFirstDirect, Some("kernel_ascend"), Slots),
+            "Unsupported layout: page_first_direct"
+        );
+    }
+
+    #[test]
+    fn transfer_kinds_parse() {
+        assert_eq!(Transfer::parse("tokens").unwrap(), Tokens);
+        assert!(Transfer::parse("pages").is_err());
+    }
+}
