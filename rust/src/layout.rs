@@ -56,6 +56,30 @@ impl PlaneLayout {
         Self::component_of(layout, layers, rows, page_size, item_bytes, heads, 0, 1)
     }
 
+    /// Plane `p` of a pool's `n` planes: `page_unified` interleaves them as the components of
+    /// one allocation, every other layout gives each plane its own (the one place that choice is
+    /// made: the pool spec, the core and the planner all build their planes here).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plane(
+        layout: Layout,
+        layers: usize,
+        rows: usize,
+        page_size: usize,
+        item_bytes: usize,
+        heads: usize,
+        p: usize,
+        n: usize,
+    ) -> Result<Self> {
+        let (component, components) = if layout == Layout::PageUnified {
+            (p, n)
+        } else {
+            (0, 1)
+        };
+        Self::component_of(
+            layout, layers, rows, page_size, item_bytes, heads, component, components,
+        )
+    }
+
     /// Plane `component` of `components` planes that share one allocation. Only `page_unified`
     /// interleaves planes (MHA's K and V inside each layer of each head group); every other
     /// layout gives each plane an allocation of its own, so `components` must be 1 there.

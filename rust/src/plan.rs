@@ -92,18 +92,17 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             g.plane_base, g.item_bytes
         )));
     }
-    let components = if shared { nplanes } else { 1 };
     let mut planes = [None, None];
     for (p, slot) in planes.iter_mut().enumerate().take(nplanes) {
-        let pl = PlaneLayout::component_of(
+        let pl = PlaneLayout::plane(
             g.layout,
             g.layers,
             g.rows,
             g.page_size,
             g.item_bytes[p],
             g.heads,
-            if shared { p } else { 0 },
-            components,
+            p,
+            nplanes,
         )?;
         if g.plane_base[p].checked_add(pl.nbytes).is_none()
             || (g.plane_base[p] == 0 && pl.nbytes > 0)

@@ -223,21 +223,21 @@ impl PoolSpec {
                     .and_then(|x| x.checked_mul(item as u64))
                     .ok_or_else(|| overflow(&format!("num_layers * {what} * item_bytes")))?;
             }
-            let (plane_heads, component, components) = match layout {
-                Layout::PageHead => (heads, 0, 1),
+            let plane_heads = match layout {
+                Layout::PageHead => heads,
                 // K and V interleave inside each layer cell of each head group's block.
-                Layout::PageUnified => (head_groups_of(kind, head_groups), planes.len(), want),
-                _ => (1, 0, 1),
+                Layout::PageUnified => head_groups_of(kind, head_groups),
+                _ => 1,
             };
-            planes.push(PlaneLayout::component_of(
+            planes.push(PlaneLayout::plane(
                 layout,
                 layers,
                 plane_rows,
                 plane_page,
                 item,
                 plane_heads,
-                component,
-                components,
+                planes.len(),
+                want,
             )?);
         }
         Ok(Self {

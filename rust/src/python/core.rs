@@ -108,14 +108,10 @@ impl PyPoolCore {
         let mut owners = Vec::with_capacity(item_bytes.len());
         // page_unified's planes (MHA's K and V) are components of one allocation: the same
         // memory is passed for each.
-        let shared = layout == Layout::PageUnified;
-        let components = if shared { item_bytes.len() } else { 1 };
+        let n = item_bytes.len();
         for (p, (&item, plane)) in item_bytes.iter().zip(&planes).enumerate() {
-            let component = if shared { p } else { 0 };
-            let pl = PlaneLayout::component_of(
-                layout, num_layers, rows, page_size, item, head_num, component, components,
-            )
-            .map_err(|e| to_py(py, e))?;
+            let pl = PlaneLayout::plane(layout, num_layers, rows, page_size, item, head_num, p, n)
+                .map_err(|e| to_py(py, e))?;
             let mem = host_memory(plane, &format!("plane {p}"))?;
             if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
                 return Err(PyValueError::new_err(format!(
