@@ -349,3 +349,54 @@ def test_pinned_pool_unregisters_from_a_thread_that_never_used_cuda():
     t.join(timeout=60)
     assert done == [None] and not region.pinned
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("item", [3, 12, 66])
+def test_smoke_items_that_are_not_a_multiple_of_8_through_the_raw_kernel_path(layout, item):
+    """The kernel's 1-, 4- and 2-byte copy paths (3-, 12- and 66-byte items), both directions,
+    against the CPU engine on the same indices: byte-exact, and nothing outside the rows."""
+    L, S, P, dev_rows = 3, 64, 4, 48
+    heads = 3 if layout == "page_head" and item % 3 == 0 else 1
+    nbytes = _core.PoolCore.plane_nbytes(layout, L, S, P, item)
+    region = _core.HostRegion(nbytes)
+    region.register_cuda(0)
+    host = np.frombuffer(region, dtype=np.uint8)
+    core = _core.PoolCore(layout, L, S, P, [item], [region], heads)
+    g = torch.Generator().manual_seed(item)
+    dev_cpu = [
+        torch.randint(0, 256, (dev_rows, item), dtype=torch.uint8, generator=g) for _ in range(L)
+    ]
+    dev = [t.cuda() for t in dev_cpu]
+    host[:] = 0
+    # Whole pages (page_first_direct reads the first index of each page), shuffled.
+    pages = [5, 1, 12, 7]
+    hi = torch.tensor([p * P + t for p in pages for t in range(P)])
+    di = torch.tensor([q * P + t for q in [9, 0, 4, 2] for t in range(P)])
+    args = lambda idx: (idx.data_ptr(), idx.numel(), 8, False)
+    stream = torch.cuda.current_stream().cuda_stream
+    core.backup("kernel", [t.data_ptr() for t in dev], dev_rows, args(hi), args(di), "cuda", stream)
+    torch.cuda.synchronize()
+    _core.check_device_errors()
+    # The same backup by the CPU engine into a second host plane is the oracle.
+    want = torch.zeros(nbytes, dtype=torch.uint8)
+    ref = _core.PoolCore(layout, L, S, P, [item], [want], heads)
+    ref.backup("kernel", [t.data_ptr() for t in dev_cpu], dev_rows, args(hi), args(di), "cpu", 0)
+    assert np.array_equal(host, want.numpy()), "GPU backup differs from the CPU engine"
+    assert want.count_nonzero() > 0, "nothing moved, so the test could not fail"
+    for t in dev:
+        t.zero_()
+    for layer in range(L):
+        core.load(
+            "kernel", layer, [dev[layer].data_ptr()], dev_rows, args(hi), args(di), "cuda", stream
+        )
+    torch.cuda.synchronize()
+    _core.check_device_errors()
+    rows = di.view(-1)
+    for layer in range(L):
+        got = dev[layer].cpu()
+        assert torch.equal(got[rows], dev_cpu[layer][rows]), (layout, item, layer)
+        others = torch.ones(dev_rows, dtype=torch.bool)
+        others[rows] = False
+        assert got[others].count_nonzero() == 0, "bytes written outside the loaded rows"
+    region.unregister_cuda()
