@@ -49,13 +49,13 @@ def peak(device: str, nbytes: int, time_fn) -> dict[str, float]:
     host.fill_(1)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = {}
-    for op, fn in (
-        ("load", lambda: dev.copy_(host, non_blocking=True)),
-        ("backup", lambda: host.copy_(dev, non_blocking=True)),
-    ):
+    for op, dst, src in (("load", dev, host), ("backup", host, dev)):
+
+        def fn(dst=dst, src=src):
+            dst.copy_(src, non_blocking=True)
+
         fn()
         out[op] = nbytes / min(time_fn(fn) for _ in range(3))
-    del host, dev
     return out
 
 
@@ -121,8 +121,7 @@ def rows(device: str, scale: float, deadline: float, time_fn, peaks):
                     secs = statistics.median(time_fn(call) for _ in range(5))
                     rate = moved_bytes(host, h.numel()) / secs
                     yield name, layout, backend, op, rate, f"{100 * rate / peaks[op]:.0f}%"
-                    del dp, host
-                except Exception as e:  # a row that fails is reported, the table goes on
+                except Exception as e:  # noqa: BLE001 (a failed row is reported, the table goes on)
                     yield name, layout, backend, op, None, f"error: {type(e).__name__}: {e}"[:90]
 
 
@@ -142,15 +141,15 @@ def main(argv=None) -> int:
     peaks = peak(args.device, peak_bytes, time_fn)
     what = "CUDA events" if args.device == "cuda" else "wall clock, CPU dry run"
     lines = [
-        f"Peak, one contiguous {peak_bytes >> 20} MiB pinned copy ({what}): "
-        f"load {peaks['load'] / 1e9:.1f} GB/s, backup {peaks['backup'] / 1e9:.1f} GB/s",
+        (
+            f"Peak, one contiguous {peak_bytes >> 20} MiB pinned copy ({what}): "
+            f"load {peaks['load'] / 1e9:.1f} GB/s, backup {peaks['backup'] / 1e9:.1f} GB/s"
+        ),
         "",
         "| geometry | layout | io backend | op | GB/s | % of peak |",
         "|---|---|---|---|---|---|",
     ]
-    for name, layout, backend, op, rate, note in rows(
-        args.device, scale, deadline, time_fn, peaks
-    ):
+    for name, layout, backend, op, rate, note in rows(args.device, scale, deadline, time_fn, peaks):
         gbs = f"{rate / 1e9:.1f}" if rate is not None else "-"
         lines.append(f"| {name} | {layout} | {backend} | {op} | {gbs} | {note} |")
         print(lines[-1], flush=True)
