@@ -310,8 +310,11 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     default allocator gives a Rust `HostRegion` (the owner) and a view of it. A storage
     allocator's own `allocate(dims, dtype, "cpu")` gives the tensor, which is its own owner; the
     core adopts it as a plane and keeps its storage alive. With `pin_memory` the allocation is
-    registered with CUDA as SGLang does (`cudaHostRegister`, chunked without splitting a copy
-    unit of `granularity` bytes, 0: none), unless it is pinned already."""
+    registered with CUDA as SGLang does (its own `_cuda_host_register`: chunked without
+    splitting a copy unit of `granularity` bytes, 0: none), unless it is pinned already, so a
+    segment is never registered twice. That registration is SGLang's, not the core's: the
+    kernel backend reads such planes, the direct backend (which wants the core's own
+    registration) refuses them, and `destroy()` unregisters them through SGLang."""
     dims = tuple(int(d) for d in shape)
     if not is_storage_allocator(allocator):
         nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
