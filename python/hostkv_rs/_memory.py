@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -263,6 +264,22 @@ def _hugepage_settings() -> tuple[str, str]:
     return _env.hugepage_settings()
 
 
+def _pinnable(pin_memory: bool, nbytes: int) -> bool:
+    """Whether to register `nbytes` of host memory with CUDA: when asked and the core can use
+    CUDA. Never leaves a pool silently unpinned next to a GPU the core cannot use (transfers
+    would be pageable)."""
+    if not (pin_memory and nbytes > 0):
+        return False
+    if _core.cuda_available():
+        return True
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "pin_memory=True: torch sees a CUDA GPU but the hostkv_rs core cannot use CUDA, so "
+            f"the host pool cannot be pinned ({_core.runtime_info()})"
+        )
+    return False
+
+
 def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: int = 0):
     """Allocate `nbytes` of pre-touched host memory in Rust, registered with CUDA when asked and
     possible. Returns the `_core.HostRegion`; it lives as long as any tensor viewing it."""
@@ -273,19 +290,94 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
         hugepage_mode=mode if mode != "off" else "prefer",
         numa_node=_numa_node(),
     )
-    if pin_memory and nbytes > 0 and _core.cuda_available():
+    if _pinnable(pin_memory, nbytes):
         if registration_granularity < 0:
             raise ValueError(
                 f"registration_granularity_bytes must be positive, got {registration_granularity}"
             )
         region.register_cuda(registration_granularity, register_chunk_limit_bytes())
-    elif pin_memory and nbytes > 0 and torch.cuda.is_available():
-        # Never leave a pool silently unpinned next to a GPU: transfers would be pageable.
-        raise RuntimeError(
-            "pin_memory=True: torch sees a CUDA GPU but the hostkv_rs core cannot use CUDA, so "
-            f"the host pool cannot be pinned ({_core.runtime_info()})"
-        )
     return region
+
+
+def is_storage_allocator(allocator) -> bool:
+    """Whether `allocator` is a storage backend's (SGLang's shm, Mooncake, mori, TensorCast
+    allocators), whose memory the pool adopts, rather than hostkv_rs's Rust-backed default."""
+    return allocator is not None and not isinstance(allocator, HostTensorAllocator)
+
+
+def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, granularity: int):
+    """A pool's host memory of `shape` and `dtype`: (the tensor the pool views, its owner). The
+    default allocator gives a Rust `HostRegion` (the owner) and a view of it. A storage
+    allocator's own `allocate(dims, dtype, "cpu")` gives the tensor, which is its own owner; the
+    core adopts it as a plane and keeps its storage alive. With `pin_memory` the allocation is
+    registered with CUDA as SGLang does (its own `_cuda_host_register`: chunked without
+    splitting a copy unit of `granularity` bytes, 0: none), unless it is pinned already, so a
+    segment is never registered twice. That registration is SGLang's, not the core's: the
+    kernel backend reads such planes, the direct backend (which wants the core's own
+    registration) refuses them, and `destroy()` unregisters them through SGLang."""
+    dims = tuple(int(d) for d in shape)
+    if not is_storage_allocator(allocator):
+        nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
+        region = alloc_host_region(nbytes, pin_memory, granularity)
+        return region_view(region, dtype, dims), region
+    tensor = allocator.allocate(dims, dtype, "cpu")
+    name = type(allocator).__name__
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}.allocate returned a {type(tensor).__name__}, not a tensor")
+    if tensor.device.type != "cpu" or tensor.dtype != dtype or tuple(tensor.shape) != dims:
+        raise ValueError(
+            f"{name}.allocate({dims}, {dtype}, 'cpu') returned a {tensor.device} {tensor.dtype} "
+            f"tensor of shape {tuple(tensor.shape)}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name}.allocate returned a non-contiguous tensor")
+    if _pinnable(pin_memory, tensor.nbytes) and not tensor.is_pinned():
+        _sglang_common()._cuda_host_register(tensor, granularity or None)
+    return tensor, tensor
+
+
+# Where SGLang defines `get_allocator_from_storage` and its CUDA host registration helpers.
+_SGLANG_ALLOCATOR_MODULES = (
+    "sglang.srt.mem_cache.pool_host.common",  # 0.5.19+
+    "sglang.srt.mem_cache.memory_pool_host",  # before pool_host/ existed
+)
+
+
+def sglang_allocator_module():
+    """The installed SGLang release's module with `get_allocator_from_storage`, or None when
+    SGLang cannot be imported here."""
+    for name in _SGLANG_ALLOCATOR_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            logger.debug("no SGLang allocator module %s (%s)", name, exc)
+            continue
+        if hasattr(module, "get_allocator_from_storage"):
+            return module
+    return None
+
+
+def _sglang_common():
+    """SGLang's module that made a storage allocator (one exists if such an allocator does)."""
+    module = sglang_allocator_module()
+    if module is None:
+        raise RuntimeError("SGLang's host allocator module is no longer importable")
+    return module
+
+
+def memory_span(owner) -> tuple[int, int]:
+    """(address, bytes) of a pool's host memory: a `HostRegion` or an adopted tensor."""
+    if isinstance(owner, torch.Tensor):
+        return owner.data_ptr(), owner.nbytes
+    return int(owner.address), int(owner.nbytes)
+
+
+def unregister_memory(owner) -> None:
+    """Undo the CUDA registration of a pool's host memory (idempotent)."""
+    if not isinstance(owner, torch.Tensor):
+        owner.unregister_cuda()
+    elif getattr(owner, "_sglang_cuda_host_registered_ranges", None):
+        _sglang_common()._cuda_host_unregister(owner)
 
 
 class HostTensorAllocator:
@@ -313,7 +405,9 @@ def _numa_node() -> int | None:
 
 
 def region_bytes(region) -> torch.Tensor:
-    """A 1-D uint8 tensor over the whole region (zero-copy; keeps the region alive)."""
+    """A 1-D uint8 tensor over the whole region or adopted tensor (zero-copy; keeps it alive)."""
+    if isinstance(region, torch.Tensor):
+        return region.reshape(-1).view(torch.uint8)
     if region.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(region, dtype=torch.uint8)

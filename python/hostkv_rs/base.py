@@ -47,8 +47,9 @@ ptr_table = _device_side.ptr_table
 index_list = _slots.index_list
 slot_list_text = _slots.slot_list_text
 
-# Storage backends whose own allocator owns the host memory in SGLang; hostkv_rs always allocates in
-# Rust, so selecting one of these deserves a warning rather than silence.
+# Storage backends whose own allocator owns the host memory in SGLang. With SGLang installed the
+# release's `get_allocator_from_storage` makes it and the pool adopts its memory; without SGLang
+# hostkv_rs allocates in Rust, which deserves a warning rather than silence.
 _STORAGE_OWNED_ALLOCATORS = ("mooncake", "mori", "shm", "tensorcast")
 
 # Creating a missing per-pool lock must itself be race-free (pools that skip __init__).
@@ -194,16 +195,26 @@ def check_host_memory(requested_bytes: int) -> int:
 
 
 def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
-    """SGLang picks the host allocator from `--hicache-storage-backend`; hostkv_rs always
-    allocates in Rust, so every type gets the default `HostTensorAllocator`. The storage-owned
-    allocators (mooncake, mori, shm, tensorcast) deserve a warning rather than silence."""
+    """SGLang picks the host allocator from `--hicache-storage-backend`. For a storage-owned type
+    (mooncake, mori, shm, tensorcast) the installed release's own `get_allocator_from_storage`
+    decides, with its warnings and errors: the allocator it makes (e.g. `ShmHostTensorAllocator`,
+    whose `fd` a second process maps) allocates the pool's planes, which the core adopts. Where
+    SGLang falls back to its plain `HostTensorAllocator` (the backend's package is missing, a
+    release without that type), and for every other type, the pool gets hostkv_rs's default
+    allocator (Rust memory). Without SGLang a storage-owned type is warned about."""
     if allocator_type in _STORAGE_OWNED_ALLOCATORS:
-        logger.warning(
-            "hostkv_rs allocates HiCache host memory itself; the %r storage allocator is "
-            "not used for the %s host pool.",
-            allocator_type,
-            pool_label,
-        )
+        module = _memory.sglang_allocator_module()
+        if module is not None:
+            allocator = module.get_allocator_from_storage(allocator_type)
+            if type(allocator) is not module.HostTensorAllocator:
+                return allocator
+        else:
+            logger.warning(
+                "hostkv_rs allocates HiCache host memory itself; the %r storage allocator is "
+                "not used for the %s host pool (SGLang is not importable here).",
+                allocator_type,
+                pool_label,
+            )
     return _memory.HostTensorAllocator()
 
 
@@ -952,7 +963,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             self._device_side.release()
         self.__dict__.pop("_foreign_bindings", None)
         for region in getattr(self, "_host_regions", ()):
-            region.unregister_cuda()
+            _memory.unregister_memory(region)
         self.kv_buffer = None
 
     def _live_buffer(self):

@@ -334,14 +334,14 @@ class MHATokenToKVPoolHost(HostKVCache):
                 head_dim=self.head_dim,
                 itemsize=self.dtype.itemsize,
             )
-            nbytes, shape = spec.plane_nbytes[0], tuple(spec.shape(0))
+            shape = tuple(spec.shape(0))
         else:
-            nbytes, shape = sum(spec.plane_nbytes), (2, *spec.shape(0))
-        region = _memory.alloc_host_region(
-            nbytes, self.pin_memory, self._registration_granularity(0)
+            shape = (2, *spec.shape(0))
+        buffer, owner = _memory.alloc_pool_memory(
+            self.allocator, self.dtype, shape, self.pin_memory, self._registration_granularity(0)
         )
-        self._host_regions = [region]
-        return _memory.region_view(region, self.dtype, shape)
+        self._host_regions = [owner]
+        return buffer
 
     def _registration_granularity(self, plane: int) -> int:
         # A chunked cudaHostRegister must not split one page-first copy unit (a page of every
@@ -507,11 +507,15 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
         self._spec = spec = self._make_spec()
         buffers, regions = [], []
         for plane in (0, 1):
-            region = _memory.alloc_host_region(
-                spec.plane_nbytes[plane], self.pin_memory, self._registration_granularity(plane)
+            buffer, owner = _memory.alloc_pool_memory(
+                self.allocator,
+                self.dtype,
+                spec.shape(plane),
+                self.pin_memory,
+                self._registration_granularity(plane),
             )
-            regions.append(region)
-            buffers.append(_memory.region_view(region, self.dtype, spec.shape(plane)))
+            regions.append(owner)
+            buffers.append(buffer)
         self._host_regions = regions
         return tuple(buffers)
 

@@ -352,9 +352,11 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             if self.layout in ("page_first", "page_first_direct", "page_unified")
             else 0
         )
-        region = _memory.alloc_host_region(spec.plane_nbytes[0], self.pin_memory, granularity)
-        self._host_regions = [region]
-        return _memory.region_view(region, self.dtype, spec.shape(0))
+        buffer, owner = _memory.alloc_pool_memory(
+            self.allocator, self.dtype, spec.shape(0), self.pin_memory, granularity
+        )
+        self._host_regions = [owner]
+        return buffer
 
     def _make_spec(self):
         """The pool's geometry in the core (validates the layout with SGLang's text)."""

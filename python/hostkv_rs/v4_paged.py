@@ -132,9 +132,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         truth("pin_memory", pin_memory)
         self.pin_memory = pin_memory
         self.allocator_type = allocator_type
-        # SGLang's allocator object; the bytes themselves always come from a Rust HostRegion.
+        # The default allocator's bytes come from a Rust HostRegion; a storage allocator's (shm,
+        # Mooncake, ...) from its own allocate(), adopted by the core.
         self.allocator = get_allocator_from_storage(allocator_type, pool_name)
-        self.fd = getattr(self.allocator, "fd", None)
         self.page_size = slot_page_size
         self.size = num_host_pages * slot_page_size
         self.page_num = num_host_pages
@@ -193,10 +193,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # Page layouts must not split one page (all layers of a row) across two CUDA
         # registrations; layer_first must not split one row.
         granularity = item_bytes if layout == "layer_first" else self.layer_num * item_bytes
+        # One allocation in the core's layout, layer_first included (SGLang makes one per layer
+        # there; a core plane is one contiguous allocation).
         self._region = None
         if requested_bytes > 0:
-            self._region = _memory.alloc_host_region(requested_bytes, pin_memory, granularity)
-        self._base = self._region.address if self._region is not None else 0
+            _, self._region = _memory.alloc_pool_memory(
+                self.allocator, torch.uint8, self._spec.shape(0), pin_memory, granularity
+            )
+        self._base = _memory.memory_span(self._region)[0] if self._region is not None else 0
+        self.fd = getattr(self.allocator, "fd", None)
 
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
         self._flat = _region_view(self._region, (self._spec.plane_nbytes[0],))
@@ -410,7 +415,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         region = None
         if nbytes > 0:
             granularity = SIB if self.layout == "layer_first" else L * SIB
-            region = _memory.alloc_host_region(nbytes, self.pin_memory, granularity)
+            _, region = _memory.alloc_pool_memory(
+                self.allocator, torch.uint8, (nbytes,), self.pin_memory, granularity
+            )
 
         if self.layout == "layer_first":
             host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
@@ -636,8 +643,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._destroyed = True
         pool_host_base.run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching from a store
         for region in (self._region, self._scale_region):
-            if region is not None and region.pinned:
-                region.unregister_cuda()
+            if region is not None:
+                _memory.unregister_memory(region)
         for binding in (self._page_binding, self._ascend_binding, *(self._token_bindings or ())):
             if binding is not None:
                 binding.release()
