@@ -954,3 +954,75 @@ def test_four_threads_and_a_busy_one_share_the_driver_without_deadlock_or_lost_b
         _core.check_device_errors()
         """,
     )
+
+
+def test_adopted_memory_is_registered_by_the_core_moved_by_direct_and_freed_by_its_owner(mock_dir):
+    # A storage backend's segment (SGLang's shm or Mooncake allocator): the core registers it,
+    # the direct backend finds that registration (it refuses memory CUDA does not know), the
+    # unpin waits for queued work, and the core never frees memory it does not own; a timed-out
+    # unpin keeps the owner alive for good.
+    run_scenario(
+        mock_dir,
+        """
+        import time
+        import torch
+        layers, rows, page, item = 3, 32, 4, 64
+        nbytes = _core.PoolCore.plane_nbytes("page_first_direct", layers, rows, page, item)
+        owner = torch.zeros(nbytes, dtype=torch.uint8)
+        region = _core.HostRegion.adopt(owner)
+        assert region.hugepage_tier == "adopted" and region.nbytes == nbytes
+        assert region.address == owner.data_ptr() and not region.pinned
+        region.register_cuda(0)
+        assert region.pinned and m.mock_registrations() >= 1
+        core = _core.PoolCore("page_first_direct", layers, rows, page, [item], [region])
+        s = m.mock_stream_create(0)
+        dev = [labelled(np.random.default_rng(l).integers(0, 256, (24, item), dtype=np.uint8))
+               for l in range(layers)]
+        hi, di = np.arange(4, 12), np.arange(8, 16)
+        core.backup("direct", [d.ctypes.data for d in dev], 24, arr(hi), arr(di), "cuda", s)
+        region.unregister_cuda()  # waits for the queued backup
+        assert not region.pinned and m.mock_registrations() == 0
+        host = owner.numpy().reshape(rows // page, layers, page, item)
+        for l in range(layers):
+            assert np.array_equal(host[1:3, l].reshape(8, item), dev[l][8:16]), l
+
+        # Unpinned adopted memory is refused by the direct backend, as any unregistered memory.
+        try:
+            core.backup("direct", [d.ctypes.data for d in dev], 24, arr(hi), arr(di), "cuda", s)
+        except (RuntimeError, ValueError) as e:
+            assert "regist" in str(e), e
+        else:
+            raise AssertionError("direct copied from memory CUDA does not know")
+        del core
+
+        # Dropping the region frees nothing: the owner's bytes are still there.
+        del region
+        gc.collect()
+        assert np.array_equal(owner.numpy().reshape(rows // page, layers, page, item)[1:3, 0]
+                              .reshape(8, item), dev[0][8:16])
+
+        # An unpin that times out (work stuck behind a hung kernel) keeps the owner alive.
+        stuck_owner = torch.zeros(nbytes, dtype=torch.uint8)
+        stuck = _core.HostRegion.adopt(stuck_owner)
+        stuck.register_cuda(0)
+        hang = m.mock_stream_create(0)
+        m.mock_enqueue_hang(hang)
+        stuck_core = _core.PoolCore("page_first_direct", layers, rows, page, [item], [stuck])
+        stuck_core.backup("kernel", [d.ctypes.data for d in dev], 24, arr(hi), arr(di), "cuda", hang)
+        del stuck_core, stuck_owner
+        t0 = time.monotonic()
+        del stuck
+        gc.collect()
+        assert time.monotonic() - t0 < 5, "the drop waited twice"
+        assert m.mock_registrations() == 1
+        m.mock_unhang()
+        try:
+            _core.HostRegion.adopt(_core.HostRegion(64))
+        except TypeError as e:
+            assert "not a HostRegion" in str(e)
+        else:
+            raise AssertionError("adopted a HostRegion")
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
+        HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )

@@ -306,15 +306,15 @@ def is_storage_allocator(allocator) -> bool:
 
 
 def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, granularity: int):
-    """A pool's host memory of `shape` and `dtype`: (the tensor the pool views, its owner). The
-    default allocator gives a Rust `HostRegion` (the owner) and a view of it. A storage
-    allocator's own `allocate(dims, dtype, "cpu")` gives the tensor, which is its own owner; the
-    core adopts it as a plane and keeps its storage alive. With `pin_memory` the allocation is
-    registered with CUDA as SGLang does (its own `_cuda_host_register`: chunked without
-    splitting a copy unit of `granularity` bytes, 0: none), unless it is pinned already, so a
-    segment is never registered twice. That registration is SGLang's, not the core's: the
-    kernel backend reads such planes, the direct backend (which wants the core's own
-    registration) refuses them, and `destroy()` unregisters them through SGLang."""
+    """A pool's host memory of `shape` and `dtype`: (the tensor the pool views, the
+    `_core.HostRegion` that owns or adopts it). The default allocator gives a Rust region and a
+    view of it. A storage allocator's own `allocate(dims, dtype, "cpu")` gives the tensor, which
+    `HostRegion.adopt` wraps (keeping it alive, freeing nothing). With `pin_memory` the core
+    registers either with CUDA (chunked without splitting a copy unit of `granularity` bytes,
+    0: none), so transfers find the registration, both io backends move the bytes, and
+    `destroy()` unpins after the transfers queued on it; memory its allocator already pinned
+    is not registered a second time (the core then does not know it, and the direct backend
+    refuses it)."""
     dims = tuple(int(d) for d in shape)
     if not is_storage_allocator(allocator):
         nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
@@ -331,12 +331,15 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
         )
     if not tensor.is_contiguous():
         raise ValueError(f"{name}.allocate returned a non-contiguous tensor")
+    region = _core.HostRegion.adopt(tensor)
     if _pinnable(pin_memory, tensor.nbytes) and not tensor.is_pinned():
-        _sglang_common()._cuda_host_register(tensor, granularity or None)
-    return tensor, tensor
+        if granularity < 0:
+            raise ValueError(f"registration_granularity_bytes must be positive, got {granularity}")
+        region.register_cuda(granularity, register_chunk_limit_bytes())
+    return tensor, region
 
 
-# Where SGLang defines `get_allocator_from_storage` and its CUDA host registration helpers.
+# Where SGLang defines `get_allocator_from_storage`.
 _SGLANG_ALLOCATOR_MODULES = (
     "sglang.srt.mem_cache.pool_host.common",  # 0.5.19+
     "sglang.srt.mem_cache.memory_pool_host",  # before pool_host/ existed
@@ -355,29 +358,6 @@ def sglang_allocator_module():
         if hasattr(module, "get_allocator_from_storage"):
             return module
     return None
-
-
-def _sglang_common():
-    """SGLang's module that made a storage allocator (one exists if such an allocator does)."""
-    module = sglang_allocator_module()
-    if module is None:
-        raise RuntimeError("SGLang's host allocator module is no longer importable")
-    return module
-
-
-def memory_span(owner) -> tuple[int, int]:
-    """(address, bytes) of a pool's host memory: a `HostRegion` or an adopted tensor."""
-    if isinstance(owner, torch.Tensor):
-        return owner.data_ptr(), owner.nbytes
-    return int(owner.address), int(owner.nbytes)
-
-
-def unregister_memory(owner) -> None:
-    """Undo the CUDA registration of a pool's host memory (idempotent)."""
-    if not isinstance(owner, torch.Tensor):
-        owner.unregister_cuda()
-    elif getattr(owner, "_sglang_cuda_host_registered_ranges", None):
-        _sglang_common()._cuda_host_unregister(owner)
 
 
 class HostTensorAllocator:
@@ -405,9 +385,7 @@ def _numa_node() -> int | None:
 
 
 def region_bytes(region) -> torch.Tensor:
-    """A 1-D uint8 tensor over the whole region or adopted tensor (zero-copy; keeps it alive)."""
-    if isinstance(region, torch.Tensor):
-        return region.reshape(-1).view(torch.uint8)
+    """A 1-D uint8 tensor over the whole region (zero-copy; keeps it alive)."""
     if region.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(region, dtype=torch.uint8)

@@ -963,7 +963,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             self._device_side.release()
         self.__dict__.pop("_foreign_bindings", None)
         for region in getattr(self, "_host_regions", ()):
-            _memory.unregister_memory(region)
+            region.unregister_cuda()
         self.kv_buffer = None
 
     def _live_buffer(self):

@@ -200,7 +200,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             _, self._region = _memory.alloc_pool_memory(
                 self.allocator, torch.uint8, self._spec.shape(0), pin_memory, granularity
             )
-        self._base = _memory.memory_span(self._region)[0] if self._region is not None else 0
+        self._base = int(self._region.address) if self._region is not None else 0
         self.fd = getattr(self.allocator, "fd", None)
 
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
@@ -644,7 +644,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         pool_host_base.run_destroy_callbacks(self)  # e.g. hostkv_rs.l3 detaching from a store
         for region in (self._region, self._scale_region):
             if region is not None:
-                _memory.unregister_memory(region)
+                region.unregister_cuda()
         for binding in (self._page_binding, self._ascend_binding, *(self._token_bindings or ())):
             if binding is not None:
                 binding.release()

@@ -80,6 +80,9 @@ pub enum Tier {
     Huge2M,
     Thp,
     Base,
+    /// Memory someone else allocated (a storage backend's segment): never mapped or unmapped
+    /// here.
+    Adopted,
 }
 
 impl Tier {
@@ -89,6 +92,7 @@ impl Tier {
             Self::Huge2M => "2MB",
             Self::Thp => "thp",
             Self::Base => "base",
+            Self::Adopted => "adopted",
         }
     }
 
@@ -96,7 +100,7 @@ impl Tier {
         match self {
             Self::Huge1G => GB1,
             Self::Huge2M | Self::Thp => MB2,
-            Self::Base => BASE_PAGE,
+            Self::Base | Self::Adopted => BASE_PAGE,
         }
     }
 }
@@ -418,6 +422,36 @@ unsafe fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Res
 }
 
 impl HostRegion {
+    /// A region over memory another allocator owns (SGLang's shm, Mooncake, mori or TensorCast
+    /// segments), so it can be registered with CUDA, looked up by transfers and unregistered
+    /// with the same bounded wait as the regions mapped here. It never unmaps anything.
+    ///
+    /// # Safety
+    /// `[addr, addr + nbytes)` must stay allocated, and not be registered with CUDA by anyone
+    /// else, for as long as the region lives, and longer if its unregistration times out
+    /// ([`HostRegion::abandon_registration`] says when).
+    pub unsafe fn adopt(addr: u64, nbytes: usize) -> Self {
+        Self {
+            ptr: addr as *mut u8,
+            nbytes,
+            map_len: 0,
+            tier: Tier::Adopted,
+            thp_obtained: OnceLock::new(),
+            private: false,
+            // SAFETY: getpid has no preconditions.
+            owner_pid: unsafe { libc::getpid() },
+            numa_node: None,
+            registered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// For an adopted region whose unregistration timed out: forget its ranges (the caller keeps
+    /// the memory's owner alive for good, since the GPU may still write there), so dropping the
+    /// region does not wait a second time.
+    pub fn abandon_registration(&self) {
+        self.ranges().clear();
+    }
+
     /// Maps `nbytes` (0 allowed: no mapping, address 0) as `opts` asks.
     pub fn new(nbytes: usize, opts: RegionOptions) -> Result<Self> {
         let mut region = Self {
@@ -607,10 +641,10 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        if self.unregister_cuda().is_err() {
+        if self.unregister_cuda().is_err() || self.tier == Tier::Adopted {
             // Work queued on the region did not finish in time (logged by the CUDA path): the
             // GPU may still write here, so the pages stay pinned and mapped (leaked) rather than
-            // freed under a running DMA.
+            // freed under a running DMA. Adopted memory is its owner's to free.
             return;
         }
         // SAFETY: getpid has no preconditions.
@@ -759,6 +793,7 @@ mod tests {
         assert_eq!(r.len(), n);
         match r.tier() {
             Tier::Huge2M => assert_eq!(r.mapped_len(), 4 << 20),
+            Tier::Adopted => panic!("a mapped region"),
             Tier::Thp => {
                 assert!(anon_thp_possible());
                 assert_eq!(r.addr() % MB2 as u64, 0);

@@ -100,10 +100,10 @@ def _backup(pool, dev, gen, io_backend="kernel"):
 
 
 def _adopted(pool):
-    """Every plane is the storage allocator's tensor itself (no copy, no Rust region)."""
+    """Every plane is the storage allocator's memory itself (no copy), adopted by the core."""
     owners = pool._host_regions
-    assert all(isinstance(o, torch.Tensor) for o in owners), owners
-    assert [o.data_ptr() for o in owners] == [t.data_ptr() for t in _planes(pool)]
+    assert all(o.hugepage_tier == "adopted" for o in owners), owners
+    assert [o.address for o in owners] == [t.data_ptr() for t in _planes(pool)]
 
 
 # --------------------------------------------------------------------------- shm
@@ -172,7 +172,7 @@ def test_shm_v4_paged_pool(layout, installed, publish):
     assert H.is_ours(pool), type(pool)
     assert type(pool.allocator) is H.ph_common.ShmHostTensorAllocator
     assert pool.fd == pool.allocator.fd and len(pool.allocator.fds) == 1
-    assert isinstance(pool._region, torch.Tensor)
+    assert pool._region.hugepage_tier == "adopted"
     backend = "direct" if layout == "page_first_direct" else "kernel"
     pool.backup_from_device_all_layer(None, torch.tensor([4]), torch.tensor([2]), backend)
     mm = mmap.mmap(pool.fd, L * pages * item)
@@ -242,7 +242,7 @@ def test_mori_missing_falls_back_as_sglang_does(installed, publish, hk, caplog):
     _, pool = _built("mha", "page_first", "mori", publish)
     assert "UMBPHostTensorAllocator unavailable" in caplog.text
     assert type(pool.allocator) is hk.HostTensorAllocator and pool.fd is None
-    assert not isinstance(pool._host_regions[0], torch.Tensor)
+    assert pool._host_regions[0].hugepage_tier != "adopted"
 
 
 def _tensorcast_missing() -> str | None:
@@ -286,7 +286,7 @@ def test_tensorcast_allocator_owns_the_planes():
 def test_default_backend_keeps_rust_memory(installed, publish, hk):
     _, pool = _built("mha", "page_first", None, publish)
     assert type(pool.allocator) is hk.HostTensorAllocator and pool.fd is None
-    assert not isinstance(pool._host_regions[0], torch.Tensor)
+    assert pool._host_regions[0].hugepage_tier != "adopted"
 
 
 class _WrongDtype:

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hostkv_rs import _memory
-
 logger = logging.getLogger(__name__)
 
 # Bump when the meaning of a stored page changes (its byte order, the header or the tag grammar).
@@ -262,8 +260,7 @@ def page_format(
 
 def host_buffers(pool) -> list[tuple[int, int]]:
     """(address, bytes) of every host allocation behind `pool`'s pages, each listed once: the
-    Rust regions (or the tensors a storage allocator made) of a hostkv_rs pool, else the tensors
-    a SGLang pool reports."""
+    Rust regions of a hostkv_rs pool, else the tensors a SGLang pool reports."""
     return [(address, nbytes) for address, nbytes, _owner in _host_allocations(pool)]
 
 
@@ -276,7 +273,7 @@ def _host_allocations(pool) -> list[tuple[int, int, object]]:
         region = getattr(pool, name, None)
         if region is not None:
             regions.append(region)
-    spans = [(*_memory.memory_span(r), r) for r in regions]
+    spans = [(int(r.address), int(r.nbytes), r) for r in regions]
     if not spans:
         get_buffers = getattr(pool, "get_hybrid_pool_buffer", None)
         tensors = get_buffers() if get_buffers is not None else [getattr(pool, "kv_buffer", None)]

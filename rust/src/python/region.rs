@@ -13,6 +13,9 @@ use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
 #[pyclass(frozen, module = "hostkv_rs._core", name = "HostRegion")]
 pub struct PyHostRegion {
     pub(crate) inner: host_mem::HostRegion,
+    /// What keeps adopted memory allocated (a CPU tensor's storage); None for memory mapped
+    /// here.
+    owner: Option<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -52,7 +55,32 @@ impl PyHostRegion {
         let region = py
             .detach(|| host_mem::HostRegion::new(nbytes, opts))
             .map_err(|e| to_py(py, e))?;
-        Ok(Self { inner: region })
+        Ok(Self {
+            inner: region,
+            owner: None,
+        })
+    }
+
+    /// A region over a contiguous CPU tensor's memory (a storage backend's allocation), which
+    /// it keeps alive: registered with CUDA by `register_cuda` like any region, so transfers
+    /// find the registration and `unregister_cuda` waits for them; it frees nothing.
+    #[staticmethod]
+    fn adopt(tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if tensor.cast::<PyHostRegion>().is_ok() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "HostRegion.adopt takes a CPU tensor, not a HostRegion",
+            ));
+        }
+        let mem = super::memory::host_memory(tensor, "adopted memory")?;
+        let nbytes: u64 = tensor.getattr("nbytes")?.extract()?;
+        // SAFETY: `host_memory` checked a contiguous CPU tensor whose `nbytes` lie inside its
+        // storage (`mem.len` runs to the storage's end), and holds that storage (`mem.owner`),
+        // which this region keeps (for good if its unregistration times out, see Drop).
+        let inner = unsafe { host_mem::HostRegion::adopt(mem.addr, nbytes.min(mem.len) as usize) };
+        Ok(Self {
+            inner,
+            owner: Some(mem.owner),
+        })
     }
 
     #[getter]
@@ -165,7 +193,14 @@ impl Drop for PyHostRegion {
             // SAFETY: a pyclass is dropped by its tp_dealloc, with the GIL held.
             let py = unsafe { Python::assume_attached() };
             // An error was logged; the inner drop then leaves the memory mapped (see HostRegion).
-            let _ = py.detach(|| region.unregister_cuda());
+            if py.detach(|| region.unregister_cuda()).is_err() {
+                if let Some(owner) = self.owner.take() {
+                    // Adopted memory the GPU may still write into: its owner stays alive for
+                    // good, and the inner drop does not wait a second time.
+                    self.inner.abandon_registration();
+                    std::mem::forget(owner);
+                }
+            }
         }
     }
 }
