@@ -53,7 +53,7 @@ for name, res in [("mock_stream_create", ctypes.c_uint64), ("mock_current_ctx", 
                   ("mock_primary_ctx", ctypes.c_uint64), ("mock_violation_text", ctypes.c_char_p),
                   ("mock_pending_ops", ctypes.c_long), ("mock_registrations", ctypes.c_long),
                   ("mock_counter", ctypes.c_long), ("mock_ctx_created", ctypes.c_long),
-                  ("mock_registration_size", ctypes.c_longlong)]:
+                  ("mock_registration_size", ctypes.c_longlong), ("mock_registration_device", ctypes.c_int)]:
     getattr(m, name).restype = res
 m.mock_label.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
 m.mock_stream_capture.argtypes = [ctypes.c_uint64, ctypes.c_int]
@@ -1025,4 +1025,33 @@ def test_adopted_memory_is_registered_by_the_core_moved_by_direct_and_freed_by_i
         """,
         MOCK_PROGRESS_ON_QUERY=1,
         HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )
+
+
+def test_registration_uses_the_named_device_not_gpu_0(mock_dir):
+    # A rank pinning its pool from a thread with no current context: the pool's GPU (torch's
+    # current device, as SGLang's cudaHostRegister uses) registers it; GPU 0's context is never
+    # created. Without a device the old fallback (GPU 0) still applies.
+    run_scenario(
+        mock_dir,
+        """
+        assert m.mock_current_ctx() == 0
+        region = _core.HostRegion(1 << 16)
+        region.register_cuda(0, 1 << 30, device=1)
+        assert m.mock_registration_device(0) == 1
+        assert m.mock_ctx_created(0) == 0, "a context was created on GPU 0"
+        region.unregister_cuda()
+        assert m.mock_ctx_created(0) == 0
+        try:
+            region.register_cuda(0, 1 << 30, device=5)
+        except (RuntimeError, ValueError) as e:
+            assert "cuDeviceGet" in str(e) or "device" in str(e), e
+        else:
+            raise AssertionError("registered on a GPU that does not exist")
+        fallback = _core.HostRegion(1 << 16)
+        fallback.register_cuda()
+        assert m.mock_registration_device(0) == 0
+        fallback.unregister_cuda()
+        """,
+        MOCK_DEVICES=2,
     )

@@ -280,6 +280,15 @@ def _pinnable(pin_memory: bool, nbytes: int) -> bool:
     return False
 
 
+def registration_device() -> int | None:
+    """The GPU a pool's memory is pinned for: torch's current device, the one SGLang's
+    `cudaHostRegister` runs on (None before torch initialises CUDA: the core then uses the
+    thread's current context, else GPU 0)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
 def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: int = 0):
     """Allocate `nbytes` of pre-touched host memory in Rust, registered with CUDA when asked and
     possible. Returns the `_core.HostRegion`; it lives as long as any tensor viewing it."""
@@ -295,7 +304,9 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
             raise ValueError(
                 f"registration_granularity_bytes must be positive, got {registration_granularity}"
             )
-        region.register_cuda(registration_granularity, register_chunk_limit_bytes())
+        region.register_cuda(
+            registration_granularity, register_chunk_limit_bytes(), registration_device()
+        )
     return region
 
 
@@ -335,7 +346,7 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     if _pinnable(pin_memory, tensor.nbytes) and not tensor.is_pinned():
         if granularity < 0:
             raise ValueError(f"registration_granularity_bytes must be positive, got {granularity}")
-        region.register_cuda(granularity, register_chunk_limit_bytes())
+        region.register_cuda(granularity, register_chunk_limit_bytes(), registration_device())
     return tensor, region
 
 

@@ -578,9 +578,15 @@ impl HostRegion {
         !self.ranges().is_empty()
     }
 
-    /// Registers the region with CUDA (chunks of `granularity` multiples, at most `chunk_limit`).
-    /// A second call while registered does nothing.
-    pub fn register_cuda(&self, granularity: usize, chunk_limit: usize) -> Result<()> {
+    /// Registers the region with CUDA (chunks of `granularity` multiples, at most `chunk_limit`)
+    /// in `device`'s context (None: the thread's current one, else device 0's). A second call
+    /// while registered does nothing.
+    pub fn register_cuda(
+        &self,
+        granularity: usize,
+        chunk_limit: usize,
+        device: Option<i32>,
+    ) -> Result<()> {
         if !crate::cuda::available() {
             return Err(Error::CudaUnavailable(format!(
                 "cannot register host memory with CUDA: CUDA is not available ({})",
@@ -600,7 +606,7 @@ impl HostRegion {
         // is held and `ranges` was empty). It stays mapped until `unregister_cuda` succeeds: the
         // drop unmaps only after a successful unregistration and leaks the mapping otherwise.
         let registered = unsafe {
-            crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit)
+            crate::cuda::register_host(self.addr(), self.nbytes, granularity, chunk_limit, device)
         };
         match registered {
             Ok(registered) => *ranges = registered,
@@ -984,7 +990,7 @@ mod tests {
     fn register_without_cuda_is_a_clear_error() {
         let r = HostRegion::new(4096, RegionOptions::default()).unwrap();
         if !crate::cuda::available() {
-            let e = r.register_cuda(0, 1 << 30).unwrap_err();
+            let e = r.register_cuda(0, 1 << 30, None).unwrap_err();
             assert!(matches!(e, Error::CudaUnavailable(_)));
             assert!(!r.pinned());
         }

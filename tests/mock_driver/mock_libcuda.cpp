@@ -1371,6 +1371,14 @@ API long long mock_registration_size(int i) {
                : -1;
 }
 
+// Device whose context registration `i` was made in (in registration order), or -1.
+API int mock_registration_device(int i) {
+    LOCK;
+    return i >= 0 && static_cast<size_t>(i) < registered.size()
+               ? registered[static_cast<size_t>(i)].device
+               : -1;
+}
+
 // 0 launches, 1 cuMemcpyAsync, 2 batch (12.8 ABI), 3 batch _v2, 4 DtoH, 5 pageable (synchronous)
 // copies, 6 kernels reading indices or layer tables from host memory, 7 HtoD copies, 8 work
 // captured into a graph, 9 copies refused for spanning two registrations.

@@ -157,7 +157,8 @@ pub fn emulate(_req: &TransferRequest) -> Result<()> {
 /// Register `[ptr, ptr+len)` with cuMemHostRegister(PORTABLE|DEVICEMAP) in chunks that are whole
 /// multiples of `granularity` (0: 4 KiB) and at most `chunk_limit` bytes, halving a refused
 /// chunk down to one copy unit. Returns the registered ranges; on failure rolls back and returns
-/// an error carrying the contract's text. Blocks: call without the GIL.
+/// an error carrying the contract's text. `device`: the GPU whose context registers it (None:
+/// the thread's current context, else device 0). Blocks: call without the GIL.
 ///
 /// # Safety
 /// `[ptr, ptr+len)` is a live mapping of the caller's that stays mapped, and is not registered
@@ -169,10 +170,11 @@ pub unsafe fn register_host(
     len: usize,
     granularity: usize,
     chunk_limit: usize,
+    device: Option<i32>,
 ) -> Result<Vec<(u64, usize)>> {
     guard("cudaHostRegister", || {
         // SAFETY: this function's own contract, passed on.
-        unsafe { register::register(ptr, len, granularity, chunk_limit) }
+        unsafe { register::register(ptr, len, granularity, chunk_limit, device) }
     })
 }
 

@@ -540,7 +540,7 @@ mod tests {
         if !cuda::available() {
             assert!(cuda::check_device_errors().is_ok());
             // SAFETY: CUDA is unavailable, so nothing is registered (the address is never used).
-            let e = unsafe { cuda::register_host(4096, 4096, 0, 1 << 30) }.unwrap_err();
+            let e = unsafe { cuda::register_host(4096, 4096, 0, 1 << 30, None) }.unwrap_err();
             assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
         }
     }

@@ -210,16 +210,21 @@ pub(crate) unsafe fn register(
     len: usize,
     granularity: usize,
     chunk_limit: usize,
+    device: Option<c_int>,
 ) -> Result<Vec<(u64, usize)>> {
     let parts = chunks(len, granularity, chunk_limit)?;
     if parts.is_empty() {
         return Ok(Vec::new());
     }
     probe::ready()?;
-    // The thread's current context (torch's current device), else device 0's primary context.
-    // PORTABLE registrations belong to every context; the device is recorded so the range is
-    // unpinned with the same device current, never by creating a context on another GPU.
-    let scope = probe::bind_context(None)?;
+    // The device the caller names (the pool's GPU, as SGLang registers on torch's current
+    // device), else the thread's current context, else device 0's primary context. PORTABLE
+    // registrations belong to every context; the device is recorded so the range is unpinned
+    // with the same device current, never by creating a context on another GPU.
+    let scope = match device {
+        Some(ordinal) => probe::bind_device(ordinal)?,
+        None => probe::bind_context(None)?,
+    };
     let device: c_int = probe::current_device()?;
     let unit = unit_of(granularity, chunk_limit);
     let start = Instant::now();

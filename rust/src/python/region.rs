@@ -113,15 +113,22 @@ impl PyHostRegion {
         self.inner.registered_ranges()
     }
 
-    #[pyo3(signature = (granularity = 0, chunk_limit = 256 << 30))]
+    /// Pins the region for `device` (a CUDA ordinal: the pool's GPU; None: this thread's current
+    /// context, else GPU 0).
+    #[pyo3(signature = (granularity = 0, chunk_limit = 256 << 30, device = None))]
     fn register_cuda(
         &self,
         py: Python<'_>,
         granularity: usize,
         chunk_limit: usize,
+        device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let device = device
+            .map(|d| int_in(d, "device", 0, i32::MAX as u128, "[0, 2**31)"))
+            .transpose()?
+            .map(|d| d as i32);
         let region = &self.inner;
-        py.detach(|| region.register_cuda(granularity, chunk_limit))
+        py.detach(|| region.register_cuda(granularity, chunk_limit, device))
             .map_err(|e| to_py(py, e))
     }
 
