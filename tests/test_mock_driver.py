@@ -53,7 +53,8 @@ for name, res in [("mock_stream_create", ctypes.c_uint64), ("mock_current_ctx", 
                   ("mock_primary_ctx", ctypes.c_uint64), ("mock_violation_text", ctypes.c_char_p),
                   ("mock_pending_ops", ctypes.c_long), ("mock_registrations", ctypes.c_long),
                   ("mock_counter", ctypes.c_long), ("mock_ctx_created", ctypes.c_long),
-                  ("mock_registration_size", ctypes.c_longlong), ("mock_registration_device", ctypes.c_int)]:
+                  ("mock_registration_size", ctypes.c_longlong), ("mock_registration_device", ctypes.c_int),
+                  ("mock_capture_invalidations", ctypes.c_long)]:
     getattr(m, name).restype = res
 m.mock_label.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
 m.mock_stream_capture.argtypes = [ctypes.c_uint64, ctypes.c_int]
@@ -1054,4 +1055,28 @@ def test_registration_uses_the_named_device_not_gpu_0(mock_dir):
         fallback.unregister_cuda()
         """,
         MOCK_DEVICES=2,
+    )
+
+
+def test_a_global_capture_on_another_stream_is_never_invalidated(mock_dir):
+    # torch captures CUDA graphs in global mode: while one runs, a "potentially unsafe" call
+    # (allocation, pinning, event queries and waits) from a thread outside relaxed mode fails and
+    # invalidates the capture. Every entry point that makes such calls runs in relaxed mode, and
+    # the thread's own mode is restored after each.
+    run_scenario(
+        mock_dir,
+        """
+        cap, s = m.mock_stream_create(0), m.mock_stream_create(0)
+        m.mock_stream_capture(cap, 1)   # someone else's graph, global mode
+        pool = Pool("layer_first", [64], backup=True)           # registration: pinning
+        pool.run("kernel", np.arange(8), np.arange(8), s)       # JIT, staging, error record
+        pool.run("direct", np.arange(8), np.arange(8), s)
+        _core.check_device_errors()                             # event queries
+        pool.region.unregister_cuda()                           # waits on our events
+        assert m.mock_capture_invalidations() == 0
+        assert m.mock_thread_capture_mode() == 0, "the thread's capture mode was not restored"
+        m.mock_stream_capture(cap, 0)
+        pool.check("while another stream captured")
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
     )

@@ -25,8 +25,13 @@
 //     touches, or running queued work on memory unregistered since it was queued, is a violation;
 //   * cuMemcpyBatchAsync (12.8 ABI, with failIdx) and cuMemcpyBatchAsync_v2 (13.0 ABI) check
 //     their arguments and refuse the legacy stream, as the driver does;
-//   * stream capture (mock_stream_capture): work enqueued on a capturing stream is recorded into
-//     the graph, not run; cuCtxSynchronize during a capture is illegal; cuStreamIsCapturing of
+//   * stream capture (mock_stream_capture, a global-mode capture as torch starts them): work
+//     enqueued on a capturing stream is recorded into the graph, not run; a "potentially unsafe"
+//     call (allocation, pinning, module loading, event and stream queries and waits) made while
+//     any capture runs, by a thread whose capture mode (cuThreadExchangeStreamCaptureMode) is
+//     not RELAXED, fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture,
+//     as the driver does (a violation: it breaks another user's graph); cuCtxSynchronize during
+//     a capture is illegal; cuStreamIsCapturing of
 //     the legacy stream then answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
 //   * blocking calls (JIT, pinning, allocation, synchronisation, pageable copies) made by a
 //     thread that holds the Python GIL are violations (unless MOCK_ALLOW_GIL=1).
@@ -359,6 +364,28 @@ bool any_capture() {
         }
     }
     return false;
+}
+
+// CU_STREAM_CAPTURE_MODE_{GLOBAL, THREAD_LOCAL, RELAXED} = 0, 1, 2; per thread.
+thread_local int capture_mode = 0;
+std::map<uint64_t, bool> invalidated;  // stream handle -> its capture was invalidated
+long invalidations = 0;
+
+// A potentially unsafe call during a global-mode capture: true when it must fail (and the
+// captures are then invalidated). Called with the lock held.
+bool unsafe_in_capture(const char* what) {
+    if (capture_mode == 2 || !any_capture()) {
+        return false;
+    }
+    for (auto& [s, on] : capturing) {
+        if (on) {
+            invalidated[s] = true;
+        }
+    }
+    ++invalidations;
+    violate(std::string(what) + " while another thread captures a CUDA graph in global mode, "
+            "outside relaxed capture mode: the capture is invalidated");
+    return true;
 }
 
 // The queue a stream handle names in the current context; nullptr if the handle is foreign.
@@ -728,6 +755,9 @@ API int cuCtxSynchronize() {
 API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
     blocking("cuMemHostRegister");
     LOCK;
+    if (unsafe_in_capture("cuMemHostRegister")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     ++register_calls;
     if (register_calls == env_int("MOCK_FAIL_REGISTER_AT", 0)) {
@@ -756,6 +786,9 @@ API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
 API int cuMemHostUnregister(void* p) {
     blocking("cuMemHostUnregister");
     LOCK;
+    if (unsafe_in_capture("cuMemHostUnregister")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     uint64_t b = reinterpret_cast<uint64_t>(p);
     for (size_t i = 0; i < registered.size(); ++i) {
@@ -778,6 +811,9 @@ API int cuMemHostUnregister(void* p) {
 API int cuMemHostAlloc(void** p, size_t n, unsigned flags) {
     blocking("cuMemHostAlloc");
     LOCK;
+    if (unsafe_in_capture("cuMemHostAlloc")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     if (flags != 3) {
         violate("cuMemHostAlloc flags are not PORTABLE | DEVICEMAP");
@@ -851,6 +887,9 @@ API int cuPointerGetAttribute(void* data, int attr, uint64_t p) {
 API int cuMemAlloc_v2(uint64_t* d, size_t n) {
     blocking("cuMemAlloc");
     LOCK;
+    if (unsafe_in_capture("cuMemAlloc_v2")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     size_t rounded = (n + 255) / 256 * 256;
     void* p = std::aligned_alloc(256, rounded);
@@ -917,6 +956,9 @@ API int cuModuleLoadDataEx(Module** out, const void* image, unsigned nopts, int*
                            void** vals) {
     blocking("cuModuleLoadDataEx (JIT)");
     LOCK;
+    if (unsafe_in_capture("cuModuleLoadDataEx")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     const char* text = static_cast<const char*>(image);
     if (!ptx_ok(text) || env_int("MOCK_JIT_FAIL", 0)) {
@@ -946,6 +988,9 @@ API int cuLibraryLoadData(Library** out, const void* image, int* opts, void** va
                           unsigned nopts, void* lib_opts, void* lib_vals, unsigned nlib) {
     blocking("cuLibraryLoadData (JIT)");
     LOCK;
+    if (unsafe_in_capture("cuLibraryLoadData")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_INIT;
     (void)lib_opts;
     (void)lib_vals;
@@ -1086,6 +1131,9 @@ API int cuEventRecord(Event* e, uint64_t stream) {
 
 API int cuEventQuery(Event* e) {
     LOCK;
+    if (unsafe_in_capture("cuEventQuery")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_INIT;
     if (e->pending && env_int("MOCK_PROGRESS_ON_QUERY", 0)) {
         drain(queues[{e->device, e->stream}], e, e->seq);
@@ -1096,6 +1144,9 @@ API int cuEventQuery(Event* e) {
 API int cuEventSynchronize(Event* e) {
     blocking("cuEventSynchronize");
     LOCK;
+    if (unsafe_in_capture("cuEventSynchronize")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_INIT;
     if (e->pending) {
         drain(queues[{e->device, e->stream}], e, e->seq);
@@ -1128,6 +1179,9 @@ API int cuStreamDestroy_v2(uint64_t s) {
 API int cuStreamSynchronize(uint64_t stream) {
     blocking("cuStreamSynchronize");
     LOCK;
+    if (unsafe_in_capture("cuStreamSynchronize")) {
+        return E_CAPTURE_UNSUPPORTED;
+    }
     NEED_CTX;
     bool legacy = false;
     std::deque<Op>* q = queue_of(stream, &legacy);
@@ -1319,6 +1373,25 @@ API uint64_t mock_stream_create(int device) {
     stream_device[next] = device;
     return next;
 }
+
+API int cuThreadExchangeStreamCaptureMode(int* mode) {
+    if (!mode || *mode < 0 || *mode > 2) {
+        return E_INVALID_VALUE;
+    }
+    int previous = capture_mode;
+    capture_mode = *mode;
+    *mode = previous;
+    return OK;
+}
+
+// Captures invalidated so far by potentially unsafe calls.
+API long mock_capture_invalidations() {
+    LOCK;
+    return invalidations;
+}
+
+// This thread's capture mode (0 global, 1 thread-local, 2 relaxed).
+API int mock_thread_capture_mode() { return capture_mode; }
 
 // Starts (on != 0) or ends a CUDA graph capture on `stream`.
 API void mock_stream_capture(uint64_t stream, int on) {

@@ -115,6 +115,50 @@ pub(crate) unsafe fn symbol<F: Copy>(name: &[u8]) -> Option<F> {
     }
 }
 
+type ExchangeCaptureMode = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
+
+/// This thread in relaxed stream-capture mode until dropped (`cuThreadExchangeStreamCaptureMode`).
+///
+/// While any thread captures a CUDA graph in global mode (torch's default), "potentially
+/// unsafe" driver calls from other threads (allocating, pinning, loading modules, querying or
+/// waiting on events and streams) fail and invalidate that capture. The calls hostkv_rs makes
+/// around a transfer never touch a capturing stream (`refuse_capture` refuses one first), so
+/// they are safe to make in relaxed mode and must not break someone else's graph.
+pub(crate) struct RelaxedCapture {
+    exchange: Option<ExchangeCaptureMode>,
+    previous: c_int,
+}
+
+impl RelaxedCapture {
+    pub(crate) fn enter() -> Self {
+        // SAFETY: the driver's signature for this symbol (CUstreamCaptureMode is a C enum).
+        let exchange =
+            unsafe { symbol::<ExchangeCaptureMode>(b"cuThreadExchangeStreamCaptureMode\0") };
+        let mut mode = CAPTURE_MODE_RELAXED;
+        let exchange = exchange.filter(|f| {
+            // SAFETY: valid in/out pointer to one mode value.
+            unsafe { f(&mut mode) == 0 }
+        });
+        Self {
+            exchange,
+            previous: mode,
+        }
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(f) = self.exchange {
+            let mut mode = self.previous;
+            // SAFETY: as in `enter`; restores the mode this thread had.
+            let _ = unsafe { f(&mut mode) };
+        }
+    }
+}
+
 pub(crate) fn as_stream(stream: u64) -> sys::CUstream {
     stream as usize as sys::CUstream
 }

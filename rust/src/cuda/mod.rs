@@ -63,6 +63,7 @@ pub fn try_execute(req: &TransferRequest, stream: u64) -> Result<()> {
 fn run(req: &TransferRequest, stream: u64) -> Result<()> {
     let pr = probe::ready()?;
     guard("hostkv_rs CUDA transfer", || {
+        let _relaxed = driver::RelaxedCapture::enter();
         error_record::take()?;
         let c = plan::validate(req)?;
         if c.len == 0 || c.layer_count == 0 {
@@ -173,6 +174,7 @@ pub unsafe fn register_host(
     device: Option<i32>,
 ) -> Result<Vec<(u64, usize)>> {
     guard("cudaHostRegister", || {
+        let _relaxed = driver::RelaxedCapture::enter();
         // SAFETY: this function's own contract, passed on.
         unsafe { register::register(ptr, len, granularity, chunk_limit, device) }
     })
@@ -187,7 +189,10 @@ pub unsafe fn register_host(
 /// transfer that entered it has recorded its event and that work has finished; a transfer that
 /// comes later finds the region unregistered and is refused.
 pub fn unregister_host(ranges: &[(u64, usize)]) -> Result<()> {
-    guard("cudaHostUnregister", || register::unregister(ranges))
+    guard("cudaHostUnregister", || {
+        let _relaxed = driver::RelaxedCapture::enter();
+        register::unregister(ranges)
+    })
 }
 
 /// Report (and clear) a bad device-resident index recorded by a kernel since the last check.
@@ -195,5 +200,8 @@ pub fn check_device_errors() -> Result<()> {
     if !probe::initialised_here() {
         return Ok(());
     }
-    guard("check_device_errors", error_record::take)
+    guard("check_device_errors", || {
+        let _relaxed = driver::RelaxedCapture::enter();
+        error_record::take()
+    })
 }
