@@ -65,28 +65,36 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
 /// a tensor `set_` to other memory changes its pointer (two live storages do not share an
 /// address), a tensor resized on its storage changes its byte size, and a storage resized,
 /// freed or reallocated in place changes the storage's byte size; any of these sends the
-/// binding through the full check again. Three cheap calls per touched tensor, no allocation.
+/// binding through the full check again. Three cheap calls per touched tensor, no allocation:
+/// the two methods are bound once, here (the abi3 build has no vectorcall of a method by name,
+/// so binding one per call would allocate it every time).
 struct Snap {
     ptr: u64,
     tensor_nbytes: u64,
-    storage: Py<PyAny>,
     storage_nbytes: u64,
+    /// `tensor.data_ptr`, bound.
+    data_ptr: Py<PyAny>,
+    /// `storage.nbytes`, bound to the held storage.
+    storage_nbytes_of: Py<PyAny>,
 }
 
 impl Snap {
     fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
         let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
+        let data_ptr = tensor.getattr(intern!(py, "data_ptr"))?;
+        let storage_nbytes_of = storage.getattr(intern!(py, "nbytes"))?;
         Ok(Self {
-            ptr: tensor.call_method0(intern!(py, "data_ptr"))?.extract()?,
+            ptr: data_ptr.call0()?.extract()?,
             tensor_nbytes: tensor.getattr(intern!(py, "nbytes"))?.extract()?,
-            storage_nbytes: storage.call_method0(intern!(py, "nbytes"))?.extract()?,
-            storage: storage.unbind(),
+            storage_nbytes: storage_nbytes_of.call0()?.extract()?,
+            data_ptr: data_ptr.unbind(),
+            storage_nbytes_of: storage_nbytes_of.unbind(),
         })
     }
 
     /// Whether `tensor` is still what was checked.
     fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let ptr: u64 = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let ptr: u64 = self.data_ptr.bind(py).call0()?.extract()?;
         if ptr != self.ptr {
             return Ok(false);
         }
@@ -94,11 +102,7 @@ impl Snap {
         if nbytes != self.tensor_nbytes {
             return Ok(false);
         }
-        let storage_nbytes: u64 = self
-            .storage
-            .bind(py)
-            .call_method0(intern!(py, "nbytes"))?
-            .extract()?;
+        let storage_nbytes: u64 = self.storage_nbytes_of.bind(py).call0()?.extract()?;
         Ok(storage_nbytes == self.storage_nbytes)
     }
 }
