@@ -47,8 +47,10 @@ if [[ -z $NVCC_BIN ]]; then
 fi
 if [[ -n ${NVCC_BIN:-} && -x $NVCC_BIN ]]; then
   NVCC=$NVCC_BIN bash scripts/gen_ptx.sh --check
+  echo "== CUDA driver ABI against NVIDIA's cuda.h / cudaTypedefs.h (no GPU needed)"
+  CUDA_INCLUDE=$(cd "$(dirname "$NVCC_BIN")/../include" && pwd) bash scripts/check_cuda_abi.sh
 else
-  echo "   skipped: no nvcc (the PTX is not re-checked in this run)"
+  echo "   skipped: no nvcc (the PTX and the driver ABI are not re-checked in this run)"
 fi
 
 echo "== cargo test"

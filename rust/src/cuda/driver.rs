@@ -213,3 +213,41 @@ pub(crate) fn lock_cache<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
         Ok(m.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
+
+#[cfg(test)]
+mod abi_tests {
+    use std::mem::{offset_of, size_of};
+
+    use super::*;
+
+    /// The Rust side of tests/abi/cuda_abi.cpp (which checks the same numbers against NVIDIA's
+    /// cuda.h): what cudarc's bindings and our hand-written constants say.
+    #[test]
+    fn abi_constants_match_the_c_probe() {
+        type Attrs = sys::CUmemcpyAttributes;
+        assert_eq!(size_of::<Attrs>(), 24);
+        assert_eq!(offset_of!(Attrs, srcAccessOrder), 0);
+        assert_eq!(offset_of!(Attrs, srcLocHint), 4);
+        assert_eq!(offset_of!(Attrs, dstLocHint), 12);
+        assert_eq!(offset_of!(Attrs, flags), 20);
+        use sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM as ORDER_STREAM;
+        assert_eq!(ORDER_STREAM as i32, 1);
+        assert_eq!(
+            sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as i32,
+            1
+        );
+        assert_eq!(
+            sys::CUpointer_attribute_enum::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as i32,
+            9
+        );
+        assert_eq!(sys::CUstream_flags::CU_STREAM_NON_BLOCKING as i32, 1);
+        assert_eq!(sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as i32, 2);
+        assert_eq!(CAPTURE_MODE_RELAXED, 2);
+        assert_eq!(
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as i32,
+            CAPTURE_MODE_RELAXED
+        );
+        assert_eq!(size_of::<sys::CUdeviceptr>(), 8);
+        assert_eq!(size_of::<sys::CUkernel>(), size_of::<sys::CUfunction>());
+    }
+}
