@@ -1080,3 +1080,48 @@ def test_a_global_capture_on_another_stream_is_never_invalidated(mock_dir):
         """,
         MOCK_PROGRESS_ON_QUERY=1,
     )
+
+
+def test_an_unpin_the_driver_makes_wait_for_someone_elses_kernel_is_bounded(mock_dir):
+    # Some drivers make cuMemHostUnregister wait for all work on the device, not only work that
+    # touches the range: an NCCL kernel spinning on a dead peer would then hang destroy(). The
+    # call runs on a helper thread under the same bounded wait: destroy() returns an error after
+    # the timeout, the memory stays pinned and mapped, and the helper finishes the unpin when the
+    # driver returns.
+    run_scenario(
+        mock_dir,
+        """
+        import time
+        s, nccl = m.mock_stream_create(0), m.mock_stream_create(0)
+        pool = Pool("page_first", [64], backup=True)
+        pool.run("kernel", np.arange(5), np.arange(5), s)
+        m.mock_enqueue_hang(nccl)       # nothing to do with this pool
+        t0 = time.monotonic()
+        try:
+            pool.region.unregister_cuda()
+        except RuntimeError as e:
+            assert "cuMemHostUnregister has not returned" in str(e), e
+            assert "stays pinned and mapped" in str(e), e
+        else:
+            raise AssertionError("an unpin the driver blocks returned success")
+        assert time.monotonic() - t0 < 5, "the unpin was not bounded"
+        assert pool.region.pinned
+        # A second try while the helper is still blocked in the driver: bounded too, no second
+        # cuMemHostUnregister of the same range.
+        try:
+            pool.region.unregister_cuda()
+        except RuntimeError:
+            pass
+        m.mock_unhang()                 # the peer came back: the driver returns
+        deadline = time.monotonic() + 5
+        while m.mock_registrations() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.mock_registrations() == 0, "the helper did not finish the unpin"
+        pool.region.unregister_cuda()   # now a no-op that clears the region's record
+        assert not pool.region.pinned
+        pool.check("the backup landed before the late unpin")
+        """,
+        MOCK_PROGRESS_ON_QUERY=1,
+        MOCK_UNREGISTER_WAITS_ALL=1,
+        HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )

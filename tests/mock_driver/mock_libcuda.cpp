@@ -37,6 +37,7 @@
 //     thread that holds the Python GIL are violations (unless MOCK_ALLOW_GIL=1).
 // Knobs (environment): MOCK_CUDA_VERSION (default 13000), MOCK_DEVICES (1), MOCK_INIT_RC (0),
 // MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_MAX_BYTES,
+// MOCK_UNREGISTER_WAITS_ALL (cuMemHostUnregister waits for all work, hung kernels included),
 // MOCK_BATCH_UNSUPPORTED, MOCK_JIT_FAIL, MOCK_PROGRESS_ON_QUERY, MOCK_ENQUEUE_DELAY_US (sleep
 // before each launch/copy is queued: widens race windows), MOCK_ALLOW_GIL. The test reads
 // counters through the mock_* functions (ctypes).
@@ -783,8 +784,36 @@ API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
     return OK;
 }
 
+bool any_hung() {
+    for (auto& [key, q] : queues) {
+        for (const Op& op : q) {
+            if (op.kind == 3) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 API int cuMemHostUnregister(void* p) {
     blocking("cuMemHostUnregister");
+    if (env_int("MOCK_UNREGISTER_WAITS_ALL", 0)) {
+        // Drivers may wait for all work on the device before unpinning, whoever queued it: this
+        // call then blocks for as long as a hung kernel anywhere does (the lock is not held, so
+        // mock_unhang can end it).
+        for (;;) {
+            {
+                LOCK;
+                if (!any_hung()) {
+                    for (auto& [key, q] : queues) {
+                        drain(q);
+                    }
+                    break;
+                }
+            }
+            usleep(1000);
+        }
+    }
     LOCK;
     if (unsafe_in_capture("cuMemHostUnregister")) {
         return E_CAPTURE_UNSUPPORTED;

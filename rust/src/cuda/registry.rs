@@ -53,6 +53,10 @@ struct State {
     events: HashMap<(u64, u64), Event>,
     /// Work was queued but no event could be recorded behind it.
     untracked: Vec<c_int>,
+    /// The unpinning thread's outcome, for the caller waiting on it.
+    unpinned: Option<Result<()>>,
+    /// The caller stopped waiting for the unpinning thread: it finishes the removal itself.
+    abandoned: bool,
 }
 
 struct Region {
@@ -332,9 +336,14 @@ pub(crate) fn remove(base: u64) -> Result<()> {
     }
     st.removing = true;
     st.closing = true;
+    st.abandoned = false;
     drop(st);
     let outcome = remove_locked(&r, base, limit, deadline);
     let mut st = r.lock();
+    if st.abandoned {
+        // The unpinning thread owns the rest of the removal (it may have finished it already).
+        return outcome;
+    }
     st.removing = false;
     match &outcome {
         Ok(()) => st.removed = true,
@@ -389,7 +398,48 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
         ));
         probe::synchronize_device(device)?;
     }
-    // Nothing queued touches the region any more, and nothing new can be (closing).
+    // Nothing queued touches the region any more, and nothing new can be (closing). Some drivers
+    // make cuMemHostUnregister wait for all work of the device, ours or not (an NCCL kernel
+    // spinning on a dead peer): it runs on a helper thread, and the wait for it is bounded like
+    // the rest. If it does not return in time the region stays pinned and mapped; the helper
+    // finishes the removal when the driver lets it.
+    r.lock().unpinned = None;
+    let region = regions().get(&base).cloned();
+    let Some(region) = region else {
+        return Ok(());
+    };
+    let spawned = std::thread::Builder::new()
+        .name("hostkv-unpin".into())
+        .spawn(move || unpin_chunks(&region, base));
+    if let Err(e) = spawned {
+        return Err(Error::Cuda(format!(
+            "could not start the thread that unpins host memory at {base:#x}: {e}; it stays \
+             pinned"
+        )));
+    }
+    // The driver has had none of the budget the events used; give it at least a moment.
+    let deadline = deadline.max(Instant::now() + Duration::from_millis(100));
+    let mut st = r.lock();
+    while st.unpinned.is_none() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            st.abandoned = true;
+            drop(st);
+            return Err(give_up(
+                "cuMemHostUnregister has not returned (the driver waits for other work on the \
+                 device); it will finish on a helper thread"
+                    .into(),
+            ));
+        }
+        st = r.wait(st, left);
+    }
+    st.unpinned.take().unwrap_or(Ok(()))
+}
+
+/// The helper thread of `remove_locked`: unpins every chunk, destroys the region's events, and
+/// hands the outcome to the waiting caller, or, when that caller gave up, finishes the removal.
+fn unpin_chunks(r: &Region, base: u64) {
+    let _relaxed = super::driver::RelaxedCapture::enter();
     let mut first_err = None;
     for c in r.chunks.iter().rev() {
         if let Err(e) = unregister_chunk(c) {
@@ -401,8 +451,32 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
         // SAFETY: completed events nobody records or waits on any more.
         unsafe { sys::cuEventDestroy_v2(ev.event as sys::CUevent) };
     }
+    let outcome = first_err.map_or(Ok(()), Err);
+    if !st.abandoned {
+        st.unpinned = Some(outcome);
+        r.idle.notify_all();
+        return;
+    }
+    // Nobody waits: this is the end of `remove`.
+    st.removing = false;
+    match outcome {
+        Ok(()) => {
+            st.removed = true;
+            log(&format!(
+                "pinned host memory at {base:#x} was unregistered late, on the helper thread"
+            ));
+        }
+        Err(e) => {
+            st.closing = false;
+            log(&format!("late unregistration of {base:#x} failed: {e}"));
+        }
+    }
+    let removed = st.removed;
+    r.idle.notify_all();
     drop(st);
-    first_err.map_or(Ok(()), Err)
+    if removed {
+        regions().remove(&base);
+    }
 }
 
 /// Splits one copy so that no piece spans a registration seam (`seams`: sorted chunk boundaries
