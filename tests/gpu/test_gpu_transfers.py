@@ -502,3 +502,32 @@ def test_smoke_v4_c4_token_rows_on_the_gpu(backend, where):
                     host[hs[0], hs[1] : hs[1] + n], device[ds[0], ds[1] : ds[1] + n]
                 ), (layer, th, td, n)
     _core.check_device_errors()
+
+
+def test_gpu_indices_freed_on_another_stream_are_not_reused_before_the_kernel_reads_them():
+    """The kernel reads device-resident indices in place, after the call returns: the binding
+    records the transfer's stream on them (`record_stream`), so freeing them on the stream they
+    were made on cannot hand their memory to a new tensor before the queued kernel has read
+    them."""
+    pool, dp = make_mha("page_first", 16, torch.bfloat16)
+    fill_random_cuda(dp, 21)
+    fill_random_host(pool, 22)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        host_tok = torch.arange(16, 32, device="cuda")
+        dev_tok = torch.arange(32, 48, device="cuda")
+    side.synchronize()
+    before, host_before = snap_dev(dp), snap_host(pool)
+    torch.cuda._sleep(200_000_000)  # the kernel queues behind this on the current stream
+    pool.backup_from_device_all_layer(dp, host_tok, dev_tok, "kernel")
+    with torch.cuda.stream(side):
+        del host_tok, dev_tok
+        # Without the recorded stream this allocation would take the freed index memory and
+        # overwrite it before the kernel runs.
+        junk = torch.full((64,), 10**6, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    _core.check_device_errors()  # no bad index was read
+    want = expect_backup(pool, host_before, before, list(range(16, 32)), list(range(32, 48)))
+    for p, (g, w) in enumerate(zip(snap_host(pool), want)):
+        assert_same(g, w, f"host plane {p}")
+    del junk

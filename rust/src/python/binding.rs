@@ -118,6 +118,13 @@ struct CheckedDevice {
     cuda: Option<Py<PyAny>>,
 }
 
+/// Where a transfer runs: the engine, and for CUDA the raw stream and torch's object for it.
+struct Queue {
+    engine: &'static dyn CopyEngine,
+    stream: u64,
+    torch_stream: Option<Py<PyAny>>,
+}
+
 /// `(dtype, (heads, head_dim) or None)` as Python passes it.
 type LikeArg = (Py<PyAny>, Option<(i64, i64)>);
 
@@ -368,21 +375,23 @@ impl PyDeviceBinding {
 
     /// The engine for the checked device and, for CUDA, the stream to queue on (torch's current
     /// stream of that device, read per call as SGLang does).
-    fn engine(
-        &self,
-        py: Python<'_>,
-        cuda: &Option<Py<PyAny>>,
-    ) -> PyResult<(&'static dyn CopyEngine, u64)> {
+    fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Queue> {
         match cuda {
             Some(device) => {
-                let stream: u64 = py
+                let torch_stream = py
                     .import("torch.cuda")?
-                    .call_method1("current_stream", (device.bind(py),))?
-                    .getattr("cuda_stream")?
-                    .extract()?;
-                Ok((engine::for_cuda(), stream))
+                    .call_method1("current_stream", (device.bind(py),))?;
+                Ok(Queue {
+                    engine: engine::for_cuda(),
+                    stream: torch_stream.getattr("cuda_stream")?.extract()?,
+                    torch_stream: Some(torch_stream.unbind()),
+                })
             }
-            None => Ok((self.cpu_engine.clone().map_err(PyValueError::new_err)?, 0)),
+            None => Ok(Queue {
+                engine: self.cpu_engine.clone().map_err(PyValueError::new_err)?,
+                stream: 0,
+                torch_stream: None,
+            }),
         }
     }
 
@@ -423,21 +432,41 @@ impl PyDeviceBinding {
         rows: usize,
         host: &Bound<'_, PyAny>,
         device: &Bound<'_, PyAny>,
-        (engine, stream): (&'static dyn CopyEngine, u64),
+        queue: &Queue,
     ) -> PyResult<()> {
+        let (engine, stream) = (queue.engine, queue.stream);
         // CPU device pools and the direct backend read indices on the host; a CUDA kernel reads
         // device-resident ones where they are (and bounds-checks them itself).
         let host_side = !(engine.memory() == DeviceMemory::Cuda && backend == Backend::Kernel);
         let (mut h, _h_keep) = index_array(py, host, host_side)?;
         let (mut d, _d_keep) = index_array(py, device, host_side)?;
         (h.map, d.map) = (self.index_map, self.index_map);
+        let (h_on_device, d_on_device) = (h.on_device, d.on_device);
         // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
         // binding holds (so they stay alive for the call) and checked to be contiguous, on
         // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
         // the index arrays come from live contiguous int32/int64 tensors held in this frame
         // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
         // current stream, in whose order torch's caching allocator reuses freed memory.
-        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }
+        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }?;
+        // A kernel reads device-resident indices in place, after this call returns: tell torch's
+        // caching allocator, so a caller freeing them on another stream cannot have their
+        // memory reused before the kernel has read them.
+        if let Some(torch_stream) = &queue.torch_stream {
+            for (on_device, value, keep) in [
+                (h_on_device, host, &_h_keep),
+                (d_on_device, device, &_d_keep),
+            ] {
+                if on_device {
+                    let tensor = keep.as_ref().unwrap_or(value);
+                    tensor.call_method1(
+                        pyo3::intern!(py, "record_stream"),
+                        (torch_stream.bind(py),),
+                    )?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -647,7 +676,7 @@ impl PyDeviceBinding {
             rows,
             host_indices,
             device_indices,
-            engine,
+            &engine,
         )?;
         Ok(true)
     }
@@ -681,7 +710,7 @@ impl PyDeviceBinding {
                 rows,
                 host_indices,
                 device_indices,
-                engine,
+                &engine,
             );
         }
         let n = positions.len();
@@ -696,7 +725,7 @@ impl PyDeviceBinding {
                 rows,
                 host_indices,
                 device_indices,
-                engine,
+                &engine,
             )?;
         }
         Ok(())
