@@ -39,6 +39,8 @@ def mock_dir(tmp_path_factory):
     ]  # fmt: skip
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    # The name the dynamic loader and torch load the driver by resolves to the same file.
+    os.symlink("libcuda.so", out / "libcuda.so.1")
     return str(out)
 
 
@@ -1124,4 +1126,26 @@ def test_an_unpin_the_driver_makes_wait_for_someone_elses_kernel_is_bounded(mock
         MOCK_PROGRESS_ON_QUERY=1,
         MOCK_UNREGISTER_WAITS_ALL=1,
         HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )
+
+
+def test_a_libcuda_so_that_is_not_the_system_driver_is_refused_before_anything_loads_it(
+    mock_dir, tmp_path
+):
+    # cudarc tries libcuda.so before libcuda.so.1; where the first is a different file (a toolkit
+    # stub, a compat copy) the process would run two drivers once torch loads libcuda.so.1. It is
+    # refused at the probe, before torch has loaded anything.
+    shadowed = tmp_path / "shadowed"
+    shadowed.mkdir()
+    shutil.copy(os.path.join(mock_dir, "libcuda.so"), shadowed / "libcuda.so")
+    shutil.copy(os.path.join(mock_dir, "libcuda.so"), shadowed / "libcuda.so.1")
+    run_scenario(
+        str(shadowed),
+        """
+        assert not _core.cuda_available()
+        info = _core.runtime_info()
+        assert "libcuda.so.1, the driver the CUDA runtime and torch load" in info, info
+        assert str(os.path.join(os.environ["LD_LIBRARY_PATH"], "libcuda.so.1")) in info, info
+        """,
+        EXPECT_UNAVAILABLE=1,
     )

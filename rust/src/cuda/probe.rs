@@ -153,6 +153,48 @@ fn loaded_driver_path() -> Option<String> {
     }
 }
 
+/// The file `libcuda.so.1` resolves to: the name the dynamic loader, the CUDA runtime and torch
+/// load the driver by. Looked up before cudarc loads its library (cudarc tries `libcuda.so`
+/// first, which on some machines is a toolkit stub or a compat copy, not the driver), and
+/// unloaded again unless something else holds it.
+fn system_driver_path() -> Option<String> {
+    // SAFETY: dlopen/dlsym/dladdr/dlclose with NUL-terminated names; Dl_info is plain data and
+    // only read when dladdr succeeded; the handle is closed once, after its last use.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return None;
+        }
+        let sym = libc::dlsym(h, c"cuInit".as_ptr());
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let path =
+            (!sym.is_null() && libc::dladdr(sym, &mut info) != 0 && !info.dli_fname.is_null())
+                .then(|| {
+                    CStr::from_ptr(info.dli_fname)
+                        .to_string_lossy()
+                        .into_owned()
+                });
+        libc::dlclose(h);
+        path
+    }
+}
+
+/// The library cudarc loaded must be the file `libcuda.so.1` names, when that exists.
+fn check_system_driver(system: Option<&str>, ours: &str) -> Option<String> {
+    let system = system?;
+    if file_id(system)? == file_id(ours)? {
+        return None;
+    }
+    Some(format!(
+        "hostkv_rs's CUDA binding loaded {ours} (it tries libcuda.so first), but libcuda.so.1, \
+         the driver the CUDA runtime and torch load, is {system}: a different file. Two driver \
+         libraries in one process would make each one's contexts and pointers invalid in the \
+         other, so hostkv_rs refuses to use CUDA. Usually a toolkit stub libcuda.so or a \
+         cuda-compat directory on LD_LIBRARY_PATH shadows the real driver: remove it, or put the \
+         driver's directory first"
+    ))
+}
+
 /// One driver per process: the library cudarc loaded must be the one already mapped (torch's, or
 /// any other user's), else contexts, streams and pointers of one are meaningless to the other.
 /// `before` is what was mapped before cudarc loaded its library.
@@ -183,6 +225,7 @@ fn run_probe(pid: u32) -> Probe {
         problem: None,
     };
     let before = mapped_drivers();
+    let system = system_driver_path();
     // SAFETY: a pure dlopen probe (cudarc >= 0.19.5); it never panics.
     p.lib_present = unsafe { sys::is_culib_present() };
     if !p.lib_present {
@@ -198,7 +241,10 @@ fn run_probe(pid: u32) -> Probe {
     p.lib_path = ours
         .clone()
         .or_else(|| mapped_drivers().first().map(|(path, _)| path.clone()));
-    if let Some(why) = ours.as_deref().and_then(|o| check_one_driver(&before, o)) {
+    let why = ours.as_deref().and_then(|o| {
+        check_system_driver(system.as_deref(), o).or_else(|| check_one_driver(&before, o))
+    });
+    if let Some(why) = why {
         p.problem = Some(why);
         return p;
     }
