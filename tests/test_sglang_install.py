@@ -101,6 +101,10 @@ EXTRA = {
 
 @pytest.fixture
 def fake_sglang(tmp_path, monkeypatch):
+    # An earlier test may have looked SGLang up (a storage allocator type asks for its module):
+    # whatever that left in sys.modules must not shadow the fake package.
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
     files = {"sglang/__init__.py": "", "sglang/srt/__init__.py": ""}
     files.update({f"sglang/srt/mem_cache/pool_host/{k}": v for k, v in POOL_HOST.items()})
     files.update({f"sglang/srt/mem_cache/{k}": v for k, v in MEM_CACHE.items()})
