@@ -473,6 +473,26 @@ def test_driver_refusals_are_exceptions_not_crashes(mock_dir):
     )
 
 
+def test_a_jit_failure_under_lazy_loading_still_reports_its_log(mock_dir):
+    # With lazy module loading the library loads and the JIT runs at cuKernelGetFunction, which
+    # takes no log buffers: the error then carries the log of an eager compile of the same PTX.
+    run_scenario(
+        mock_dir,
+        """
+        pool = Pool("page_first", [16])
+        try:
+            pool.run("kernel", np.arange(4), np.arange(4), m.mock_stream_create(0))
+        except RuntimeError as e:
+            text = str(e)
+            assert "cuKernelGetFunction (hkv_check_indices)" in text, text
+            assert "mock ptxas: rejected the module" in text, text
+        else:
+            raise AssertionError("a lazy JIT failure was not reported")
+        """,
+        MOCK_LAZY_JIT_FAIL=1,
+    )
+
+
 def test_forked_child_does_not_touch_cuda(mock_dir):
     run_scenario(
         mock_dir,

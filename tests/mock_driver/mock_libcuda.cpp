@@ -38,7 +38,8 @@
 // Knobs (environment): MOCK_CUDA_VERSION (default 13000), MOCK_DEVICES (1), MOCK_INIT_RC (0),
 // MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_MAX_BYTES,
 // MOCK_UNREGISTER_WAITS_ALL (cuMemHostUnregister waits for all work, hung kernels included),
-// MOCK_BATCH_UNSUPPORTED, MOCK_JIT_FAIL, MOCK_PROGRESS_ON_QUERY, MOCK_ENQUEUE_DELAY_US (sleep
+// MOCK_BATCH_UNSUPPORTED, MOCK_JIT_FAIL, MOCK_LAZY_JIT_FAIL (the library loads, the JIT fails in
+// cuKernelGetFunction without a log; an eager cuModuleLoadDataEx fails with one), MOCK_PROGRESS_ON_QUERY, MOCK_ENQUEUE_DELAY_US (sleep
 // before each launch/copy is queued: widens race windows), MOCK_ALLOW_GIL. The test reads
 // counters through the mock_* functions (ctypes).
 //
@@ -990,12 +991,19 @@ API int cuModuleLoadDataEx(Module** out, const void* image, unsigned nopts, int*
     }
     NEED_CTX;
     const char* text = static_cast<const char*>(image);
-    if (!ptx_ok(text) || env_int("MOCK_JIT_FAIL", 0)) {
+    if (!ptx_ok(text) || env_int("MOCK_JIT_FAIL", 0) || env_int("MOCK_LAZY_JIT_FAIL", 0)) {
         jit_log(nopts, opts, vals);
         return E_INVALID_PTX;
     }
     last_library = new Library{{maxntid(text, "hkv_check_indices"), maxntid(text, "hkv_transfer")}};
     *out = new Module{current(), current()->gen};
+    return OK;
+}
+
+API int cuModuleUnload(Module* m) {
+    LOCK;
+    NEED_INIT;
+    delete m;
     return OK;
 }
 
@@ -1059,6 +1067,10 @@ API int cuKernelGetFunction(Func** out, Kernel* k) {
     Ctx* c = current();
     if (!warm[{c, c->gen}]) {
         blocking("cuKernelGetFunction (loading into a context)");
+        if (env_int("MOCK_LAZY_JIT_FAIL", 0)) {
+            // Lazy loading: the JIT runs here, and its log has nowhere to go.
+            return E_INVALID_PTX;
+        }
         warm[{c, c->gen}] = true;
     }
     *out = new Func{kFuncMagic, c, c->gen, k->kernel};

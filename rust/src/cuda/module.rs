@@ -60,12 +60,20 @@ pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernel
         may_block()?;
         for (k, name) in [(h.check, "hkv_check_indices"), (h.transfer, "hkv_transfer")] {
             let mut f: sys::CUfunction = std::ptr::null_mut();
-            check(
-                // SAFETY: `k` is a kernel handle of the library loaded once for the process
-                // (never unloaded); `f` is a valid out-pointer; a context is current.
-                unsafe { sys::cuKernelGetFunction(&mut f, k as sys::CUkernel) },
-                &format!("cuKernelGetFunction ({name})"),
-            )?;
+            // SAFETY: `k` is a kernel handle of the library loaded once for the process (never
+            // unloaded); `f` is a valid out-pointer; a context is current.
+            let rc = unsafe { sys::cuKernelGetFunction(&mut f, k as sys::CUkernel) };
+            if rc != sys::cudaError_enum::CUDA_SUCCESS {
+                // With lazy loading the JIT runs here, and the driver keeps no log of it: compile
+                // the same PTX eagerly into this context to get the log for the message.
+                return Err(Error::Cuda(format!(
+                    "loading the hostkv_rs kernels into this context failed at \
+                     cuKernelGetFunction ({name}): {}; driver version {driver_version}; JIT log \
+                     (from an eager compile of the same PTX): {}",
+                    describe(code(rc)),
+                    eager_jit_log()
+                )));
+            }
         }
         guard.warm.push(key);
     }
@@ -75,6 +83,81 @@ pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernel
     })
 }
 
+/// The JIT's error log for the embedded PTX, from an eager `cuModuleLoadDataEx` in the current
+/// context (unloaded again), or what stood in the way of getting one.
+fn eager_jit_log() -> String {
+    let mut log = JitLog::new();
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    let (mut opts, mut vals) = log.options();
+    // SAFETY: NUL-terminated PTX image; option arrays of equal length that outlive the call.
+    let rc = unsafe {
+        sys::cuModuleLoadDataEx(
+            &mut module,
+            ptx::PTX.as_ptr().cast(),
+            opts.len() as c_uint,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr(),
+        )
+    };
+    if rc == sys::cudaError_enum::CUDA_SUCCESS {
+        // SAFETY: the module just loaded, used for nothing else.
+        let _ = unsafe { sys::cuModuleUnload(module) };
+        return "none: an eager compile succeeded (the failure is the context's, not the PTX's)"
+            .into();
+    }
+    let text = log.error();
+    if text.is_empty() {
+        format!("empty ({} from the eager compile)", describe(code(rc)))
+    } else {
+        text
+    }
+}
+
+/// JIT log buffers and the `cuLibraryLoadData` / `cuModuleLoadDataEx` options that fill them.
+struct JitLog {
+    err: Vec<u8>,
+    info: Vec<u8>,
+}
+
+impl JitLog {
+    const LEN: usize = 8192;
+
+    fn new() -> Self {
+        Self {
+            err: vec![0; Self::LEN],
+            info: vec![0; Self::LEN],
+        }
+    }
+
+    /// Option values are passed as pointer-sized words: sizes by value, buffers by address.
+    fn options(&mut self) -> ([sys::CUjit_option; 4], [*mut c_void; 4]) {
+        use sys::CUjit_option_enum as O;
+        (
+            [
+                O::CU_JIT_ERROR_LOG_BUFFER,
+                O::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+                O::CU_JIT_INFO_LOG_BUFFER,
+                O::CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+            ],
+            [
+                self.err.as_mut_ptr().cast(),
+                Self::LEN as *mut c_void,
+                self.info.as_mut_ptr().cast(),
+                Self::LEN as *mut c_void,
+            ],
+        )
+    }
+
+    fn error(&self) -> String {
+        let end = self
+            .err
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(self.err.len());
+        String::from_utf8_lossy(&self.err[..end]).trim().to_string()
+    }
+}
+
 fn load(driver_version: i32) -> Result<Handles> {
     if driver_version < 12000 {
         return Err(Error::CudaUnavailable(format!(
@@ -82,23 +165,8 @@ fn load(driver_version: i32) -> Result<Handles> {
              cuLibraryLoadData); this driver is {driver_version}"
         )));
     }
-    const LOG: usize = 8192;
-    let mut err_log = vec![0u8; LOG];
-    let mut info_log = vec![0u8; LOG];
-    use sys::CUjit_option_enum as O;
-    let mut opts = [
-        O::CU_JIT_ERROR_LOG_BUFFER,
-        O::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-        O::CU_JIT_INFO_LOG_BUFFER,
-        O::CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
-    ];
-    // Option values are passed as pointer-sized words: sizes by value, buffers by address.
-    let mut vals: [*mut c_void; 4] = [
-        err_log.as_mut_ptr().cast(),
-        LOG as *mut c_void,
-        info_log.as_mut_ptr().cast(),
-        LOG as *mut c_void,
-    ];
+    let mut log = JitLog::new();
+    let (mut opts, mut vals) = log.options();
     let mut lib: sys::CUlibrary = std::ptr::null_mut();
     // SAFETY: NUL-terminated PTX image; option arrays of equal length that outlive the call; no
     // library options.
@@ -115,16 +183,12 @@ fn load(driver_version: i32) -> Result<Handles> {
         )
     };
     if rc != sys::cudaError_enum::CUDA_SUCCESS {
-        let text = |buf: &[u8]| {
-            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-            String::from_utf8_lossy(&buf[..end]).trim().to_string()
-        };
         return Err(Error::Cuda(format!(
             "loading the hostkv_rs kernels (PTX ISA 8.0, sm_80) failed: {}; driver version {}; \
              JIT log: {}",
             describe(code(rc)),
             driver_version,
-            text(&err_log)
+            log.error()
         )));
     }
     let get = |name: &[u8]| -> Result<usize> {
