@@ -19,7 +19,7 @@ from functools import wraps
 
 import torch
 
-from hostkv_rs import _core, _device_side, _handover, _memory, _slots, _sources
+from hostkv_rs import _core, _handover, _memory, _sources
 from hostkv_rs._args import (
     as_int,
     finite_number,
@@ -41,11 +41,6 @@ from hostkv_rs._slots import SlotFreeList, slot_table_bytes, slots_in_pool
 logger = logging.getLogger(__name__)
 
 HICACHE_HOST_MEMORY_RESERVE_BYTES = _memory.HICACHE_HOST_MEMORY_RESERVE_BYTES
-
-# Helpers that lived here before base.py was split stay importable from it.
-ptr_table = _device_side.ptr_table
-index_list = _slots.index_list
-slot_list_text = _slots.slot_list_text
 
 # Storage backends whose own allocator owns the host memory in SGLang. With SGLang installed the
 # release's `get_allocator_from_storage` makes it and the pool adopts its memory; without SGLang
