@@ -563,10 +563,27 @@ def test_a_huge_page_index_is_an_index_error_naming_it(kind, index):
     else:
         host, _ = MAKERS[kind]("page_first", 4)
     text = f"page index {index} is out of range: the host pool has {host.size} slots"
-    with pytest.raises(PageIndexError, match=re.escape(text)):
+    with pytest.raises(PageIndexError, match=re.escape(text)) as exc:
         host.get_data_page(index)
+    assert exc.value.kind == "page_out_of_range"
     with pytest.raises(IndexError, match=re.escape(text)):
         host.set_from_flat_data_page(index=index, data_page=host.get_dummy_flat_data_page())
+
+
+def test_every_transfer_error_has_a_kind_even_raised_without_fields():
+    from hostkv_rs import LayerIndexError, PageIndexError, TransferError, _core
+
+    assert TransferError("x").kind == "other"
+    assert LayerIndexError("x").kind == "layer_out_of_range"
+    assert PageIndexError("x").kind == "page_out_of_range"
+    from hostkv_rs import DeepSeekV4PagedHostPool
+
+    dev = [torch.zeros(8, 16, dtype=torch.uint8)]
+    host = DeepSeekV4PagedHostPool("c4", dev, 16, 4, 2, pin_memory=False)
+    with pytest.raises(LayerIndexError) as exc:  # raised by the pool's Python, not the core
+        host.load_to_device_per_layer(None, torch.arange(4), torch.arange(4), 99, "direct")
+    assert exc.value.kind == "layer_out_of_range"
+    assert issubclass(_core.PageIndexError, TransferError)
 
 
 @pytest.mark.parametrize(

@@ -21,13 +21,17 @@ static TRANSFER_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static LAYER_INDEX_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static PAGE_INDEX_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
+/// A new exception class; `kind` is its class-level `.kind`, what an instance raised without
+/// structured fields (by Python code, or with a message alone) reports.
 fn new_type<'py>(
     py: Python<'py>,
     name: &str,
     doc: &str,
+    kind: &str,
     bases: Vec<Bound<'py, PyType>>,
 ) -> PyResult<Py<PyType>> {
     let ns = PyDict::new(py);
+    ns.set_item("kind", kind)?;
     ns.set_item("__module__", "hostkv_rs._core")?;
     ns.set_item("__doc__", doc)?;
     let bases = PyTuple::new(py, bases)?;
@@ -44,6 +48,7 @@ pub(crate) fn transfer_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>
             py,
             "TransferError",
             "Bad transfer arguments (indices, lengths, layer ids); nothing was written.",
+            "other",
             vec![
                 py.get_type::<PyValueError>(),
                 py.get_type::<PyRuntimeError>(),
@@ -60,6 +65,7 @@ pub(crate) fn layer_index_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyTy
             py,
             "LayerIndexError",
             "A layer id outside the pools; nothing was copied.",
+            "layer_out_of_range",
             vec![base, py.get_type::<PyIndexError>()],
         )
     })?;
@@ -73,6 +79,7 @@ pub(crate) fn page_index_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyTyp
             py,
             "PageIndexError",
             "A page outside the host pool; nothing was read or written.",
+            "page_out_of_range",
             vec![base, py.get_type::<PyIndexError>()],
         )
     })?;
