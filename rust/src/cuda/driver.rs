@@ -134,6 +134,15 @@ pub(crate) struct RelaxedCapture {
 
 impl RelaxedCapture {
     pub(crate) fn enter() -> Self {
+        // Only once the driver is loaded and initialised here: looking the symbol up earlier would
+        // load the library (cudarc panics where there is none), and without CUDA state there is
+        // nothing to protect.
+        if !super::probe::initialised_here() {
+            return Self {
+                exchange: None,
+                previous: 0,
+            };
+        }
         // SAFETY: the driver's signature for this symbol (CUstreamCaptureMode is a C enum).
         let exchange =
             unsafe { symbol::<ExchangeCaptureMode>(b"cuThreadExchangeStreamCaptureMode\0") };

@@ -174,6 +174,7 @@ pub unsafe fn register_host(
     device: Option<i32>,
 ) -> Result<Vec<(u64, usize)>> {
     guard("cudaHostRegister", || {
+        probe::ready()?;
         let _relaxed = driver::RelaxedCapture::enter();
         // SAFETY: this function's own contract, passed on.
         unsafe { register::register(ptr, len, granularity, chunk_limit, device) }
