@@ -319,8 +319,10 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     }
 }
 
-// Pass 2: one warp per task (index position i, plane, moved layer j); tasks are dealt out
-// round-robin over all warps of the grid, so any grid size (block quota) moves the same bytes.
+// Pass 2: one warp per task (index position i, plane, moved layer j, head segment h); tasks are
+// dealt out round-robin over all warps of the grid, so any grid size (block quota) moves the same
+// bytes. A row of several segments (page_head's heads, page_unified's head groups) is several
+// tasks, so its segments move in parallel rather than one load-then-store after another.
 // The task counter is kept as (i, r) and advanced without 64-bit division (registers are capped
 // at 64 per thread by the launch bounds).
 extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
@@ -331,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
     const hkv_u32 lane = threadIdx.x % HKV_WARP;
     const hkv_u32 warp = (blockIdx.x * blockDim.x + threadIdx.x) / HKV_WARP;
     const hkv_u32 nwarps = gridDim.x * blockDim.x / HKV_WARP;
-    const hkv_u32 per_item = p.planes * p.layer_count;
+    const hkv_u32 per_item = p.planes * p.layer_count * p.heads;
     const hkv_u32 step_i = nwarps / per_item;
     const hkv_u32 step_r = nwarps - step_i * per_item;
     hkv_u64 i = warp / per_item;
@@ -350,18 +352,18 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
                 hkv_record_bad_index(p, ds, p.dev_rows, HKV_SIDE_DEVICE);
             }
         } else {
-            const hkv_u32 plane = r >= p.layer_count ? 1u : 0u;
-            const hkv_u32 j = r - plane * p.layer_count;
+            // r = (plane * layer_count + j) * heads + h
+            const hkv_u32 pj = p.heads == 1 ? r : r / p.heads;
+            const hkv_u32 h = r - pj * p.heads;
+            const hkv_u32 plane = pj >= p.layer_count ? 1u : 0u;
+            const hkv_u32 j = pj - plane * p.layer_count;
             const hkv_u32 seg = static_cast<hkv_u32>(p.seg_bytes[plane]);
-            unsigned char* host = reinterpret_cast<unsigned char*>(p.host_base[plane]);
-            unsigned char* dev = reinterpret_cast<unsigned char*>(hkv_dev_layer(p, r)) +
-                                 static_cast<hkv_u64>(ds) * p.item_bytes[plane];
-            for (hkv_u32 h = 0; h < p.heads; ++h) {
-                unsigned char* hp = host + hkv_host_offset(p, plane, static_cast<hkv_u32>(hs),
-                                                           p.layer_begin + j, h);
-                unsigned char* dp = dev + h * seg;
-                hkv_copy_segment(p.to_host ? dp : hp, p.to_host ? hp : dp, seg, lane);
-            }
+            unsigned char* hp = reinterpret_cast<unsigned char*>(p.host_base[plane]) +
+                                hkv_host_offset(p, plane, static_cast<hkv_u32>(hs),
+                                                p.layer_begin + j, h);
+            unsigned char* dp = reinterpret_cast<unsigned char*>(hkv_dev_layer(p, pj)) +
+                                static_cast<hkv_u64>(ds) * p.item_bytes[plane] + h * seg;
+            hkv_copy_segment(p.to_host ? dp : hp, p.to_host ? hp : dp, seg, lane);
         }
         r += step_r;
         if (r >= per_item) {
