@@ -106,6 +106,9 @@ def rows(device: str, scale: float, deadline: float, time_fn, peaks):
                     h = (host_pages[:, None] * page + torch.arange(page)).reshape(-1)
                     # Device slots from 1 page on: SGLang's device pools keep page 0 as padding.
                     d = torch.arange(page, page + tokens)
+                    if device == "cuda" and backend == "kernel":
+                        # SGLang hands the kernels device-resident indices.
+                        h, d = h.to(device), d.to(device)
                     if op == "backup":
 
                         def call(h=h, d=d, host=host, dp=dp, backend=backend):
@@ -149,16 +152,23 @@ def main(argv=None) -> int:
         "| geometry | layout | io backend | op | GB/s | % of peak |",
         "|---|---|---|---|---|---|",
     ]
+    out = open(args.out, "w") if args.out else None  # noqa: SIM115 (written row by row)
+    if out:
+        out.write("\n".join(lines) + "\n")
+        out.flush()
     for name, layout, backend, op, rate, note in rows(args.device, scale, deadline, time_fn, peaks):
         gbs = f"{rate / 1e9:.1f}" if rate is not None else "-"
         lines.append(f"| {name} | {layout} | {backend} | {op} | {gbs} | {note} |")
         print(lines[-1], flush=True)
+        if out:
+            # Row by row: a run stopped at its time limit still leaves the rows it measured.
+            out.write(lines[-1] + "\n")
+            out.flush()
+    if out:
+        out.close()
     text = "\n".join(lines)
     print()
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
     return 1 if "error:" in text else 0
 
 

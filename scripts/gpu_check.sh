@@ -21,7 +21,8 @@
 # shared by all steps in order of importance; a step that no longer fits is reported as SKIP. Every step runs even when an earlier one failed; the exit status is 1 if
 # any step failed, 2 if there is no wheel to install.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(realpath "$0")
+cd "$(dirname "$SELF")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-300}
@@ -52,11 +53,12 @@ if [[ "${1:-}" == --preflight ]]; then
     unzip -l "$WHEEL" | grep -q '_core.abi3.so' || { echo "preflight: FAIL no _core.abi3.so in the wheel"; fail=1; }
     dry=$(mktemp -d)
     t0=$SECONDS
-    OUT=$dry GPU_CHECK_BUDGET=$BUDGET bash "$0" "$WHEEL" >"$dry.log" 2>&1
+    OUT=$dry GPU_CHECK_BUDGET=$BUDGET bash "$SELF" "$ROOT/$WHEEL" >"$dry.log" 2>&1
     took=$((SECONDS - t0))
     files=$(find "$dry" -type f | wc -l)
     echo "preflight: dry run (no GPU here) took ${took}s of a ${BUDGET}s budget and wrote $files file(s)"
     ((files <= 8)) || { echo "preflight: FAIL more than 8 output files: $(ls "$dry")"; fail=1; }
+    [[ -s "$dry/summary.txt" ]] || { echo "preflight: FAIL the dry run wrote no summary (see $dry.log)"; fail=1; }
     ((took <= BUDGET + 30)) || { echo "preflight: FAIL the dry run overran its budget"; fail=1; }
     echo "preflight: $([[ $fail == 0 ]] && echo OK || echo FAILED); summary of the dry run:"
     cat "$dry/summary.txt" 2>/dev/null
@@ -223,7 +225,8 @@ elif ((secs == 0)); then
     record sanitizer SKIP "time budget spent"
 else
     echo "== compute-sanitizer (up to ${secs}s, log sanitizer.log)"
-    if "$SAN" --help 2>&1 | grep -q -- '--kernel-name'; then
+    san_help=$("$SAN" --help 2>&1 || true)
+    if [[ $san_help == *--kernel-name* ]]; then
         ONLY=(--kernel-name kns=hkv_)
     else
         ONLY=(--filter kns=hkv_)

@@ -1095,12 +1095,16 @@ def test_a_global_capture_on_another_stream_is_never_invalidated(mock_dir):
         pool.run("direct", np.arange(8), np.arange(8), s)
         _core.check_device_errors()                             # event queries
         pool.region.unregister_cuda()                           # waits on our events
+        big = _core.HostRegion(1 << 20)
+        big.register_cuda(0, 64 << 10)  # 16 chunks pinned by helper threads (threshold lowered)
+        big.unregister_cuda()
         assert m.mock_capture_invalidations() == 0
         assert m.mock_thread_capture_mode() == 0, "the thread's capture mode was not restored"
         m.mock_stream_capture(cap, 0)
         pool.check("while another stream captured")
         """,
         MOCK_PROGRESS_ON_QUERY=1,
+        HOSTKV_REGISTER_PARALLEL_BYTES=1 << 16,
     )
 
 

@@ -141,6 +141,9 @@ pub struct HostRegion {
     owner_pid: libc::pid_t,
     numa_node: Option<u32>,
     registered: Mutex<Vec<(u64, usize)>>,
+    /// Given up on (its unpin timed out once already): dropping it neither waits again nor
+    /// frees anything.
+    leaked: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the only non-Send field is the raw pointer to the mapping this value owns (unmapped
@@ -429,7 +432,7 @@ impl HostRegion {
     /// # Safety
     /// `[addr, addr + nbytes)` must stay allocated, and not be registered with CUDA by anyone
     /// else, for as long as the region lives, and longer if its unregistration times out
-    /// ([`HostRegion::abandon_registration`] says when).
+    /// ([`HostRegion::leak`] says when).
     pub unsafe fn adopt(addr: u64, nbytes: usize) -> Self {
         Self {
             ptr: addr as *mut u8,
@@ -442,14 +445,16 @@ impl HostRegion {
             owner_pid: unsafe { libc::getpid() },
             numa_node: None,
             registered: Mutex::new(Vec::new()),
+            leaked: Default::default(),
         }
     }
 
-    /// For an adopted region whose unregistration timed out: forget its ranges (the caller keeps
-    /// the memory's owner alive for good, since the GPU may still write there), so dropping the
-    /// region does not wait a second time.
-    pub fn abandon_registration(&self) {
-        self.ranges().clear();
+    /// For a region whose unpin timed out where nobody can retry it (its owner is being
+    /// dropped): the GPU may still write there, so dropping it then frees nothing (the mapping,
+    /// or for adopted memory its owner, is leaked) and does not wait a second time.
+    pub fn leak(&self) {
+        self.leaked
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Maps `nbytes` (0 allowed: no mapping, address 0) as `opts` asks.
@@ -465,6 +470,7 @@ impl HostRegion {
             owner_pid: unsafe { libc::getpid() },
             numa_node: opts.numa_node,
             registered: Mutex::new(Vec::new()),
+            leaked: Default::default(),
         };
         if nbytes == 0 {
             return Ok(region);
@@ -647,6 +653,9 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
+        if self.leaked.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         if self.unregister_cuda().is_err() || self.tier == Tier::Adopted {
             // Work queued on the region did not finish in time (logged by the CUDA path): the
             // GPU may still write here, so the pages stay pinned and mapped (leaked) rather than

@@ -76,3 +76,8 @@ static_assert(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL == 9, "");
 static_assert((CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP) == 3, "");
 static_assert(CU_EVENT_DISABLE_TIMING == 2, "");
 static_assert(CU_STREAM_NON_BLOCKING == 1, "");
+// module.rs: the codes after which a lazy-load failure is explained by an eager compile's log.
+static_assert(CUDA_ERROR_INVALID_IMAGE == 200 && CUDA_ERROR_NO_BINARY_FOR_GPU == 209 &&
+                  CUDA_ERROR_INVALID_PTX == 218 && CUDA_ERROR_JIT_COMPILER_NOT_FOUND == 221 &&
+                  CUDA_ERROR_UNSUPPORTED_PTX_VERSION == 222,
+              "");

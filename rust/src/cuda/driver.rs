@@ -65,7 +65,7 @@ pub(crate) fn error_string(rc: i32) -> String {
     }
 }
 
-fn error_name(rc: i32) -> String {
+pub(crate) fn error_name(rc: i32) -> String {
     let mut p: *const c_char = std::ptr::null();
     match raw_err_fn(b"cuGetErrorName\0") {
         // SAFETY: as in `error_string`.
@@ -130,6 +130,8 @@ const CAPTURE_MODE_RELAXED: c_int = 2;
 pub(crate) struct RelaxedCapture {
     exchange: Option<ExchangeCaptureMode>,
     previous: c_int,
+    /// The mode is this thread's: the guard must be dropped on the thread that made it.
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl RelaxedCapture {
@@ -137,23 +139,32 @@ impl RelaxedCapture {
         // Only once the driver is loaded and initialised here: looking the symbol up earlier would
         // load the library (cudarc panics where there is none), and without CUDA state there is
         // nothing to protect.
+        let inactive = Self {
+            exchange: None,
+            previous: 0,
+            _not_send: std::marker::PhantomData,
+        };
         if !super::probe::initialised_here() {
-            return Self {
-                exchange: None,
-                previous: 0,
-            };
+            return inactive;
         }
+        static EXCHANGE: std::sync::OnceLock<Option<ExchangeCaptureMode>> =
+            std::sync::OnceLock::new();
         // SAFETY: the driver's signature for this symbol (CUstreamCaptureMode is a C enum).
-        let exchange =
-            unsafe { symbol::<ExchangeCaptureMode>(b"cuThreadExchangeStreamCaptureMode\0") };
-        let mut mode = CAPTURE_MODE_RELAXED;
-        let exchange = exchange.filter(|f| {
-            // SAFETY: valid in/out pointer to one mode value.
-            unsafe { f(&mut mode) == 0 }
+        let exchange = *EXCHANGE.get_or_init(|| unsafe {
+            symbol::<ExchangeCaptureMode>(b"cuThreadExchangeStreamCaptureMode\0")
         });
+        let Some(f) = exchange else {
+            return inactive;
+        };
+        let mut mode = CAPTURE_MODE_RELAXED;
+        // SAFETY: valid in/out pointer to one mode value.
+        if unsafe { f(&mut mode) } != 0 {
+            return inactive;
+        }
         Self {
-            exchange,
+            exchange: Some(f),
             previous: mode,
+            _not_send: std::marker::PhantomData,
         }
     }
 }

@@ -64,15 +64,24 @@ pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernel
             // unloaded); `f` is a valid out-pointer; a context is current.
             let rc = unsafe { sys::cuKernelGetFunction(&mut f, k as sys::CUkernel) };
             if rc != sys::cudaError_enum::CUDA_SUCCESS {
-                // With lazy loading the JIT runs here, and the driver keeps no log of it: compile
-                // the same PTX eagerly into this context to get the log for the message.
-                return Err(Error::Cuda(format!(
-                    "loading the hostkv_rs kernels into this context failed at \
-                     cuKernelGetFunction ({name}): {}; driver version {driver_version}; JIT log \
-                     (from an eager compile of the same PTX): {}",
-                    describe(code(rc)),
-                    eager_jit_log()
-                )));
+                let rc = code(rc);
+                // With lazy loading the JIT runs here, and the driver keeps no log of it: for a
+                // JIT failure, compile the same PTX eagerly into this context to get the log.
+                let mut text = super::driver::error_string(rc);
+                if JIT_FAILURES.contains(&rc) {
+                    text.push_str(&format!(
+                        "; driver version {driver_version}; JIT log (from an eager compile of \
+                         the same PTX): {}",
+                        eager_jit_log()
+                    ));
+                }
+                return Err(crate::error::DriverError {
+                    call: format!("cuKernelGetFunction ({name}), loading the hostkv_rs kernels"),
+                    code: rc,
+                    name: super::driver::error_name(rc),
+                    text,
+                }
+                .into());
             }
         }
         guard.warm.push(key);
@@ -82,6 +91,10 @@ pub(crate) fn kernels(ctx: sys::CUcontext, driver_version: i32) -> Result<Kernel
         transfer: h.transfer as sys::CUfunction,
     })
 }
+
+/// Codes that mean the JIT rejected the PTX (invalid image, no binary for this GPU, invalid PTX,
+/// unsupported PTX version, JIT compiler not found), where a log says why.
+const JIT_FAILURES: [i32; 5] = [200, 209, 218, 222, 221];
 
 /// The JIT's error log for the embedded PTX, from an eager `cuModuleLoadDataEx` in the current
 /// context (unloaded again), or what stood in the way of getting one.

@@ -166,6 +166,9 @@ fn register_chunks(
     std::thread::scope(|scope| {
         for cell in &shares {
             let worker = move || {
+                // A new thread starts in global capture mode: pin in relaxed mode, as the
+                // calling thread does.
+                let _relaxed = super::driver::RelaxedCapture::enter();
                 // SAFETY: the context stays alive (primary or caller's) for the whole call.
                 let set = code(unsafe { sys::cuCtxSetCurrent(ctx_addr as sys::CUcontext) });
                 if let Some((first, slots)) = take_share(cell) {

@@ -57,6 +57,8 @@ struct State {
     unpinned: Option<Result<()>>,
     /// The caller stopped waiting for the unpinning thread: it finishes the removal itself.
     abandoned: bool,
+    /// Some chunks may be unpinned already: the region never takes transfers again.
+    unpin_started: bool,
 }
 
 struct Region {
@@ -334,9 +336,13 @@ pub(crate) fn remove(base: u64) -> Result<()> {
             )))
         };
     }
+    if st.removed {
+        return Ok(());
+    }
     st.removing = true;
     st.closing = true;
     st.abandoned = false;
+    st.unpin_started = false;
     drop(st);
     let outcome = remove_locked(&r, base, limit, deadline);
     let mut st = r.lock();
@@ -347,8 +353,11 @@ pub(crate) fn remove(base: u64) -> Result<()> {
     st.removing = false;
     match &outcome {
         Ok(()) => st.removed = true,
-        // Still pinned: transfers may use it again, and a later call may try again.
-        Err(_) => st.closing = false,
+        // Nothing was unpinned yet: transfers may use it again, and a later call may try again.
+        Err(_) if !st.unpin_started => st.closing = false,
+        // Partly unpinned: it stays closed (a transfer must not treat an unpinned chunk as
+        // registered); the memory stays mapped.
+        Err(_) => {}
     }
     r.idle.notify_all();
     drop(st);
@@ -403,7 +412,11 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
     // spinning on a dead peer): it runs on a helper thread, and the wait for it is bounded like
     // the rest. If it does not return in time the region stays pinned and mapped; the helper
     // finishes the removal when the driver lets it.
-    r.lock().unpinned = None;
+    {
+        let mut st = r.lock();
+        st.unpinned = None;
+        st.unpin_started = true;
+    }
     let region = regions().get(&base).cloned();
     let Some(region) = region else {
         return Ok(());
@@ -417,8 +430,9 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
              pinned"
         )));
     }
-    // The driver has had none of the budget the events used; give it at least a moment.
-    let deadline = deadline.max(Instant::now() + Duration::from_millis(100));
+    // The unpin gets a budget of its own: the wait for queued work may have used most of the
+    // first, and unpinning a large region legitimately takes a while.
+    let deadline = Instant::now() + limit;
     let mut st = r.lock();
     while st.unpinned.is_none() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -467,7 +481,7 @@ fn unpin_chunks(r: &Region, base: u64) {
             ));
         }
         Err(e) => {
-            st.closing = false;
+            // Partly unpinned, maybe: it stays closed.
             log(&format!("late unregistration of {base:#x} failed: {e}"));
         }
     }

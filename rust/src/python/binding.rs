@@ -442,16 +442,11 @@ impl PyDeviceBinding {
         let (mut d, _d_keep) = index_array(py, device, host_side)?;
         (h.map, d.map) = (self.index_map, self.index_map);
         let (h_on_device, d_on_device) = (h.on_device, d.on_device);
-        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
-        // binding holds (so they stay alive for the call) and checked to be contiguous, on
-        // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
-        // the index arrays come from live contiguous int32/int64 tensors held in this frame
-        // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
-        // current stream, in whose order torch's caching allocator reuses freed memory.
-        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }?;
         // A kernel reads device-resident indices in place, after this call returns: tell torch's
         // caching allocator, so a caller freeing them on another stream cannot have their
-        // memory reused before the kernel has read them.
+        // memory reused before the kernel has read them. Recorded before the call, since a call
+        // that fails may still have queued work reading them (recording early only delays
+        // reuse).
         if let Some(torch_stream) = &queue.torch_stream {
             for (on_device, value, keep) in [
                 (h_on_device, host, &_h_keep),
@@ -466,7 +461,13 @@ impl PyDeviceBinding {
                 }
             }
         }
-        Ok(())
+        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
+        // binding holds (so they stay alive for the call) and checked to be contiguous, on
+        // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
+        // the index arrays come from live contiguous int32/int64 tensors held in this frame
+        // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
+        // current stream, in whose order torch's caching allocator reuses freed memory.
+        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }
     }
 }
 

@@ -201,10 +201,11 @@ impl Drop for PyHostRegion {
             let py = unsafe { Python::assume_attached() };
             // An error was logged; the inner drop then leaves the memory mapped (see HostRegion).
             if py.detach(|| region.unregister_cuda()).is_err() {
+                // The GPU may still write into the memory: it stays mapped (adopted memory: its
+                // owner stays alive) for good, and the inner drop does not wait a second time
+                // with the GIL held.
+                self.inner.leak();
                 if let Some(owner) = self.owner.take() {
-                    // Adopted memory the GPU may still write into: its owner stays alive for
-                    // good, and the inner drop does not wait a second time.
-                    self.inner.abandon_registration();
                     std::mem::forget(owner);
                 }
             }
