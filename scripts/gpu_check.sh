@@ -50,7 +50,9 @@ if [[ "${1:-}" == --preflight ]]; then
     else
         echo "preflight: glibc floor 2.$floor (the GPU machine has 2.39)"
     fi
-    unzip -l "$WHEEL" | grep -q '_core.abi3.so' || { echo "preflight: FAIL no _core.abi3.so in the wheel"; fail=1; }
+    # Not `unzip | grep -q`: under pipefail grep's early exit fails the pipeline (SIGPIPE).
+    listing=$(unzip -l "$WHEEL" 2>&1 || true)
+    [[ $listing == *_core.abi3.so* ]] || { echo "preflight: FAIL no _core.abi3.so in the wheel"; fail=1; }
     dry=$(mktemp -d)
     t0=$SECONDS
     OUT=$dry GPU_CHECK_BUDGET=$BUDGET bash "$SELF" "$ROOT/$WHEEL" >"$dry.log" 2>&1
@@ -88,6 +90,15 @@ verdict() {  # rc -> PASS / TIMEOUT / FAIL(rc)
 allow() {
     local left=$((BUDGET - (SECONDS - START) - 5))
     if ((left < 20)); then echo 0; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
+}
+
+# A probe's timeout: its own cap, cut to what is left of the budget, never under 5 s (a timeout
+# of 0 would mean none at all).
+cap() {
+    local a
+    a=$(allow "$1")
+    ((a < 5)) && a=5
+    echo "$a"
 }
 
 run_step() {  # seconds logfile command... ; output appended to logfile, last lines shown
@@ -128,26 +139,26 @@ fi
 # 2. machine and runtime (from /tmp, so the source tree's python/ is never imported)
 {
     echo "# nvidia-smi"
-    timeout -k 5 30 nvidia-smi 2>&1 || echo "(nvidia-smi not available)"
+    timeout -k 5 "$(cap 20)" nvidia-smi 2>&1 || echo "(nvidia-smi not available)"
     echo "# nvidia-smi -q (first 80 lines)"
-    timeout -k 5 30 nvidia-smi -q 2>&1 | head -80
+    timeout -k 5 "$(cap 20)" nvidia-smi -q 2>&1 | head -80
     echo "# dmesg: NVRM / Xid"
-    (timeout -k 5 10 dmesg 2>&1 || echo "(dmesg not readable)") | grep -E 'NVRM|Xid|not readable' | tail -20
+    (timeout -k 5 5 dmesg 2>&1 || echo "(dmesg not readable)") | grep -E 'NVRM|Xid|not readable' | tail -20
     echo "# ldd --version"
     ldd --version 2>&1 | head -1
 } >>"$ENVLOG" 2>&1
-(cd /tmp && timeout -k 5 120 $PY -c "
+(cd /tmp && timeout -k 5 "$(cap 60)" $PY -c "
 import sys, torch, hostkv_rs
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'available', torch.cuda.is_available())
 print('hostkv_rs from', hostkv_rs.__file__)" >>"$ENVLOG" 2>&1)
-INFO=$(cd /tmp && timeout -k 5 120 $PY -c "import hostkv_rs; print(hostkv_rs.runtime_info())" 2>&1)
+INFO=$(cd /tmp && timeout -k 5 "$(cap 60)" $PY -c "import hostkv_rs; print(hostkv_rs.runtime_info())" 2>&1)
 rc=$?
 echo "# runtime_info: $INFO" >>"$ENVLOG"
 [[ $rc -eq 0 && "$INFO" == *"CUDA available"* ]]
 record runtime_info "$(verdict $?)" "${INFO:0:160}"
 # The no-device path of the probe: the driver is there but hides every GPU.
-NODEV=$(cd /tmp && CUDA_VISIBLE_DEVICES="" timeout -k 5 120 $PY -c \
+NODEV=$(cd /tmp && CUDA_VISIBLE_DEVICES="" timeout -k 5 "$(cap 60)" $PY -c \
     "from hostkv_rs import _core; print(_core.cuda_available(), '|', _core.runtime_info())" 2>&1)
 echo "# CUDA_VISIBLE_DEVICES='': $NODEV" >>"$ENVLOG"
 [[ "$NODEV" == False* ]]
@@ -156,7 +167,7 @@ cat "$ENVLOG"
 
 # The copy kernel's resources as the driver sees them (issue 12: 256-thread blocks, no spills,
 # <= 64 registers, at least 4 blocks per SM so a copy block never needs a whole SM).
-KRES=$(cd /tmp && timeout -k 5 120 $PY - "$ROOT/rust/kernels/hostkv_transfer.ptx" 2>&1 <<'PYEOF'
+KRES=$(cd /tmp && timeout -k 5 "$(cap 60)" $PY - "$ROOT/rust/kernels/hostkv_transfer.ptx" 2>&1 <<'PYEOF'
 import ctypes, sys
 import torch
 torch.zeros(1, device="cuda")
