@@ -81,6 +81,7 @@ use Strategy::*;
 use Transfer::*;
 
 /// The layouts each kind builds.
+#[rustfmt::skip]
 const BUILDS: &[(PoolKind, &str, Build)] = &[
     (Mha, "layer_first", Build::Ours),
     (Mha, "page_first", Build::Ours),
@@ -99,160 +100,36 @@ const BUILDS: &[(PoolKind, &str, Build)] = &[
     (V4Paged, "page_first_direct", Build::Ours),
 ];
 
-/// Every served cell: (kind, layout, io backend, transfer) -> (engine backend, strategy). A cell
-/// that is not here is refused with [`refusal`]'s text.
-const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend, Strategy)] = &[
-    (Mha, LayerFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
-    (Mha, LayerFirst, Io::Direct, Slots, Backend::Direct, Runs),
-    (Mha, PageFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
-    (
-        Mha,
-        PageFirstDirect,
-        Io::Direct,
-        Slots,
-        Backend::Direct,
-        PageBlocks,
-    ),
-    (Mha, PageHead, Io::Kernel, Slots, Backend::Kernel, PerItem),
-    (
-        Mha,
-        PageUnified,
-        Io::Kernel,
-        Slots,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        AsymmetricMha,
-        PageFirst,
-        Io::Kernel,
-        Slots,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        AsymmetricMha,
-        PageFirstDirect,
-        Io::Direct,
-        Slots,
-        Backend::Direct,
-        PageBlocks,
-    ),
-    (Mla, LayerFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
-    (Mla, LayerFirst, Io::Direct, Slots, Backend::Direct, Runs),
-    (Mla, PageFirst, Io::Kernel, Slots, Backend::Kernel, PerItem),
-    (
-        Mla,
-        PageFirstDirect,
-        Io::Direct,
-        Slots,
-        Backend::Direct,
-        PageBlocks,
-    ),
-    (
-        Mla,
-        PageUnified,
-        Io::Kernel,
-        Slots,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        Mla,
-        LayerFirst,
-        Io::Kernel,
-        ShardedBackup,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        Mla,
-        LayerFirst,
-        Io::Direct,
-        ShardedBackup,
-        Backend::Direct,
-        Runs,
-    ),
-    (
-        Mla,
-        PageFirst,
-        Io::Kernel,
-        ShardedBackup,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::Kernel,
-        Slots,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::Direct,
-        Slots,
-        Backend::Direct,
-        Runs,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::KernelAscend,
-        Slots,
-        Backend::Direct,
-        Runs,
-    ),
-    (
-        V4Paged,
-        PageFirst,
-        Io::Kernel,
-        Slots,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        V4Paged,
-        PageFirstDirect,
-        Io::Direct,
-        Slots,
-        Backend::Direct,
-        PageBlocks,
-    ),
-    (
-        V4Paged,
-        PageFirstDirect,
-        Io::KernelAscend,
-        Slots,
-        Backend::Direct,
-        PageBlocks,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::Kernel,
-        Tokens,
-        Backend::Kernel,
-        PerItem,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::Direct,
-        Tokens,
-        Backend::Direct,
-        Runs,
-    ),
-    (
-        V4Paged,
-        LayerFirst,
-        Io::KernelAscend,
-        Tokens,
-        Backend::Direct,
-        Runs,
-    ),
+/// Every served cell: (kind, layout, io backend, transfer) -> the engine backend it runs on (its
+/// copy strategy follows from the layout and backend: [`strategy`]). A cell that is not here is
+/// refused with [`refusal`]'s text.
+#[rustfmt::skip]
+const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend)] = &[
+    (Mha, LayerFirst, Io::Kernel, Slots, Backend::Kernel),
+    (Mha, LayerFirst, Io::Direct, Slots, Backend::Direct),
+    (Mha, PageFirst, Io::Kernel, Slots, Backend::Kernel),
+    (Mha, PageFirstDirect, Io::Direct, Slots, Backend::Direct),
+    (Mha, PageHead, Io::Kernel, Slots, Backend::Kernel),
+    (Mha, PageUnified, Io::Kernel, Slots, Backend::Kernel),
+    (AsymmetricMha, PageFirst, Io::Kernel, Slots, Backend::Kernel),
+    (AsymmetricMha, PageFirstDirect, Io::Direct, Slots, Backend::Direct),
+    (Mla, LayerFirst, Io::Kernel, Slots, Backend::Kernel),
+    (Mla, LayerFirst, Io::Direct, Slots, Backend::Direct),
+    (Mla, PageFirst, Io::Kernel, Slots, Backend::Kernel),
+    (Mla, PageFirstDirect, Io::Direct, Slots, Backend::Direct),
+    (Mla, PageUnified, Io::Kernel, Slots, Backend::Kernel),
+    (Mla, LayerFirst, Io::Kernel, ShardedBackup, Backend::Kernel),
+    (Mla, LayerFirst, Io::Direct, ShardedBackup, Backend::Direct),
+    (Mla, PageFirst, Io::Kernel, ShardedBackup, Backend::Kernel),
+    (V4Paged, LayerFirst, Io::Kernel, Slots, Backend::Kernel),
+    (V4Paged, LayerFirst, Io::Direct, Slots, Backend::Direct),
+    (V4Paged, LayerFirst, Io::KernelAscend, Slots, Backend::Direct),
+    (V4Paged, PageFirst, Io::Kernel, Slots, Backend::Kernel),
+    (V4Paged, PageFirstDirect, Io::Direct, Slots, Backend::Direct),
+    (V4Paged, PageFirstDirect, Io::KernelAscend, Slots, Backend::Direct),
+    (V4Paged, LayerFirst, Io::Kernel, Tokens, Backend::Kernel),
+    (V4Paged, LayerFirst, Io::Direct, Tokens, Backend::Direct),
+    (V4Paged, LayerFirst, Io::KernelAscend, Tokens, Backend::Direct),
 ];
 
 /// The layout a pool of `kind` is built with, or SGLang's construction refusal. A layout
@@ -293,26 +170,38 @@ pub fn route(
     pool: &str,
 ) -> Result<Route> {
     let io = Io::of(io_backend);
-    SERVED
+    let Some(&(.., backend)) = SERVED
         .iter()
-        .find(|&&(k, l, i, t, _, _)| k == kind && l == layout && i == io && t == transfer)
-        .map(|&(.., backend, strategy)| Route { backend, strategy })
-        .ok_or_else(|| Error::Unsupported(refusal(kind, layout, io, shown, transfer, pool)))
+        .find(|&&(k, l, i, t, _)| k == kind && l == layout && i == io && t == transfer)
+    else {
+        return Err(Error::Unsupported(refusal(
+            kind, layout, io, shown, transfer, pool,
+        )));
+    };
+    Ok(Route {
+        backend,
+        strategy: strategy(layout, backend)?,
+    })
 }
 
-/// The planner's strategy for a (layout, backend) pair, whatever the kind. The kernels address
-/// every layout one item at a time (a raw request may pair them with any layout); the copy
-/// engine's strategy is the table's, which gives every kind the same one, and raw requests that
-/// name an unserved direct pair get SGLang's layout refusal.
+/// How a (layout, backend) pair moves bytes, whatever the kind: the kernels address every
+/// layout one item at a time (a raw request may pair them with any layout); the copy engine
+/// coalesces runs on layer_first and copies whole page blocks on page_first_direct, and refuses
+/// (with SGLang's layout text) every other layout.
 pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
-    if backend == Backend::Kernel {
-        return Ok(PerItem);
+    match (backend, layout) {
+        (Backend::Kernel, _) => Ok(PerItem),
+        (Backend::Direct, LayerFirst) => Ok(Runs),
+        (Backend::Direct, PageFirstDirect) => Ok(PageBlocks),
+        (Backend::Direct, _) => Err(Error::Unsupported(refusal(
+            Mha,
+            layout,
+            Io::Direct,
+            "direct",
+            Slots,
+            "",
+        ))),
     }
-    SERVED
-        .iter()
-        .find(|&&(_, l, _, t, b, _)| l == layout && b == backend && t == Slots)
-        .map(|&(.., s)| s)
-        .ok_or_else(|| Error::Unsupported(refusal(Mha, layout, Io::Direct, "direct", Slots, "")))
 }
 
 /// Every (layout, io_backend) pair a pool kind builds and moves slots with (the CLI's and the
@@ -320,8 +209,8 @@ pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
 pub fn served_pairs(kind: PoolKind) -> Vec<(Layout, Backend)> {
     SERVED
         .iter()
-        .filter(|&&(k, _, i, t, _, _)| k == kind && t == Slots && i != Io::KernelAscend)
-        .map(|&(_, l, _, _, b, _)| (l, b))
+        .filter(|&&(k, _, i, t, _)| k == kind && t == Slots && i != Io::KernelAscend)
+        .map(|&(_, l, _, _, b)| (l, b))
         .collect()
 }
 
@@ -386,6 +275,15 @@ mod tests {
 
     const KINDS: [PoolKind; 4] = [Mha, AsymmetricMha, Mla, V4Paged];
 
+    fn io_name(io: Io) -> &'static str {
+        match io {
+            Io::Kernel => "kernel",
+            Io::Direct => "direct",
+            Io::KernelAscend => "kernel_ascend",
+            Io::Other => "other",
+        }
+    }
+
     #[test]
     fn every_served_cell_is_a_built_layout() {
         for &(kind, layout, ..) in SERVED {
@@ -398,9 +296,16 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_has_one_strategy_per_backend_whatever_the_kind() {
-        for &(_, layout, _, _, backend, strategy) in SERVED {
-            assert_eq!(super::strategy(layout, backend).unwrap(), strategy);
+    fn every_served_cell_has_a_strategy() {
+        for &(kind, layout, io, transfer, backend) in SERVED {
+            let route = route(kind, layout, Some(io_name(io)), io_name(io), transfer, "").unwrap();
+            let want = match (backend, layout) {
+                (Backend::Kernel, _) => PerItem,
+                (Backend::Direct, LayerFirst) => Runs,
+                (Backend::Direct, PageFirstDirect) => PageBlocks,
+                other => panic!("{other:?} is served but the copy engine cannot move it"),
+            };
+            assert_eq!((route.backend, route.strategy), (backend, want));
         }
         let e = super::strategy(PageFirst, Backend::Direct).unwrap_err();
         assert_eq!(e.to_string(), "Unsupported layout: page_first");
