@@ -299,15 +299,19 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
         hugepage_mode=mode if mode != "off" else "prefer",
         numa_node=_numa_node(),
     )
-    if _pinnable(pin_memory, nbytes):
-        if registration_granularity < 0:
-            raise ValueError(
-                f"registration_granularity_bytes must be positive, got {registration_granularity}"
-            )
-        region.register_cuda(
-            registration_granularity, register_chunk_limit_bytes(), registration_device()
-        )
+    _register(region, pin_memory, registration_granularity)
     return region
+
+
+def _register(region, pin_memory: bool, granularity: int, pinned_already: bool = False) -> None:
+    """Register `region` with CUDA when asked and possible (see `_pinnable`), in chunks that do
+    not split a copy unit of `granularity` bytes (0: none), on torch's current device; memory
+    pinned already (by its own allocator) is not registered a second time."""
+    if not _pinnable(pin_memory, region.nbytes) or pinned_already:
+        return
+    if granularity < 0:
+        raise ValueError(f"registration_granularity_bytes must be positive, got {granularity}")
+    region.register_cuda(granularity, register_chunk_limit_bytes(), registration_device())
 
 
 def is_storage_allocator(allocator) -> bool:
@@ -328,7 +332,7 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     refuses it)."""
     dims = tuple(int(d) for d in shape)
     if not is_storage_allocator(allocator):
-        nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(dims).numel() * dtype.itemsize
         region = alloc_host_region(nbytes, pin_memory, granularity)
         return region_view(region, dtype, dims), region
     tensor = allocator.allocate(dims, dtype, "cpu")
@@ -343,10 +347,7 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     if not tensor.is_contiguous():
         raise ValueError(f"{name}.allocate returned a non-contiguous tensor")
     region = _core.HostRegion.adopt(tensor)
-    if _pinnable(pin_memory, tensor.nbytes) and not tensor.is_pinned():
-        if granularity < 0:
-            raise ValueError(f"registration_granularity_bytes must be positive, got {granularity}")
-        region.register_cuda(granularity, register_chunk_limit_bytes(), registration_device())
+    _register(region, pin_memory, granularity, pinned_already=tensor.is_pinned())
     return tensor, region
 
 
