@@ -17,7 +17,7 @@ def _emulation_unavailable() -> str | None:
         from hostkv_rs import _core
 
         region = _core.HostRegion(64)
-        core = _core.PoolCore("layer_first", 1, 8, 1, [8], [region], 1)
+        core = _core.HostPool.from_geometry("layer_first", 1, 8, 1, [8], [region], 1)
         idx = torch.zeros(1, dtype=torch.int64)
         dev = torch.zeros(8, 8, dtype=torch.uint8)
         arg = (idx.data_ptr(), 1, 8, False)

@@ -579,7 +579,7 @@ def test_bench_runs_without_the_raw_core_calls_of_the_release_wheel(capsys, monk
     assert rc == 0, err
     assert "HostRegion alloc + pre-touch" in out
     assert "cpu engine gather" not in out
-    assert "no raw PoolCore.load/backup" in out
+    assert "no raw HostPool.load/backup" in out
 
 
 def test_bench_max_seconds_stops_early(capsys):

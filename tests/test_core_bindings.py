@@ -130,19 +130,21 @@ def test_transfer_error_is_value_and_runtime_error():
             raise te("x")
 
 
-# ---------------------------------------------------------------- PoolCore geometry
+# ---------------------------------------------------------------- HostPool geometry
 
 
 def test_plane_nbytes_and_offsets():
-    assert _core.PoolCore.plane_nbytes("page_first", 61, 12, 4, 1152) == 61 * 12 * 1152
-    assert _core.PoolCore.plane_nbytes("page_head", 3, 8, 4, 24, head_num=4) == 3 * 8 * 24
+    assert _core.HostPool.plane_nbytes("page_first", 61, 12, 4, 1152) == 61 * 12 * 1152
+    assert _core.HostPool.plane_nbytes("page_head", 3, 8, 4, 24, head_num=4) == 3 * 8 * 24
     with pytest.raises(ValueError, match="not divisible by head_num"):
-        _core.PoolCore.plane_nbytes("page_head", 3, 8, 4, 24, head_num=5)
+        _core.HostPool.plane_nbytes("page_head", 3, 8, 4, 24, head_num=5)
     with pytest.raises(ValueError, match="Unsupported layout: nope"):
-        _core.PoolCore.plane_nbytes("nope", 3, 8, 4, 24)
+        _core.HostPool.plane_nbytes("nope", 3, 8, 4, 24)
     with pytest.raises(ValueError, match="overflows"):
-        _core.PoolCore.plane_nbytes("layer_first", 1 << 30, 1 << 30, 1, 1 << 20)
-    core = _core.PoolCore("page_head", 3, 8, 4, [24], [_core.HostRegion(3 * 8 * 24)], head_num=2)
+        _core.HostPool.plane_nbytes("layer_first", 1 << 30, 1 << 30, 1, 1 << 20)
+    core = _core.HostPool.from_geometry(
+        "page_head", 3, 8, 4, [24], [_core.HostRegion(3 * 8 * 24)], head_num=2
+    )
     L, P, seg = 3, 4, 12
     t, l, h = 6, 2, 1
     assert (
@@ -167,26 +169,26 @@ def test_plane_nbytes_and_offsets():
 def test_pool_core_rejects_bad_construction():
     region = _core.HostRegion(64)
     with pytest.raises(ValueError, match="1 or 2 planes"):
-        _core.PoolCore("page_first", 2, 4, 1, [8, 8, 8], [region] * 3)
+        _core.HostPool.from_geometry("page_first", 2, 4, 1, [8, 8, 8], [region] * 3)
     with pytest.raises(ValueError, match="cannot hold 64 bytes"):
-        _core.PoolCore("page_first", 2, 4, 1, [8], [_core.HostRegion(63)])
+        _core.HostPool.from_geometry("page_first", 2, 4, 1, [8], [_core.HostRegion(63)])
     with pytest.raises(ValueError, match="cannot hold 64 bytes"):
-        _core.PoolCore("page_first", 2, 4, 1, [8], [(region, 1)])
+        _core.HostPool.from_geometry("page_first", 2, 4, 1, [8], [(region, 1)])
     with pytest.raises(ValueError, match="lies past the end"):
-        _core.PoolCore("page_first", 2, 4, 1, [8], [(region, 65)])
+        _core.HostPool.from_geometry("page_first", 2, 4, 1, [8], [(region, 65)])
     with pytest.raises(ValueError, match="not a multiple of page_size"):
-        _core.PoolCore("page_first_direct", 2, 6, 4, [8], [region])
+        _core.HostPool.from_geometry("page_first_direct", 2, 6, 4, [8], [region])
 
 
 def test_pool_core_never_takes_a_bare_address_and_keeps_its_memory_alive():
     with pytest.raises(TypeError, match="must be a HostRegion, a CPU torch tensor"):
-        _core.PoolCore("layer_first", 1, 4, 1, [8], [1 << 20])
+        _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [1 << 20])
     with pytest.raises(ValueError, match="must be host memory"):
-        _core.PoolCore("layer_first", 1, 4, 1, [8], [torch.zeros(32, device="meta")])
+        _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [torch.zeros(32, device="meta")])
     with pytest.raises(ValueError, match="contiguous"):
-        _core.PoolCore("layer_first", 1, 4, 1, [8], [torch.zeros(8, 8)[:, 0]])
+        _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [torch.zeros(8, 8)[:, 0]])
     host = torch.zeros(32, dtype=torch.uint8)
-    core = _core.PoolCore("layer_first", 1, 4, 1, [8], [host])
+    core = _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [host])
     addr = host.data_ptr()
     host.set_(torch.zeros(1, dtype=torch.uint8))  # the tensor lets go of its storage...
     del host
@@ -199,11 +201,43 @@ def test_pool_core_never_takes_a_bare_address_and_keeps_its_memory_alive():
     core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
     region = _core.HostRegion(32)
     view = torch.frombuffer(region, dtype=torch.uint8)
-    core = _core.PoolCore("layer_first", 1, 4, 1, [8], [region])
+    core = _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [region])
     del region
     gc.collect()
     core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
     assert torch.equal(view, dev)
+
+
+def test_a_host_pool_is_built_from_its_spec_and_answers_from_its_own_memory():
+    # MHA page_first_direct: 2 layers, 2 pages of 4 tokens, 2 heads x 8 dims of bf16.
+    spec = _core.PoolSpec("mha", "page_first_direct", 2, 8, 4, [8, 8], 2, head_num=2)
+    assert spec.allocation_shapes == [[2, 2, 2, 4, 2, 8]]
+    page = 2 * 4 * 2 * 8 * 2  # every layer of one page of one plane
+    assert spec.registration_unit(0) == page
+    with pytest.raises(ValueError, match=r"allocation 1 is out of range \[0, 1\)"):
+        spec.registration_unit(1)
+    kv = torch.zeros(spec.allocation_shapes[0], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"this pool has 1 allocation\(s\), got 2"):
+        _core.HostPool(spec, [kv, kv])
+    with pytest.raises(ValueError, match="plane 1 memory of 88 bytes .* cannot hold 512 bytes"):
+        _core.HostPool(spec, [torch.zeros(300, dtype=torch.bfloat16)])
+    pool = _core.HostPool(spec, [kv])
+    assert pool.spec is spec
+    base, v_base = kv.data_ptr(), kv.data_ptr() + 2 * page
+    assert pool.plane_addrs == [base, v_base]
+    # Page metadata points into the pool's own planes: no address comes from the caller.
+    assert pool.page_meta([4, 5, 6, 7]) == ([base + page, v_base + page], [page, page])
+    assert pool.is_stride_page_aligned(page) == (base % page == 0)
+    assert not pool.is_stride_page_aligned(page * 3)
+    assert not hasattr(spec, "page_meta")
+    # A binding checks (layout, io_backend) by the pool's spec; a row geometry without one
+    # cannot be bound.
+    rows = _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [torch.zeros(32)])
+    assert rows.spec is None
+    with pytest.raises(ValueError, match="has no PoolSpec"):
+        _core.DeviceBinding(rows, [[torch.zeros(32, dtype=torch.uint8)]], [0], 1, 1)
+    with pytest.raises(ValueError, match="built without a PoolSpec"):
+        rows.page_meta([0])
 
 
 # ---------------------------------------------------------------- transfers vs a torch reference
@@ -215,13 +249,13 @@ class Pool:
     def __init__(self, layout, L=3, S=16, P=4, items=(24, 24), H=2, dev_rows=12):
         self.layout, self.L, self.S, self.P, self.items, self.H = layout, L, S, P, items, H
         self.dev_rows = dev_rows
-        sizes = [_core.PoolCore.plane_nbytes(layout, L, S, P, i, head_num=H) for i in items]
+        sizes = [_core.HostPool.plane_nbytes(layout, L, S, P, i, head_num=H) for i in items]
         self.region = _core.HostRegion(sum(sizes))
         flat = torch.frombuffer(self.region, dtype=torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
         offs = [0, sizes[0]]
         self.host = [flat[o : o + s] for o, s in zip(offs, sizes)]
-        self.core = _core.PoolCore(
+        self.core = _core.HostPool.from_geometry(
             layout,
             L,
             S,
@@ -439,7 +473,9 @@ def test_the_support_table_answers_every_transfer_kind_and_the_hand_back_column(
     ],
 )
 def test_a_bad_index_map_is_refused_by_name(index_map, error, text):
-    core = _core.PoolCore("layer_first", 2, 8, 4, [16], [_core.HostRegion(2 * 8 * 16)])
+    core = _core.HostPool.from_geometry(
+        "layer_first", 2, 8, 4, [16], [_core.HostRegion(2 * 8 * 16)]
+    )
     empty = idx(torch.empty(0, dtype=torch.int64))
     dev = [torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2)]
     ptrs = [t.data_ptr() for t in dev]

@@ -77,7 +77,7 @@ def test_device_layers_on_two_gpus_are_refused():
     dev = MLATokenToKVPool(64, 16, torch.bfloat16, 8, 4, 2)
     host = MLATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
     layers = [_reporting(torch.zeros_like(t), f"cuda:{i}") for i, t in enumerate(dev.kv_buffer)]
-    binding = _core.DeviceBinding(host._pool_core, host._spec, [layers], [0, 1], 2, 2)
+    binding = _core.DeviceBinding(host._pool_core, [layers], [0, 1], 2, 2)
     with pytest.raises(ValueError, match="mix cuda:0 and cuda:1"):
         binding.backup(torch.arange(16), torch.arange(16), "kernel")
 
@@ -86,15 +86,11 @@ def test_a_binding_refuses_a_layer_map_that_does_not_fit_the_pool():
     dev, host = _pools()
     planes = [list(dev.k_buffer), list(dev.v_buffer)]
     with pytest.raises(ValueError, match="one tensor per owned layer and draft"):
-        _core.DeviceBinding(
-            host._pool_core, host._spec, [planes[0], planes[1][:2]], [0, 1, 2], 3, 3
-        )
+        _core.DeviceBinding(host._pool_core, [planes[0], planes[1][:2]], [0, 1, 2], 3, 3)
     with pytest.raises(ValueError, match="4 owned layers do not fit 3 host layers"):
-        _core.DeviceBinding(
-            host._pool_core, host._spec, [p + p[:1] for p in planes], [0, 1, 2, 3], 4, 3
-        )
+        _core.DeviceBinding(host._pool_core, [p + p[:1] for p in planes], [0, 1, 2, 3], 4, 3)
     with pytest.raises(ValueError, match="1 planes of device layers for a host pool of 2"):
-        _core.DeviceBinding(host._pool_core, host._spec, planes[:1], [0, 1, 2], 3, 3)
+        _core.DeviceBinding(host._pool_core, planes[:1], [0, 1, 2], 3, 3)
 
 
 def test_a_destroyed_pool_refuses_transfers_through_its_binding():

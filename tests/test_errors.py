@@ -406,7 +406,7 @@ def test_core_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="pretouch_threads must lie in \\[0, 4096\\].*got -1"):
         _core.HostRegion(64, pretouch_threads=-1)
     with pytest.raises(ValueError, match=re.escape("item_bytes must be positive")):
-        _core.PoolCore("layer_first", 1, 4, 1, [0], [_core.HostRegion(64)])
+        _core.HostPool.from_geometry("layer_first", 1, 4, 1, [0], [_core.HostRegion(64)])
 
 
 def test_v4_device_buffers_must_be_tensors():

@@ -1,5 +1,5 @@
 """The CUDA kernels (rust/kernels/hostkv_transfer.cu) run on the CPU under the emulation shim,
-through `_core.PoolCore.backup/load(..., device="cpu", engine="emulated")`, against the CPU
+through `_core.HostPool.backup/load(..., device="cpu", engine="emulated")`, against the CPU
 engine (`engine="plan"`) and against the byte formulas of tests/reference.py: every layout and
 direction, byte-exact, for odd item sizes, P=1, prime layer counts, block quotas 1/2/7, N=0/1,
 int32/int64 indices, and bad device-resident indices (error, nothing written)."""
@@ -65,7 +65,7 @@ class Case:
         return other
 
     def core(self):
-        return _core.PoolCore(
+        return _core.HostPool.from_geometry(
             self.layout,
             self.layers,
             self.rows,

@@ -82,7 +82,7 @@ class Pool:
         self.layout, self.items, self.layers, self.rows = layout, items, layers, rows
         self.page, self.heads, self.dev_rows, self.backup = page, heads, dev_rows, backup
         rng = np.random.default_rng(seed)
-        sizes = [_core.PoolCore.plane_nbytes(layout, layers, rows, page, i, heads) for i in items]
+        sizes = [_core.HostPool.plane_nbytes(layout, layers, rows, page, i, heads) for i in items]
         self.region = _core.HostRegion(sum(sizes))
         self.region.register_cuda(granularity, chunk_limit)
         self.twin = _core.HostRegion(sum(sizes))
@@ -100,7 +100,7 @@ class Pool:
         self.dev_cpu = [d.copy() for d in self.dev]
 
     def _core(self, region, offs):
-        return _core.PoolCore(self.layout, self.layers, self.rows, self.page, self.items,
+        return _core.HostPool.from_geometry(self.layout, self.layers, self.rows, self.page, self.items,
                               [(region, int(o)) for o in offs], self.heads)
 
     def run(self, backend, hi, di, stream, layer=0, hi_dev=False, di_dev=False):
@@ -990,14 +990,14 @@ def test_adopted_memory_is_registered_by_the_core_moved_by_direct_and_freed_by_i
         import time
         import torch
         layers, rows, page, item = 3, 32, 4, 64
-        nbytes = _core.PoolCore.plane_nbytes("page_first_direct", layers, rows, page, item)
+        nbytes = _core.HostPool.plane_nbytes("page_first_direct", layers, rows, page, item)
         owner = torch.zeros(nbytes, dtype=torch.uint8)
         region = _core.HostRegion.adopt(owner)
         assert region.hugepage_tier == "adopted" and region.nbytes == nbytes
         assert region.address == owner.data_ptr() and not region.pinned
         region.register_cuda(0)
         assert region.pinned and m.mock_registrations() >= 1
-        core = _core.PoolCore("page_first_direct", layers, rows, page, [item], [region])
+        core = _core.HostPool.from_geometry("page_first_direct", layers, rows, page, [item], [region])
         s = m.mock_stream_create(0)
         dev = [labelled(np.random.default_rng(l).integers(0, 256, (24, item), dtype=np.uint8))
                for l in range(layers)]
@@ -1030,7 +1030,7 @@ def test_adopted_memory_is_registered_by_the_core_moved_by_direct_and_freed_by_i
         stuck.register_cuda(0)
         hang = m.mock_stream_create(0)
         m.mock_enqueue_hang(hang)
-        stuck_core = _core.PoolCore("page_first_direct", layers, rows, page, [item], [stuck])
+        stuck_core = _core.HostPool.from_geometry("page_first_direct", layers, rows, page, [item], [stuck])
         stuck_core.backup("kernel", [d.ctypes.data for d in dev], 24, arr(hi), arr(di), "cuda", hang)
         del stuck_core, stuck_owner
         t0 = time.monotonic()

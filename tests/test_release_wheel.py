@@ -20,7 +20,7 @@ import os
 from hostkv_rs import _core
 assert _core.__file__.startswith(os.environ["WHEEL_DIR"]), _core.__file__
 region = _core.HostRegion(64)
-core = _core.PoolCore("layer_first", 1, 8, 1, [8], [region], 1)
+core = _core.HostPool.from_geometry("layer_first", 1, 8, 1, [8], [region], 1)
 assert not hasattr(core, "load") and not hasattr(core, "backup"), dir(core)
 try:
     # The call that used to end in a segmentation fault: an arbitrary device address.

@@ -14,11 +14,11 @@ __all__ = [
     "C4_VALUES_PER_ROW",
     "C4_VALUE_BYTES",
     "DeviceBinding",
+    "HostPool",
     "HostRegion",
     "LayerIndexError",
     "PageIndexError",
     "PageUnifiedLayout",
-    "PoolCore",
     "PoolSpec",
     "TransferError",
     "__version__",
@@ -101,9 +101,12 @@ _IndexArg: TypeAlias = tuple[int, int, int, bool]
 _IndexMap: TypeAlias = tuple[str] | tuple[str, int] | tuple[str, int, int] | None
 
 @final
-class PoolCore:
+class HostPool:
     def __new__(
-        cls,
+        cls, spec: PoolSpec, allocations: Sequence[HostRegion | torch.Tensor]
+    ) -> HostPool: ...
+    @staticmethod
+    def from_geometry(
         layout: str,
         num_layers: int,
         rows: int,
@@ -111,7 +114,17 @@ class PoolCore:
         item_bytes: Sequence[int],
         planes: Sequence[_PlaneMemory],
         head_num: int = 1,
-    ) -> PoolCore: ...
+        *,
+        spec: PoolSpec | None = None,
+    ) -> HostPool: ...
+    @property
+    def spec(self) -> PoolSpec | None: ...
+    def page_meta(self, indices: Sequence[int]) -> tuple[list[int], list[int]]: ...
+    def split_heads_meta(
+        self, indices: Sequence[int], split_factor: int
+    ) -> tuple[list[int], list[int]]: ...
+    def contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]: ...
+    def is_stride_page_aligned(self, page_size_bytes: int) -> bool: ...
     @staticmethod
     def plane_nbytes(
         layout: str,
@@ -234,21 +247,17 @@ class PoolSpec:
     @property
     def page_num(self) -> int: ...
     def check_pair(self, io_backend: object, transfer: str = "slots") -> str: ...
-    def page_meta(
-        self, bases: Sequence[int], indices: Sequence[int]
-    ) -> tuple[list[int], list[int]]: ...
-    def split_heads_meta(
-        self, bases: Sequence[int], indices: Sequence[int], split_factor: int
-    ) -> tuple[list[int], list[int]]: ...
+    @property
+    def allocation_shapes(self) -> list[list[int]]: ...
+    def registration_unit(self, allocation: int) -> int: ...
+    def layer_view_dim(self, transpose_direct: bool) -> int | None: ...
     def page_view(self, index: int) -> tuple[int, list[int], list[int]]: ...
-    def contiguous_buf_infos(self, base: int) -> tuple[list[int], list[int], list[int]]: ...
 
 @final
 class DeviceBinding:
     def __new__(
         cls,
-        core: PoolCore | None,
-        spec: PoolSpec,
+        pool: HostPool,
         planes: Sequence[Sequence[torch.Tensor]],
         owned_slots: Sequence[int],
         device_layer_num: int,

@@ -726,9 +726,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
     _captured_pools: tuple = ()
     _captured_first = None
 
-    def _plane_item_bytes(self) -> list[int]:
-        raise NotImplementedError()
-
     def _foreign(self, device_pool) -> bool:
         """A device pool other than the ones this pool was built from, read as SGLang <= 0.5.21
         reads it (device-pool form only; SGLang 0.5.22+ and the buffer-info form ignore the
@@ -793,7 +790,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
         on first use, then each transfer passes only the layer id and the indices."""
         self._device_side = _core.DeviceBinding(
             self._pool_core,
-            self._spec,
             side["planes"],
             list(side["owned"]),
             side["device_layer_num"],
@@ -816,7 +812,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
             return binding
         binding = _core.DeviceBinding(
             self._live_core(),
-            self._spec,
             tensors,
             slots,
             0,
@@ -960,6 +955,30 @@ class HostKVCache(SlotFreeList, abc.ABC):
         for region in getattr(self, "_host_regions", ()):
             region.unregister_cuda()
         self.kv_buffer = None
+
+    def _allocate(self, spec):
+        """The pool's host memory as `spec` lists it (one tensor per allocation), each chunk of
+        its CUDA registration whole copy units; the kv_buffer SGLang has (a tuple when there
+        are two allocations)."""
+        buffers, owners = [], []
+        for index, shape in enumerate(spec.allocation_shapes):
+            buffer, owner = _memory.alloc_pool_memory(
+                self.allocator,
+                self.dtype,
+                shape,
+                self.pin_memory,
+                spec.registration_unit(index),
+            )
+            buffers.append(buffer)
+            owners.append(owner)
+        self._host_regions = owners
+        return buffers[0] if len(buffers) == 1 else tuple(buffers)
+
+    def _new_host_pool(self):
+        """The core's pool over this pool's allocations (`_core.HostPool`)."""
+        buffer = self.kv_buffer
+        allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
+        return _core.HostPool(self._spec, allocations)
 
     def _live_buffer(self):
         """`kv_buffer`, or a clear error once `destroy()` has released it."""

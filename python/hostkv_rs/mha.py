@@ -131,15 +131,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         self._init_data_refs(transpose_direct=is_buffer_info(source))
         self._init_packed_device_tables()
         self._no_write_back_staging("staging_k_buffer", "staging_v_buffer")
-        self._pool_core = _core.PoolCore(
-            self.layout,
-            self.layer_num,
-            self.size,
-            self.page_size,
-            self._plane_item_bytes(),
-            self._plane_memory(),
-            self._segments_per_row(),
-        )
+        self._pool_core = self._new_host_pool()
         if side["planes"] is not None:
             self._bind_device_side(side)
 
@@ -310,22 +302,11 @@ class MHATokenToKVPoolHost(HostKVCache):
             head_group_num=self.head_group_num if self.layout == "page_unified" else None,
         )
 
-    @property
-    def _unified(self) -> bool:
-        """page_unified: K and V interleave in one fused page block (SGLang 0.5.23)."""
-        return self.layout == "page_unified"
-
-    def _segments_per_row(self) -> int:
-        if self.layout == "page_head":
-            return self.head_num
-        return self.head_group_num if self._unified else 1
-
     def init_kv_buffer(self):
         self._spec = spec = self._make_spec()
         self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
-        if self._unified:
-            # One allocation both planes address (the core's plane size is the allocation's).
+        if self.layout == "page_unified":
             self.page_unified_layout = _core.PageUnifiedLayout(
                 page_size=self.page_size,
                 layer_num=self.layer_num,
@@ -334,24 +315,7 @@ class MHATokenToKVPoolHost(HostKVCache):
                 head_dim=self.head_dim,
                 itemsize=self.dtype.itemsize,
             )
-            shape = tuple(spec.shape(0))
-        else:
-            shape = (2, *spec.shape(0))
-        buffer, owner = _memory.alloc_pool_memory(
-            self.allocator, self.dtype, shape, self.pin_memory, self._registration_granularity(0)
-        )
-        self._host_regions = [owner]
-        return buffer
-
-    def _registration_granularity(self, plane: int) -> int:
-        # A chunked cudaHostRegister must not split one page-first copy unit (a page of every
-        # layer; page_unified's fused page block); layer_first and page_head have no such unit.
-        if self.layout not in ("page_first", "page_first_direct", "page_unified"):
-            return 0
-        return self._spec.plane_nbytes[plane] // self._spec.page_num
-
-    def _plane_item_bytes(self) -> list[int]:
-        return [self.token_stride_size, self.token_stride_size]
+        return self._allocate(spec)
 
     _device_pool_geometry = (
         ("dtype", "store_dtype"),
@@ -365,33 +329,16 @@ class MHATokenToKVPoolHost(HostKVCache):
             (self.dtype, (self.head_num, self.v_head_dim)),
         ]
 
-    def _plane_addrs(self) -> list[int]:
-        base = self.kv_buffer.data_ptr()
-        if self._unified:
-            return [base, base]
-        return [base, base + self.layer_num * self.size * self.token_stride_size]
-
-    def _plane_memory(self) -> list:
-        """Each plane as the core holds it: its memory's owner and the byte offset in it."""
-        if self._unified:
-            return [(self.kv_buffer, 0), (self.kv_buffer, 0)]
-        return [(self.kv_buffer, 0), (self.kv_buffer, self._spec.plane_nbytes[0])]
-
     def _init_data_refs(self, transpose_direct: bool):
-        if self._unified:
+        dim = self._spec.layer_view_dim(transpose_direct)
+        if dim is None:
             # SGLang 0.5.23: no per-component per-layer view exists in the fused page block.
             self.k_data_refs, self.v_data_refs, self.host_kv_data_refs = [], [], []
             self.k_data_ptrs = self.v_data_ptrs = None
             return
-        # Per-layer views without copying: page_first (and, from SGLang 0.5.23, page_first_direct)
-        # transposes [page, layer, ...] to [layer, page, ...]. For the other page-major layouts
-        # dim 0 is the page, so these views are not per-layer; SGLang builds them anyway and
-        # never reads them. Bounded so a pool with more layers than pages does not fail here.
-        transposed = ("page_first", "page_first_direct") if transpose_direct else ("page_first",)
-        if self.layout in transposed:
-            k_view, v_view = self.k_buffer.transpose(0, 1), self.v_buffer.transpose(0, 1)
-        else:
-            k_view, v_view = self.k_buffer, self.v_buffer
+        # Per-layer views without copying (`layer_view_dim` says which dim is the layer's).
+        # Bounded so a pool with more layers than pages does not fail here.
+        k_view, v_view = self.k_buffer.transpose(0, dim), self.v_buffer.transpose(0, dim)
         count = min(self.layer_num, k_view.shape[0])
         self.k_data_refs = [k_view[i] for i in range(count)]
         self.v_data_refs = [v_view[i] for i in range(count)]
@@ -423,16 +370,9 @@ class MHATokenToKVPoolHost(HostKVCache):
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None or self.layout in ("layer_first", "page_unified"):
+        if self.kv_buffer is None:
             return False
-        return all(
-            base % page_size_bytes == 0 and page % page_size_bytes == 0
-            for base, page in zip(self._plane_addrs(), self._page_strides())
-        )
-
-    def _page_strides(self) -> list[int]:
-        """Bytes from one page to the next, per plane (page-major layouts)."""
-        return [n // self._spec.page_num for n in self._spec.plane_nbytes]
+        return self._pool_core.is_stride_page_aligned(page_size_bytes)
 
     # ----------------------------------------------------------------- transfers
 
@@ -477,7 +417,7 @@ class MHATokenToKVPoolHost(HostKVCache):
         """(pointers, sizes) per page: layer_first gives k(l), v(l) for every layer l; the page
         layouts give one [k, v] pair covering the whole page."""
         self._require_bytes()
-        return self._spec.page_meta(self._plane_addrs(), index_list(indices))
+        return self._pool_core.page_meta(index_list(indices))
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""
@@ -488,7 +428,7 @@ class MHATokenToKVPoolHost(HostKVCache):
                 f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"
             )
         self._require_bytes()
-        return self._spec.split_heads_meta(self._plane_addrs(), index_list(indices), split_factor)
+        return self._pool_core.split_heads_meta(index_list(indices), split_factor)
 
 
 class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
@@ -503,33 +443,9 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
     _spec_kind = "mha_asymmetric"
 
     def init_kv_buffer(self):
-        # K and V in two regions, each with its own item size (and registration unit).
-        self._spec = spec = self._make_spec()
-        buffers, regions = [], []
-        for plane in (0, 1):
-            buffer, owner = _memory.alloc_pool_memory(
-                self.allocator,
-                self.dtype,
-                spec.shape(plane),
-                self.pin_memory,
-                self._registration_granularity(plane),
-            )
-            regions.append(owner)
-            buffers.append(buffer)
-        self._host_regions = regions
-        return tuple(buffers)
-
-    def _registration_granularity(self, plane: int) -> int:
-        return self._spec.plane_nbytes[plane] // self._spec.page_num
-
-    def _plane_item_bytes(self) -> list[int]:
-        return list(self._spec.item_bytes)
-
-    def _plane_addrs(self) -> list[int]:
-        return [self.k_buffer.data_ptr(), self.v_buffer.data_ptr()]
-
-    def _plane_memory(self) -> list:
-        return [self.k_buffer, self.v_buffer]
+        # K and V in two allocations, each with its own item size (and registration unit).
+        self._spec = self._make_spec()
+        return self._allocate(self._spec)
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         raise NotImplementedError(_ASYM_FLAT_PAGE_TEXT)

@@ -155,12 +155,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self._transfer_device = side.get("device") or first_device(side["planes"])
         self.device_kv_buffers = side["all_layers"]
         self.device_data_ptrs = side["ptr_table"]
-        if self.layout == "page_first":
-            view = self.kv_buffer.transpose(0, 1)
-        else:
-            # page_first_direct / page_unified: dim 0 is the page, so these are page slabs, as in
-            # SGLang.
-            view = self.kv_buffer
+        # Per-layer views (page_first_direct / page_unified: dim 0 is the page, so these are
+        # page slabs, as in SGLang).
+        view = self.kv_buffer.transpose(0, self._spec.layer_view_dim(False))
         count = min(self.layer_num, view.shape[0])
         self.data_refs = [view[i] for i in range(count)]
         self.data_ptrs = ptr_table(self.data_refs, self._transfer_device)
@@ -168,15 +165,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             # SGLang <= 0.5.21 names for the packed target + draft device layers.
             self.packed_device_kv_buffers = list(self.device_kv_buffers)
             self.packed_device_data_ptrs = self.device_data_ptrs
-        self._pool_core = _core.PoolCore(
-            self.layout,
-            self.layer_num,
-            self.size,
-            self.page_size,
-            [self.token_stride_size],
-            [self.kv_buffer],
-            1,
-        )
+        self._pool_core = self._new_host_pool()
         if side["planes"] is not None:
             self._bind_device_side(side)
 
@@ -346,17 +335,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 itemsize=self.dtype.itemsize,
                 is_mla=True,
             )
-        # A chunked cudaHostRegister must not split one page-first copy unit.
-        granularity = (
-            spec.plane_nbytes[0] // spec.page_num
-            if self.layout in ("page_first", "page_first_direct", "page_unified")
-            else 0
-        )
-        buffer, owner = _memory.alloc_pool_memory(
-            self.allocator, self.dtype, spec.shape(0), self.pin_memory, granularity
-        )
-        self._host_regions = [owner]
-        return buffer
+        return self._allocate(spec)
 
     def _make_spec(self):
         """The pool's geometry in the core (validates the layout with SGLang's text)."""
@@ -380,25 +359,21 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self._is_dummy:
             return [], [], []
         self._require_bytes()
-        return self._spec.contiguous_buf_infos(self.kv_buffer.data_ptr())
+        return self._pool_core.contiguous_buf_infos()
 
     def get_hybrid_pool_buffer(self):
         return [] if self.kv_buffer is None else [self.kv_buffer]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None or self.layout not in ("page_first", "page_first_direct"):
+        if self.kv_buffer is None:
             return False
-        stride = self._spec.plane_nbytes[0] // self._spec.page_num
-        return self.kv_buffer.data_ptr() % page_size_bytes == 0 and stride % page_size_bytes == 0
+        return self._pool_core.is_stride_page_aligned(page_size_bytes)
 
     # ----------------------------------------------------------------- transfers
 
     def _check_io(self, io_backend):
         self._spec.check_pair(io_backend)
-
-    def _plane_item_bytes(self) -> list[int]:
-        return [self.token_stride_size]
 
     _device_pool_geometry = (("dtype", "store_dtype"), ("kv_cache_dim", "kv_cache_dim"))
 
@@ -466,7 +441,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         one pointer per page covering all layers. With DCP, `indices` are logical (widened)
         slots and each logical page maps to this rank's one physical page (SGLang 0.5.23)."""
         self._require_bytes()
-        return self._spec.page_meta([self.kv_buffer.data_ptr()], index_list(indices))
+        return self._pool_core.page_meta(index_list(indices))
 
 
 # SGLang <= 0.5.22's assertion in get_data_page (0.5.23 addresses the rank-local page).

@@ -2,7 +2,7 @@
 
 `DeepSeekV4PagedHostPool` mirrors one V4 compressed paged sub-pool (C4, C128, indexer ...). Its
 unit is a *page row*: one device row holds one slot page (`slot_page_size` tokens) of one layer,
-`item_bytes` bytes. Rust owns the bytes (one `HostRegion`) and moves them (`PoolCore`); this
+`item_bytes` bytes. Rust owns the bytes (one `HostRegion`) and moves them (`HostPool`); this
 module only builds torch views, checks arguments and maps token indices to rows.
 """
 
@@ -190,17 +190,19 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"HostTensorAllocator only supports CPU allocations; got device={device!r}"
             )
 
-        # Page layouts must not split one page (all layers of a row) across two CUDA
-        # registrations; layer_first must not split one row.
-        granularity = item_bytes if layout == "layer_first" else self.layer_num * item_bytes
         # One allocation in the core's layout, layer_first included (SGLang makes one per layer
         # there; a core plane is one contiguous allocation).
         self._region = None
         if requested_bytes > 0:
             _, self._region = _memory.alloc_pool_memory(
-                self.allocator, torch.uint8, self._spec.shape(0), pin_memory, granularity
+                self.allocator,
+                torch.uint8,
+                self._spec.shape(0),
+                pin_memory,
+                self._spec.registration_unit(0),
             )
-        self._base = int(self._region.address) if self._region is not None else 0
+        # The core's pool over the page rows (an empty one for a pool of no pages).
+        self._pool = _core.HostPool(self._spec, [self._bytes()])
         self.fd = getattr(self.allocator, "fd", None)
 
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
@@ -248,7 +250,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # rows of that core's size, checked on first use; each call then passes only the layer
         # and the indices, which the core maps to rows while it reads them.
         page_rows = ("page_rows", slot_page_size)
-        self._page_binding = self._binding(self._make_core(Nh, [IB]), [IB], page_rows)
+        self._page_binding = self._binding(self._pool, [IB], page_rows)
         self._token_bindings = None
         self._ascend_binding = None
         if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
@@ -290,13 +292,17 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             rows.append(nbytes // row_bytes)
         return rows
 
+    def _bytes(self):
+        """The page rows' memory, as the core takes it."""
+        return self._region if self._region is not None else torch.empty(0, dtype=torch.uint8)
+
     def _make_core(self, rows: int, items: list[int], regions: list | None = None):
-        """A core over the pool's bytes (and the scale region, for the KV + scale pair) with
-        `rows` rows of `items` bytes per layer; None for a pool without bytes."""
-        if self._region is None:
-            return None
-        regions = regions or [self._region]
-        return _core.PoolCore(self.layout, self.layer_num, rows, 1, items, regions)
+        """A core pool over the pool's bytes (and the scale region, for the KV + scale pair)
+        with `rows` rows of `items` bytes per layer, checked against this pool's spec."""
+        regions = regions or [self._bytes()]
+        return _core.HostPool.from_geometry(
+            self.layout, self.layer_num, rows, 1, items, regions, spec=self._spec
+        )
 
     def _binding(self, core, items: list[int], index_map, buffers=None):
         """`core`'s device side: per plane, every layer's device buffer as rows of that plane's
@@ -308,7 +314,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         L = self.layer_num
         return _core.DeviceBinding(
             core,
-            self._spec,
             planes,
             list(range(L)),
             L,
@@ -336,16 +341,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         """Per-layer page-row buffers for PD direct-to-host transfer (layer_first only: the page
         layouts have no per-layer host buffers, SGLang fails there on `data_ptrs = None`)."""
         self._require_live()
-        return self._spec.contiguous_buf_infos(self._base)
+        return self._pool.contiguous_buf_infos()
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.layout not in ("page_first", "page_first_direct") or self.kv_buffer is None:
+        if self.kv_buffer is None:
             return False
-        page_bytes = self._spec.plane_nbytes[0] // max(self._spec.page_num, 1)
-        return (
-            self.kv_buffer.data_ptr() % page_size_bytes == 0 and page_bytes % page_size_bytes == 0
-        )
+        return self._pool.is_stride_page_aligned(page_size_bytes)
 
     # ---- slot allocator (page-row units, lazy release, no used-tracking) --------------------
 
@@ -414,9 +416,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         )
         region = None
         if nbytes > 0:
-            granularity = SIB if self.layout == "layer_first" else L * SIB
+            # Scale rows have the page rows' geometry with their own row size.
+            scales = _core.PoolSpec("v4_paged", self.layout, L, Nh, self.slot_page_size, [SIB], 1)
             _, region = _memory.alloc_pool_memory(
-                self.allocator, torch.uint8, (nbytes,), self.pin_memory, granularity
+                self.allocator, torch.uint8, (nbytes,), self.pin_memory, scales.registration_unit(0)
             )
 
         if self.layout == "layer_first":
@@ -632,7 +635,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def get_page_buffer_meta(self, indices):
         self._require_live()
-        return self._spec.page_meta([self._base], index_list(indices))
+        return self._pool.page_meta(index_list(indices))
 
     # ---- teardown -----------------------------------------------------------------------------
 

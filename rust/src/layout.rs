@@ -201,7 +201,7 @@ impl PlaneLayout {
     }
 
     /// Checked form of [`offset_unchecked`](Self::offset_unchecked) for callers outside the hot
-    /// path (Python's `PoolCore.offset`).
+    /// path (Python's `HostPool.offset`).
     pub fn offset(&self, row: u64, layer: u64, head: u64) -> Result<u64> {
         if row >= self.rows {
             return Err(Error::transfer(format!(

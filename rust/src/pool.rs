@@ -354,6 +354,83 @@ impl PoolSpec {
         Ok(self.route(io_backend, shown, Transfer::Slots)?.backend)
     }
 
+    // ---- memory ----------------------------------------------------------------------------
+
+    /// The tensors the pool allocates (their element shapes) and, per plane, which allocation
+    /// holds it at which byte offset. MHA keeps K and V in one allocation, V right after K;
+    /// page_unified's planes are components of one block (both at offset 0); asymmetric MHA
+    /// has one allocation per plane.
+    pub fn allocations(&self) -> (Vec<Vec<u64>>, Vec<(usize, u64)>) {
+        match (self.kind, self.layout) {
+            (PoolKind::Mha, Layout::PageUnified) => (vec![self.shape(0)], vec![(0, 0), (0, 0)]),
+            (PoolKind::Mha, _) => {
+                let mut both = self.shape(0);
+                both.insert(0, 2);
+                (vec![both], vec![(0, 0), (0, self.planes[0].nbytes)])
+            }
+            (PoolKind::AsymmetricMha, _) => {
+                (vec![self.shape(0), self.shape(1)], vec![(0, 0), (1, 0)])
+            }
+            (PoolKind::Mla | PoolKind::V4Paged, _) => (vec![self.shape(0)], vec![(0, 0)]),
+        }
+    }
+
+    /// Bytes of one page of `plane`, all layers (page_unified: the fused page block); 0 for a
+    /// pool of no pages.
+    fn page_bytes(&self, plane: usize) -> u64 {
+        self.planes[plane]
+            .nbytes
+            .checked_div(self.page_num())
+            .unwrap_or(0)
+    }
+
+    /// Bytes a chunked CUDA host registration of `allocation` must not split, because one copy
+    /// moves them as a unit (0: any split is fine). The page-major layouts copy a page of every
+    /// layer; V4 a page row (layer_first: a row of one layer); layer_first and page_head MHA /
+    /// MLA copy rows of one layer.
+    pub fn registration_unit(&self, allocation: usize) -> u64 {
+        let plane = match self.kind {
+            PoolKind::AsymmetricMha => allocation,
+            _ => 0,
+        };
+        match (self.kind, self.layout) {
+            (PoolKind::V4Paged, Layout::LayerFirst) => self.item_bytes(0),
+            (PoolKind::V4Paged, _) => self.layers * self.item_bytes(0),
+            (_, Layout::PageFirst | Layout::PageFirstDirect | Layout::PageUnified) => {
+                self.page_bytes(plane)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Bytes from one page to the next, per plane, for the layouts whose
+    /// `is_stride_page_aligned` SGLang answers from the page stride (None: it answers False).
+    pub fn page_strides(&self) -> Option<Vec<u64>> {
+        let strided = match self.kind {
+            PoolKind::Mha => !matches!(self.layout, Layout::LayerFirst | Layout::PageUnified),
+            _ => matches!(self.layout, Layout::PageFirst | Layout::PageFirstDirect),
+        };
+        strided.then(|| (0..self.planes.len()).map(|p| self.page_bytes(p)).collect())
+    }
+
+    /// The dim of a plane's tensor whose entries are SGLang's per-layer views (`k_data_refs`,
+    /// `data_refs`): 1 where it transposes a page-major tensor to `[layer, page, ...]`
+    /// (page_first; MHA page_first_direct on releases that transpose it, `transpose_direct`),
+    /// else 0 (for the other page-major layouts dim 0 is the page: SGLang builds those views
+    /// anyway and never reads them); None where no per-layer view exists (MHA page_unified).
+    pub fn layer_view_dim(&self, transpose_direct: bool) -> Option<usize> {
+        match (self.kind, self.layout) {
+            (PoolKind::Mha | PoolKind::AsymmetricMha, Layout::PageUnified) => None,
+            (_, Layout::PageFirst) => Some(1),
+            (PoolKind::Mha | PoolKind::AsymmetricMha, Layout::PageFirstDirect)
+                if transpose_direct =>
+            {
+                Some(1)
+            }
+            _ => Some(0),
+        }
+    }
+
     // ---- L3 pages --------------------------------------------------------------------------
 
     /// Layouts whose page pointers assume a page-aligned first slot.
@@ -853,6 +930,59 @@ mod tests {
     fn spec(kind: PoolKind, layout: &str, dims: &[usize]) -> PoolSpec {
         // 5 layers, 3 pages of 4 tokens, 2 heads, bf16 (V4: 3 rows of slot page 4).
         PoolSpec::new(kind, layout, 5, 12, 4, 2, dims, 2, 1, 0, "c4").unwrap()
+    }
+
+    #[test]
+    fn allocations_registration_units_and_layer_views() {
+        use PoolKind::*;
+        // 5 layers x 4 tokens x 2 heads x 8 dims x bf16: a page of one plane is 640 bytes.
+        let mha = |layout| spec(Mha, layout, &[8, 8]);
+        let lf = mha("layer_first");
+        let (shapes, planes) = lf.allocations();
+        assert_eq!(shapes, vec![vec![2, 5, 12, 2, 8]]);
+        assert_eq!(planes, vec![(0, 0), (0, 5 * 12 * 32)]);
+        assert_eq!(lf.registration_unit(0), 0);
+        assert_eq!(lf.page_strides(), None);
+        assert_eq!(lf.layer_view_dim(true), Some(0));
+        let pf = mha("page_first");
+        assert_eq!(pf.registration_unit(0), 640);
+        assert_eq!(pf.page_strides(), Some(vec![640, 640]));
+        assert_eq!(pf.layer_view_dim(false), Some(1));
+        let direct = mha("page_first_direct");
+        assert_eq!(direct.layer_view_dim(false), Some(0));
+        assert_eq!(direct.layer_view_dim(true), Some(1));
+        let head = mha("page_head");
+        assert_eq!(
+            (head.registration_unit(0), head.page_strides()),
+            (0, Some(vec![640, 640]))
+        );
+        let unified =
+            PoolSpec::grouped(Mha, "page_unified", 5, 12, 4, 2, 2, &[8, 8], 2, 1, 0, "").unwrap();
+        let (shapes, planes) = unified.allocations();
+        assert_eq!((shapes.len(), planes), (1, vec![(0, 0), (0, 0)]));
+        // The fused block: both components of every layer of one page.
+        assert_eq!(unified.registration_unit(0), 2 * 640);
+        assert_eq!(
+            (unified.page_strides(), unified.layer_view_dim(true)),
+            (None, None)
+        );
+        let asym = spec(AsymmetricMha, "page_first_direct", &[8, 4]);
+        let (shapes, planes) = asym.allocations();
+        assert_eq!(shapes.len(), 2);
+        assert_eq!(planes, vec![(0, 0), (1, 0)]);
+        assert_eq!(
+            (asym.registration_unit(0), asym.registration_unit(1)),
+            (640, 320)
+        );
+        let mla = spec(Mla, "page_first_direct", &[8]);
+        assert_eq!(mla.layer_view_dim(true), Some(0));
+        assert_eq!(mla.registration_unit(0), 5 * 4 * 16);
+        assert_eq!(spec(Mla, "layer_first", &[8]).page_strides(), None);
+        // V4: page rows of 7 bytes; layer_first must not split one row, the others one page row.
+        let v4 = |layout| PoolSpec::new(V4Paged, layout, 5, 3, 4, 1, &[7], 1, 1, 0, "").unwrap();
+        assert_eq!(v4("layer_first").registration_unit(0), 7);
+        assert_eq!(v4("page_first").registration_unit(0), 35);
+        assert_eq!(v4("page_first_direct").page_strides(), Some(vec![35]));
     }
 
     #[test]

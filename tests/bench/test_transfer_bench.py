@@ -15,7 +15,7 @@ Cases (group = kind/layout/backend/case; variants inside a group: pool, core, to
 * backup-8L, backup-61L: one backup_from_device_all_layer call of 8 pages;
 * row-load, row-backup-61L: page size 1, one token (one layer / all 61 layers): the fixed cost.
 
-`core` is the same call on the pool's Rust core (`PoolCore.load/backup`) with the arguments the
+`core` is the same call on the pool's Rust core (`HostPool.load/backup`) with the arguments the
 pool would pass, so pool - core is the Python glue; `torch` is what a Python pool would write
 (`host[h] = dev[d]` per layer and plane, on the pool's own buffer views); `copy` is one
 `dst.copy_(src)` of the same number of bytes.

@@ -203,13 +203,13 @@ def test_destroy_racing_transfers_leaves_cuda_healthy():
 @pytest.mark.parametrize("backend", ["direct", "kernel"])
 def test_copies_across_registration_chunk_seams(backend):
     L, S, P, item = 4, 512, 16, 80  # 160 KiB per layer: several 64 KiB chunks per layer
-    nbytes = _core.PoolCore.plane_nbytes("layer_first", L, S, P, item)
+    nbytes = _core.HostPool.plane_nbytes("layer_first", L, S, P, item)
     region = _core.HostRegion(nbytes)
     region.register_cuda(0, 64 << 10)  # no granularity: capped, page-aligned chunks
     ranges = region.registered_ranges
     assert len(ranges) > 2 and max(n for _, n in ranges) <= 64 << 10, ranges
     assert torch.frombuffer(region, dtype=torch.uint8).is_pinned()
-    core = _core.PoolCore("layer_first", L, S, P, [item], [region])
+    core = _core.HostPool.from_geometry("layer_first", L, S, P, [item], [region])
     dev = [torch.randint(0, 256, (S, item), dtype=torch.uint8, device="cuda") for _ in range(L)]
     host = np.frombuffer(region, dtype=np.uint8).reshape(L, S, item)
     host[:] = 0
@@ -358,11 +358,11 @@ def test_smoke_items_that_are_not_a_multiple_of_8_through_the_raw_kernel_path(la
     against the CPU engine on the same indices: byte-exact, and nothing outside the rows."""
     L, S, P, dev_rows = 3, 64, 4, 48
     heads = 3 if layout == "page_head" and item % 3 == 0 else 1
-    nbytes = _core.PoolCore.plane_nbytes(layout, L, S, P, item)
+    nbytes = _core.HostPool.plane_nbytes(layout, L, S, P, item)
     region = _core.HostRegion(nbytes)
     region.register_cuda(0)
     host = np.frombuffer(region, dtype=np.uint8)
-    core = _core.PoolCore(layout, L, S, P, [item], [region], heads)
+    core = _core.HostPool.from_geometry(layout, L, S, P, [item], [region], heads)
     g = torch.Generator().manual_seed(item)
     dev_cpu = [
         torch.randint(0, 256, (dev_rows, item), dtype=torch.uint8, generator=g) for _ in range(L)
@@ -380,7 +380,7 @@ def test_smoke_items_that_are_not_a_multiple_of_8_through_the_raw_kernel_path(la
     _core.check_device_errors()
     # The same backup by the CPU engine into a second host plane is the oracle.
     want = torch.zeros(nbytes, dtype=torch.uint8)
-    ref = _core.PoolCore(layout, L, S, P, [item], [want], heads)
+    ref = _core.HostPool.from_geometry(layout, L, S, P, [item], [want], heads)
     ref.backup("kernel", [t.data_ptr() for t in dev_cpu], dev_rows, args(hi), args(di), "cpu", 0)
     assert np.array_equal(host, want.numpy()), "GPU backup differs from the CPU engine"
     assert want.count_nonzero() > 0, "nothing moved, so the test could not fail"

@@ -477,7 +477,7 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.random_(0, 256, generator=gen)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    core = _core.PoolCore("layer_first", 1, rows, 1, [item], [src])
+    core = _core.HostPool.from_geometry("layer_first", 1, rows, 1, [item], [src])
     h_idx = torch.randperm(rows, generator=gen)
     d_idx = torch.randperm(rows, generator=gen)
     h_arg = (h_idx.data_ptr(), rows, 8, False)
@@ -510,7 +510,7 @@ def _foundation_gather(ctx: Context, item: int) -> dict:
 
 
 def _foundation_core_calls(ctx: Context) -> list[dict]:
-    """One page through `PoolCore` directly, with arguments prepared once: what a one-page call
+    """One page through `HostPool` directly, with arguments prepared once: what a one-page call
     costs without the Python pool around it. Same geometry as the MHA layer_first/kernel cells
     (first MHA item size), so the gap to their pages=1 rows is the pool's Python overhead."""
     import torch
@@ -522,7 +522,7 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
     rows = 4 * P
     host = [torch.zeros(L * rows * item, dtype=torch.uint8) for _ in range(2)]
     dev = [[torch.zeros(rows * item, dtype=torch.uint8) for _ in range(L)] for _ in range(2)]
-    core = _core.PoolCore("layer_first", L, rows, P, [item, item], host)
+    core = _core.HostPool.from_geometry("layer_first", L, rows, P, [item, item], host)
     h_idx = torch.arange(P, 2 * P, dtype=torch.int64)
     d_idx = torch.arange(2 * P, 3 * P, dtype=torch.int64)
     h_arg = (h_idx.data_ptr(), P, 8, False)
@@ -551,7 +551,7 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
         secs, copy_secs = median(times["pool"]), median(times["copy"])
         out.append(
             {
-                "what": f"PoolCore.{op}, 1 page, layer_first/kernel",
+                "what": f"HostPool.{op}, 1 page, layer_first/kernel",
                 "op": op,
                 "item_bytes": item,
                 "bytes": nbytes,
@@ -565,9 +565,9 @@ def _foundation_core_calls(ctx: Context) -> list[dict]:
 
 
 def raw_calls_available() -> bool:
-    """Whether this build has the raw PoolCore.load/backup the engine rows time: the release wheel
+    """Whether this build has the raw HostPool.load/backup the engine rows time: the release wheel
     leaves them out (cargo feature raw-calls), and the bench then runs without those rows."""
-    return hasattr(_core.PoolCore, "load") and hasattr(_core.PoolCore, "backup")
+    return hasattr(_core.HostPool, "load") and hasattr(_core.HostPool, "backup")
 
 
 def measure_foundation(ctx: Context) -> None:
@@ -585,7 +585,7 @@ def measure_foundation(ctx: Context) -> None:
             ctx.foundation.extend(_foundation_core_calls(ctx))
     else:
         ctx.notes.append(
-            "no engine gather / PoolCore rows: this build has no raw PoolCore.load/backup "
+            "no engine gather / HostPool rows: this build has no raw HostPool.load/backup "
             "(cargo feature raw-calls; the release wheel leaves them out)"
         )
     m = ctx.matrix

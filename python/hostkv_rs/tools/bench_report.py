@@ -90,7 +90,7 @@ def format_table(report: dict) -> str:
                     f"(x{ratio:.2f})" if ratio is not None else f"({NA})"
                 )
             line = f"  {f['what']:<44} {size_text(f['bytes']):>9} {f['gbps']:7.2f} GB/s  vs {other}"
-            if f["what"].startswith("PoolCore."):
+            if f["what"].startswith("HostPool."):
                 line += f"  {f['us_per_call']:.1f} us/call"
                 pool = _pool_row(report, f["op"], f["item_bytes"])
                 if pool is not None:

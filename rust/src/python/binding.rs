@@ -22,8 +22,8 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::args;
-use super::core::PyPoolCore;
 use super::errors::to_py;
+use super::host_pool::PyHostPool;
 use super::spec::PyPoolSpec;
 use crate::config;
 use crate::engine::{self, CopyEngine};
@@ -139,7 +139,7 @@ pub struct PyDeviceBinding {
     /// None once the pool is destroyed. Same lock order as `checked`: held only to copy or take
     /// the reference, never while Python runs (the core is dropped after the lock is released,
     /// because dropping it can run Python finalizers and release the GIL).
-    core: Mutex<Option<Py<PyPoolCore>>>,
+    core: Mutex<Option<Py<PyHostPool>>>,
     spec: Py<PyPoolSpec>,
     /// The pool's class name, for the destroyed-pool refusal.
     name: String,
@@ -407,7 +407,7 @@ impl PyDeviceBinding {
         result.map_err(|e| to_py(py, e))
     }
 
-    fn live_core(&self, py: Python<'_>) -> PyResult<Py<PyPoolCore>> {
+    fn live_core(&self, py: Python<'_>) -> PyResult<Py<PyHostPool>> {
         let core = self
             .core
             .lock()
@@ -425,7 +425,7 @@ impl PyDeviceBinding {
     fn run(
         &self,
         py: Python<'_>,
-        core: &PyPoolCore,
+        core: &PyHostPool,
         backend: Backend,
         op: Op,
         ptrs: Vec<u64>,
@@ -574,11 +574,11 @@ impl PyDeviceBinding {
     /// `planes`: per plane, the device layer tensors (owned target layers in host order, then
     /// one per packed draft). `like`: per plane, `(dtype, (heads, head_dim) or None)`.
     #[new]
-    #[pyo3(signature = (core, spec, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None))]
+    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        core: Option<Py<PyPoolCore>>,
-        spec: Py<PyPoolSpec>,
+        py: Python<'_>,
+        pool: Py<PyHostPool>,
         planes: Vec<Vec<Py<PyAny>>>,
         owned_slots: Vec<i64>,
         device_layer_num: i64,
@@ -590,21 +590,15 @@ impl PyDeviceBinding {
         index_map: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
-        // Device rows are checked against the rows the core addresses (the spec's, except for
+        // Device rows are checked against the rows the pool addresses (its spec's, except for
         // the V4 pool's finer C4 token rows and its KV + indexer-scale pair).
-        let item_bytes: Vec<u64> = match &core {
-            Some(core) => core
-                .get()
-                .geom
-                .item_bytes
-                .iter()
-                .map(|&b| b as u64)
-                .collect(),
-            None => {
-                let s = &spec.get().spec;
-                (0..s.planes().len()).map(|p| s.item_bytes(p)).collect()
-            }
-        };
+        let host = pool.get();
+        let item_bytes: Vec<u64> = host.geom.item_bytes.iter().map(|&b| b as u64).collect();
+        let spec = host.spec.as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what}: the host pool has no PoolSpec to check (layout, io_backend) pairs by"
+            ))
+        })?;
         if planes.len() != item_bytes.len() {
             return Err(PyValueError::new_err(format!(
                 "{what}: {} planes of device layers for a host pool of {}",
@@ -626,14 +620,14 @@ impl PyDeviceBinding {
             host_layers.as_deref(),
             what,
         )
-        .map_err(|e| Python::attach(|py| to_py(py, e)))?;
+        .map_err(|e| to_py(py, e))?;
         let tensors: Vec<Py<PyAny>> = planes.into_iter().flatten().collect();
         let like = like
             .into_iter()
             .map(|(dtype, split)| Like { dtype, split })
             .collect();
         Ok(Self {
-            core: Mutex::new(core),
+            core: Mutex::new(Some(pool)),
             spec,
             name: name.to_owned(),
             what: what.to_owned(),

@@ -5,8 +5,8 @@
 
 mod args;
 mod binding;
-mod core;
 mod errors;
+mod host_pool;
 mod memory;
 #[cfg(feature = "raw-calls")]
 mod raw;
@@ -96,7 +96,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<region::PyHostRegion>()?;
-    m.add_class::<core::PyPoolCore>()?;
+    m.add_class::<host_pool::PyHostPool>()?;
     m.add_class::<spec::PyPoolSpec>()?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
     m.add_class::<unified::PyPageUnifiedLayout>()?;

@@ -1,4 +1,4 @@
-//! The raw entry points `PoolCore.load/backup` (cargo feature `raw-calls`): device layers and
+//! The raw entry points `HostPool.load/backup` (cargo feature `raw-calls`): device layers and
 //! index arrays as integer addresses, for tests and benchmarks that drive the core directly. A
 //! wrong address is a crash, so the release wheel leaves them out; pools go through
 //! `DeviceBinding`, which takes tensors.
@@ -6,13 +6,13 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::core::PyPoolCore;
 use super::errors::{to_py, transfer_err};
+use super::host_pool::PyHostPool;
 use crate::config::CpuEngine;
 use crate::engine::{self, CopyEngine};
 use crate::request::{Backend, IndexArray, IndexMap, IndexWidth, Op};
 
-impl PyPoolCore {
+impl PyHostPool {
     /// A host layer id from Python; a negative one is out of range like a too large one.
     pub(crate) fn host_layer_arg(&self, py: Python<'_>, host_layer: i64) -> PyResult<usize> {
         usize::try_from(host_layer).map_err(|_| {

@@ -119,34 +119,30 @@ impl PyPoolSpec {
             .map_err(|e| to_py(py, e))
     }
 
-    /// `get_page_buffer_meta`: (pointers, sizes) for the pages `indices` lists (every page's
-    /// first slot; logical slots under DCP), given each plane's host address.
-    fn page_meta(
-        &self,
-        py: Python<'_>,
-        bases: Vec<u64>,
-        indices: Vec<i64>,
-    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
-        self.check_bases(&bases)?;
-        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
-        self.spec
-            .page_meta(&bases, &starts)
-            .map_err(|e| to_py(py, e))
+    /// The tensors the pool allocates, as element shapes (MHA: K and V in one; asymmetric MHA:
+    /// one each); `HostPool(spec, allocations)` takes them in this order.
+    #[getter]
+    fn allocation_shapes(&self) -> Vec<Vec<u64>> {
+        self.spec.allocations().0
     }
 
-    /// `get_split_heads_page_buffer_meta` (MHA page_head).
-    fn split_heads_meta(
-        &self,
-        py: Python<'_>,
-        bases: Vec<u64>,
-        indices: Vec<i64>,
-        split_factor: u64,
-    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
-        self.check_bases(&bases)?;
-        let starts = self.spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
-        self.spec
-            .split_heads_meta(&bases, &starts, split_factor)
-            .map_err(|e| to_py(py, e))
+    /// Bytes a chunked CUDA host registration of allocation `allocation` must not split (0: any
+    /// split is fine).
+    fn registration_unit(&self, allocation: usize) -> PyResult<u64> {
+        let count = self.spec.allocations().0.len();
+        if allocation >= count {
+            return Err(PyValueError::new_err(format!(
+                "allocation {allocation} is out of range [0, {count})"
+            )));
+        }
+        Ok(self.spec.registration_unit(allocation))
+    }
+
+    /// The dim of a plane's tensor whose entries are SGLang's per-layer views (1: a transposed
+    /// page-major tensor), or None where the layout has none; `transpose_direct`: the release
+    /// transposes MHA page_first_direct too.
+    fn layer_view_dim(&self, transpose_direct: bool) -> Option<usize> {
+        self.spec.layer_view_dim(transpose_direct)
     }
 
     /// The page `index` names (`get_data_page`), as (offset, shape, strides) in elements from
@@ -155,18 +151,6 @@ impl PyPoolSpec {
         let start = self.spec.data_page_start(index).map_err(|e| to_py(py, e))?;
         let v = self.spec.page_view(start).map_err(|e| to_py(py, e))?;
         Ok((v.offset, u64s(&v.shape), u64s(&v.strides)))
-    }
-
-    /// `get_contiguous_buf_infos` (MLA, V4) for a pool whose bytes start at `base`.
-    fn contiguous_buf_infos(
-        &self,
-        py: Python<'_>,
-        base: u64,
-    ) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
-        self.check_bases(&[base])?;
-        self.spec
-            .contiguous_buf_infos(base)
-            .map_err(|e| to_py(py, e))
     }
 }
 
@@ -177,25 +161,6 @@ impl PyPoolSpec {
                 "plane {plane} is out of range [0, {})",
                 self.spec.planes().len()
             )));
-        }
-        Ok(())
-    }
-
-    fn check_bases(&self, bases: &[u64]) -> PyResult<()> {
-        if bases.len() != self.spec.planes().len() {
-            return Err(PyValueError::new_err(format!(
-                "expected {} plane addresses, got {}",
-                self.spec.planes().len(),
-                bases.len()
-            )));
-        }
-        for (p, (&base, plane)) in bases.iter().zip(self.spec.planes()).enumerate() {
-            if base.checked_add(plane.nbytes).is_none() {
-                return Err(PyValueError::new_err(format!(
-                    "plane {p} address {base:#x} cannot hold {} bytes",
-                    plane.nbytes
-                )));
-            }
         }
         Ok(())
     }

@@ -1,4 +1,5 @@
-//! `_core.PoolCore`: one host pool's planes and the transfers between them and device layers.
+//! `_core.HostPool`: one host pool's planes, the spec they follow, and the transfers between them
+//! and device layers.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -6,9 +7,10 @@ use pyo3::prelude::*;
 #[cfg(feature = "raw-calls")]
 use super::args;
 use super::errors::{to_py, transfer_err};
-use super::memory::host_memory;
+use super::memory::{host_memory, HostMemory};
 #[cfg(feature = "raw-calls")]
 use super::raw::IndexArg;
+use super::spec::PyPoolSpec;
 use crate::engine::{CopyEngine, Unlock};
 use crate::layout::PlaneLayout;
 use crate::request::{Backend, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest};
@@ -22,16 +24,56 @@ impl Unlock for Gil<'_> {
     }
 }
 
-/// Geometry and transfers of one host pool (1 or 2 planes).
-#[pyclass(frozen, module = "hostkv_rs._core", name = "PoolCore")]
-pub struct PyPoolCore {
+/// One host pool: its spec, its planes' memory and the transfers between them and device layers
+/// (1 or 2 planes).
+#[pyclass(frozen, module = "hostkv_rs._core", name = "HostPool")]
+pub struct PyHostPool {
     pub(crate) geom: HostGeometry,
     planes: Vec<PlaneLayout>,
+    /// The spec this pool follows: what its pair checks, page metadata and views answer by.
+    /// None for a geometry built row by row (`from_geometry` without a spec).
+    pub(crate) spec: Option<Py<PyPoolSpec>>,
     /// What keeps each plane's memory alive (see `memory`); never read, only held.
     _owners: Vec<Py<PyAny>>,
 }
 
-impl PyPoolCore {
+impl PyHostPool {
+    /// Checks each plane's memory against its layout and keeps its owner.
+    fn with_memory(
+        geom_of: impl FnOnce(Vec<u64>) -> HostGeometry,
+        planes: Vec<PlaneLayout>,
+        memory: Vec<HostMemory>,
+        spec: Option<Py<PyPoolSpec>>,
+    ) -> PyResult<Self> {
+        let mut addrs = Vec::with_capacity(planes.len());
+        let mut owners = Vec::with_capacity(planes.len());
+        for (p, (pl, mem)) in planes.iter().zip(memory).enumerate() {
+            if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
+                return Err(PyValueError::new_err(format!(
+                    "plane {p} memory of {} bytes at {:#x} cannot hold {} bytes",
+                    mem.len, mem.addr, pl.nbytes
+                )));
+            }
+            addrs.push(mem.addr);
+            owners.push(mem.owner);
+        }
+        Ok(Self {
+            geom: geom_of(addrs),
+            planes,
+            spec,
+            _owners: owners,
+        })
+    }
+
+    /// The spec, or the error a spec-less row geometry gives for a question only a spec answers.
+    fn spec_of(&self, what: &str) -> PyResult<&PyPoolSpec> {
+        self.spec.as_ref().map(|s| s.get()).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what}: this host pool was built without a PoolSpec"
+            ))
+        })
+    }
+
     /// Runs one transfer on `engine` (queued on `stream` for a CUDA engine); every argument is
     /// checked (by the planner or the kernel path's validation) before a byte moves.
     ///
@@ -76,11 +118,58 @@ impl PyPoolCore {
 }
 
 #[pymethods]
-impl PyPoolCore {
+impl PyHostPool {
+    /// The pool `spec` describes over `allocations`, the tensors (or `HostRegion`s) its
+    /// `allocations()` lists, in that order.
     #[new]
-    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, planes, head_num = 1))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
+        spec: Py<PyPoolSpec>,
+        allocations: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let s = &spec.get().spec;
+        let (shapes, placement) = s.allocations();
+        if allocations.len() != shapes.len() {
+            return Err(PyValueError::new_err(format!(
+                "this pool has {} allocation(s), got {}",
+                shapes.len(),
+                allocations.len()
+            )));
+        }
+        let mut memory = Vec::with_capacity(placement.len());
+        for (p, &(alloc, offset)) in placement.iter().enumerate() {
+            let pair = (allocations[alloc].clone(), offset).into_pyobject(py)?;
+            memory.push(host_memory(pair.as_any(), &format!("plane {p}"))?);
+        }
+        let planes = s.planes().to_vec();
+        let first = &planes[0];
+        let (layout, layers, rows, page) = (
+            first.layout,
+            first.layers as usize,
+            first.rows as usize,
+            first.page_size as usize,
+        );
+        let heads = first.heads as usize;
+        let items: Vec<usize> = planes.iter().map(|p| p.item as usize).collect();
+        let geom_of = move |plane_base| HostGeometry {
+            layout,
+            layers,
+            rows,
+            page_size: page,
+            heads,
+            item_bytes: items,
+            plane_base,
+        };
+        Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))
+    }
+
+    /// A pool of explicit row geometry (the V4 pool's finer C4 token rows and its KV + scale
+    /// pair, tests): each plane a `HostRegion`, a CPU tensor or `(owner, byte_offset)`; `spec`,
+    /// when given, is the pool whose (layout, io_backend) checks a binding over it applies.
+    #[staticmethod]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, planes, head_num = 1, *, spec = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_geometry(
         py: Python<'_>,
         layout: &str,
         num_layers: usize,
@@ -89,6 +178,7 @@ impl PyPoolCore {
         item_bytes: Vec<usize>,
         planes: Vec<Bound<'_, PyAny>>,
         head_num: usize,
+        spec: Option<Py<PyPoolSpec>>,
     ) -> PyResult<Self> {
         let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
         if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != planes.len() {
@@ -103,45 +193,84 @@ impl PyPoolCore {
                 "item_bytes must be positive (bytes of one row of one layer), got {item_bytes:?}"
             )));
         }
-        let mut layouts = Vec::with_capacity(item_bytes.len());
-        let mut plane_addrs = Vec::with_capacity(item_bytes.len());
-        let mut owners = Vec::with_capacity(item_bytes.len());
         // page_unified's planes (MHA's K and V) are components of one allocation: the same
         // memory is passed for each.
         let n = item_bytes.len();
+        let mut layouts = Vec::with_capacity(n);
+        let mut memory = Vec::with_capacity(n);
         for (p, (&item, plane)) in item_bytes.iter().zip(&planes).enumerate() {
             let pl = PlaneLayout::plane(layout, num_layers, rows, page_size, item, head_num, p, n)
                 .map_err(|e| to_py(py, e))?;
-            let mem = host_memory(plane, &format!("plane {p}"))?;
-            if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
-                return Err(PyValueError::new_err(format!(
-                    "plane {p} memory of {} bytes at {:#x} cannot hold {} bytes",
-                    mem.len, mem.addr, pl.nbytes
-                )));
-            }
             layouts.push(pl);
-            plane_addrs.push(mem.addr);
-            owners.push(mem.owner);
+            memory.push(host_memory(plane, &format!("plane {p}"))?);
         }
         let heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
             head_num
         } else {
             1
         };
-        let geom = HostGeometry {
+        let geom_of = move |plane_base| HostGeometry {
             layout,
             layers: num_layers,
             rows,
             page_size,
             heads,
             item_bytes,
-            plane_base: plane_addrs,
+            plane_base,
         };
-        Ok(Self {
-            geom,
-            planes: layouts,
-            _owners: owners,
-        })
+        Self::with_memory(geom_of, layouts, memory, spec)
+    }
+
+    /// The spec this pool follows (None for a row geometry built without one).
+    #[getter]
+    fn spec(&self, py: Python<'_>) -> Option<Py<PyPoolSpec>> {
+        self.spec.as_ref().map(|s| s.clone_ref(py))
+    }
+
+    /// `get_page_buffer_meta`: (pointers, sizes) into this pool's planes for the pages
+    /// `indices` lists (every page's first slot; logical slots under DCP).
+    fn page_meta(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        let spec = &self.spec_of("page_meta")?.spec;
+        let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        spec.page_meta(&self.geom.plane_base, &starts)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// `get_split_heads_page_buffer_meta` (MHA page_head).
+    fn split_heads_meta(
+        &self,
+        py: Python<'_>,
+        indices: Vec<i64>,
+        split_factor: u64,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        let spec = &self.spec_of("split_heads_meta")?.spec;
+        let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        spec.split_heads_meta(&self.geom.plane_base, &starts, split_factor)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// `get_contiguous_buf_infos` (MLA, V4) of this pool's bytes.
+    fn contiguous_buf_infos(&self, py: Python<'_>) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        let spec = &self.spec_of("contiguous_buf_infos")?.spec;
+        spec.contiguous_buf_infos(self.geom.plane_base[0])
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// SGLang's `is_stride_page_aligned`: every plane's start and page stride are multiples of
+    /// `page_size_bytes` (False for the layouts without a page stride).
+    fn is_stride_page_aligned(&self, page_size_bytes: u64) -> PyResult<bool> {
+        let spec = &self.spec_of("is_stride_page_aligned")?.spec;
+        if page_size_bytes == 0 {
+            return Err(PyValueError::new_err(
+                "page_size_bytes must be positive, got 0",
+            ));
+        }
+        Ok(spec.page_strides().is_some_and(|strides| {
+            strides
+                .iter()
+                .zip(&self.geom.plane_base)
+                .all(|(stride, base)| base % page_size_bytes == 0 && stride % page_size_bytes == 0)
+        }))
     }
 
     /// Bytes of one plane (`L * S * I`), with the same checks as the constructor.
