@@ -45,7 +45,7 @@ pub fn block_quota() -> Result<u32> {
         None => Ok(DEFAULT_BLOCK_QUOTA),
         Some(v) => match v.trim().parse::<u32>() {
             Ok(q) if (1..=65_535).contains(&q) => Ok(q),
-            _ => Err(Error::Unsupported(format!(
+            _ => Err(Error::unsupported(format!(
                 "HOSTKV_BLOCK_QUOTA must be an integer in [1, 65535], got {v:?}"
             ))),
         },

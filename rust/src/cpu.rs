@@ -50,8 +50,8 @@ fn threads_for(total: u64, piece: u64) -> usize {
 fn refuse_device_memory(plan: &Plan<'_>) -> Result<()> {
     match plan.device_memory() {
         DeviceMemory::Host => Ok(()),
-        DeviceMemory::Cuda => Err(Error::Unsupported(
-            "the CPU engine cannot reach CUDA device memory; run the transfer on CUDA".into(),
+        DeviceMemory::Cuda => Err(Error::unsupported(
+            "the CPU engine cannot reach CUDA device memory; run the transfer on CUDA",
         )),
     }
 }

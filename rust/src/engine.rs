@@ -3,7 +3,7 @@
 //! picks one when it checks its device tensors; every transfer then runs through it.
 
 use crate::config::CpuEngine;
-use crate::error::{Error, Result};
+use crate::error::{CudaError, Error, Result};
 use crate::request::{DeviceMemory, TransferRequest};
 use crate::{cpu, cuda, plan};
 
@@ -89,7 +89,9 @@ impl CopyEngine for Cuda {
             return unlock.unlocked(&mut || cuda::execute(req, stream));
         }
         match cuda::try_execute(req, stream) {
-            Err(Error::WouldBlock) => unlock.unlocked(&mut || cuda::execute(req, stream)),
+            Err(Error::Cuda(CudaError::WouldBlock)) => {
+                unlock.unlocked(&mut || cuda::execute(req, stream))
+            }
             other => other,
         }
     }

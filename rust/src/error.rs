@@ -1,6 +1,14 @@
 //! The core's errors, layered by where they come from, with the fields a caller may act on
-//! (which side, which position, which value, which bound; which driver call and code). The
-//! Python bindings map each to an exception in one place (`python/errors.rs`).
+//! (which side, which position, which value, which bound; which driver call and code; how many
+//! bytes):
+//! - [`LayoutError`]: a pool that cannot be built, or a (kind, layout, backend) it does not serve;
+//! - [`PlanError`]: a transfer refused before a byte moved (its indices, lengths, layers);
+//! - [`ArgError`]: any other refused argument, in SGLang's words and exception class;
+//! - [`MemError`]: host memory the OS would not map, bind or fault in;
+//! - [`CudaError`]: CUDA missing, a driver call failing, or the CUDA path refusing.
+//!
+//! Each converts into the one [`Error`] with `?`; the Python bindings map each to an exception in
+//! one place (`python/errors.rs`).
 
 use std::fmt;
 
@@ -31,7 +39,7 @@ impl fmt::Display for Side {
 /// A transfer refused before any byte moved (or, for `Changed`, stopped where an index array
 /// changed under it).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
-pub enum TransferError {
+pub enum PlanError {
     #[error("{side} index {value} at position {position} is negative")]
     Negative {
         side: Side,
@@ -113,15 +121,23 @@ pub struct DriverError {
     pub text: String,
 }
 
-#[derive(Debug, Error)]
-pub enum Error {
-    /// A layout/backend/op combination the pool does not support (Python raises ValueError).
+/// A pool that cannot be built, or a combination it does not serve (Python ValueError).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LayoutError {
+    /// The support table's refusal of a (kind, layout, io backend, transfer) cell, in SGLang's
+    /// words.
     #[error("{0}")]
     Unsupported(String),
-    /// Bad transfer arguments; nothing was written (Python `TransferError`).
-    #[error(transparent)]
-    Transfer(#[from] TransferError),
-    /// A bad argument that is not a transfer (Python ValueError).
+    /// Geometry that is malformed or whose byte size does not fit in 64 bits.
+    #[error("{0}")]
+    Geometry(String),
+}
+
+/// A refused argument that is neither geometry nor a transfer's indices, raised as the class
+/// SGLang raises for it.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ArgError {
+    /// Python ValueError.
     #[error("{0}")]
     Value(String),
     /// A page outside the pool (Python `PageIndexError`).
@@ -136,22 +152,47 @@ pub enum Error {
     /// What a pool kind does not offer (Python NotImplementedError).
     #[error("{0}")]
     NotImplemented(String),
-    /// Geometry whose byte size does not fit in 64 bits, or is otherwise malformed.
+}
+
+/// Host memory the OS refused (Python MemoryError).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum MemError {
+    #[error("cannot map {bytes} bytes: size overflows")]
+    Overflow { bytes: u64 },
+    #[error(
+        "could not map {bytes} bytes on {tier} hugepages (MAP_HUGETLB): {os}; reserve hugepages \
+         (vm.nr_hugepages) or use hugepage_mode='prefer'"
+    )]
+    Hugepages {
+        bytes: u64,
+        tier: &'static str,
+        os: String,
+    },
+    #[error("could not map {bytes} bytes of host memory (mmap): {os}")]
+    Map { bytes: u64, os: String },
+    #[error("could not bind {bytes} bytes of host memory to NUMA node {node} (mbind): {os}")]
+    Bind { bytes: u64, node: u32, os: String },
+    #[error("could not pre-fault {bytes} bytes of host memory (MADV_POPULATE_WRITE): {os}")]
+    Prefault { bytes: u64, os: String },
+    #[error("pre-touch thread failed")]
+    PretouchThread,
+    #[error("madvise(MADV_DONTFORK): {os}")]
+    DontFork { os: String },
+}
+
+/// The CUDA side (Python RuntimeError).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum CudaError {
+    /// CUDA is not usable here (no driver library, no device, a forked child, ...).
     #[error("{0}")]
-    Geometry(String),
-    /// mmap / madvise / mbind failures.
-    #[error("{0}")]
-    HostMemory(String),
-    /// CUDA is not usable here (no driver library, no device, ...).
-    #[error("{0}")]
-    CudaUnavailable(String),
+    Unavailable(String),
     /// A CUDA driver call failed.
     #[error(transparent)]
     Driver(#[from] DriverError),
     /// The CUDA path refused or failed for a reason of its own (a capturing stream, a bad
     /// device-resident index reported by the kernels, a wait that ran out, ...).
     #[error("{0}")]
-    Cuda(String),
+    Refused(String),
     /// Internal to the CUDA path (`cuda::try_execute`): the call would have to block (wait for
     /// the GPU, JIT the kernels, allocate or pin memory) and was asked not to; nothing was
     /// enqueued. The caller retries with the GIL released; it never reaches Python.
@@ -159,10 +200,63 @@ pub enum Error {
     WouldBlock,
 }
 
+/// Every error of the core: one layer each.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum Error {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Arg(#[from] ArgError),
+    #[error(transparent)]
+    Mem(#[from] MemError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+}
+
+impl From<DriverError> for Error {
+    fn from(e: DriverError) -> Self {
+        Self::Cuda(CudaError::Driver(e))
+    }
+}
+
+/// Shorthands for the text-only refusals, so call sites read as what they refuse.
 impl Error {
-    /// A transfer refusal with only a message (see [`TransferError::Other`]).
+    /// A transfer refusal with only a message (see [`PlanError::Other`]).
     pub fn transfer(message: impl Into<String>) -> Self {
-        Self::Transfer(TransferError::Other(message.into()))
+        Self::Plan(PlanError::Other(message.into()))
+    }
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::Layout(LayoutError::Unsupported(message.into()))
+    }
+    pub fn geometry(message: impl Into<String>) -> Self {
+        Self::Layout(LayoutError::Geometry(message.into()))
+    }
+    pub fn value(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::Value(message.into()))
+    }
+    pub fn page_index(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::PageIndex(message.into()))
+    }
+    pub fn layer_index(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::LayerIndex(message.into()))
+    }
+    pub fn assertion(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::Assertion(message.into()))
+    }
+    pub fn not_implemented(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::NotImplemented(message.into()))
+    }
+    pub fn cuda_unavailable(message: impl Into<String>) -> Self {
+        Self::Cuda(CudaError::Unavailable(message.into()))
+    }
+    pub fn cuda(message: impl Into<String>) -> Self {
+        Self::Cuda(CudaError::Refused(message.into()))
+    }
+    /// Whether this is the CUDA path's internal "would block" (never shown to Python).
+    pub fn would_block(&self) -> bool {
+        matches!(self, Self::Cuda(CudaError::WouldBlock))
     }
 }
 

@@ -18,7 +18,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, MemError, Result};
 
 const BASE_PAGE: usize = 4096;
 const MB2: usize = 2 << 20;
@@ -47,7 +47,7 @@ impl HugePage {
             "" => Ok(Self::None),
             "2MB" | "2M" | "2mb" => Ok(Self::Size2M),
             "1GB" | "1G" | "1gb" => Ok(Self::Size1G),
-            other => Err(Error::Unsupported(format!(
+            other => Err(Error::unsupported(format!(
                 "Unsupported hugepage size: {other:?}; expected '', '2MB' or '1GB'"
             ))),
         }
@@ -66,7 +66,7 @@ impl HugePageMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "prefer" | "" | "off" => Ok(Self::Prefer),
             "required" | "strict" => Ok(Self::Required),
-            other => Err(Error::Unsupported(format!(
+            other => Err(Error::unsupported(format!(
                 "Unsupported hugepage mode: {other:?}; expected 'prefer' or 'required'"
             ))),
         }
@@ -298,7 +298,7 @@ fn anon_huge_kb(addr: usize, len: usize) -> u64 {
 
 fn mbind(ptr: *mut u8, len: usize, node: u32) -> Result<()> {
     if !std::path::Path::new(&format!("/sys/devices/system/node/node{node}")).exists() {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::unsupported(format!(
             "NUMA node {node} does not exist on this host (see /sys/devices/system/node)"
         )));
     }
@@ -320,10 +320,12 @@ fn mbind(ptr: *mut u8, len: usize, node: u32) -> Result<()> {
         )
     };
     if rc != 0 {
-        return Err(Error::HostMemory(format!(
-            "could not bind {len} bytes of host memory to NUMA node {node} (mbind): {}",
-            errno_text()
-        )));
+        return Err(MemError::Bind {
+            bytes: len as u64,
+            node,
+            os: errno_text(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -385,9 +387,11 @@ unsafe fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Res
             }
             return Ok(());
         }
-        Err(Error::HostMemory(format!(
-            "could not pre-fault {n} bytes of host memory (MADV_POPULATE_WRITE): {err}"
-        )))
+        Err(MemError::Prefault {
+            bytes: n as u64,
+            os: err.to_string(),
+        }
+        .into())
     };
     let chunks = len.div_ceil(per);
     if threads == 1 || chunks == 1 {
@@ -415,7 +419,7 @@ unsafe fn pretouch(ptr: *mut u8, len: usize, page: usize, threads: usize) -> Res
         for h in handles {
             let r = h
                 .join()
-                .unwrap_or_else(|_| Err(Error::HostMemory("pre-touch thread failed".into())));
+                .unwrap_or_else(|_| Err(MemError::PretouchThread.into()));
             if result.is_ok() {
                 result = r;
             }
@@ -496,7 +500,11 @@ impl HostRegion {
     }
 
     fn map_ladder(nbytes: usize, opts: &RegionOptions) -> Result<(*mut u8, usize, Tier)> {
-        let too_big = || Error::HostMemory(format!("cannot map {nbytes} bytes: size overflows"));
+        let too_big = || {
+            Error::from(MemError::Overflow {
+                bytes: nbytes as u64,
+            })
+        };
         let huge = match opts.hugepage {
             HugePage::None => None,
             HugePage::Size2M => Some((MB2, libc::MAP_HUGE_2MB, Tier::Huge2M)),
@@ -508,11 +516,12 @@ impl HostRegion {
             match map(len, libc::MAP_HUGETLB | bits) {
                 Ok(p) => return Ok((p, len, tier)),
                 Err(e) if opts.mode == HugePageMode::Required => {
-                    return Err(Error::HostMemory(format!(
-                        "could not map {nbytes} bytes on {} hugepages (MAP_HUGETLB): {e}; reserve \
-                         hugepages (vm.nr_hugepages) or use hugepage_mode='prefer'",
-                        tier.name()
-                    )));
+                    return Err(MemError::Hugepages {
+                        bytes: nbytes as u64,
+                        tier: tier.name(),
+                        os: e.to_string(),
+                    }
+                    .into());
                 }
                 Err(_) => {}
             }
@@ -521,9 +530,10 @@ impl HostRegion {
         // Regions smaller than one hugepage cannot get one; they stay unaligned and unadvised.
         let thp = len >= MB2 && anon_thp_possible();
         let (p, advised) = map_private(len, thp).map_err(|e| {
-            Error::HostMemory(format!(
-                "could not map {nbytes} bytes of host memory (mmap): {e}"
-            ))
+            Error::from(MemError::Map {
+                bytes: nbytes as u64,
+                os: e.to_string(),
+            })
         })?;
         Ok((p, len, if advised { Tier::Thp } else { Tier::Base }))
     }
@@ -594,7 +604,7 @@ impl HostRegion {
         device: Option<i32>,
     ) -> Result<()> {
         if !crate::cuda::available() {
-            return Err(Error::CudaUnavailable(format!(
+            return Err(Error::cuda_unavailable(format!(
                 "cannot register host memory with CUDA: CUDA is not available ({})",
                 crate::cuda::runtime_info()
             )));
@@ -606,7 +616,7 @@ impl HostRegion {
         // Before registering: a fork between the two would leave a pinned copy-on-write range.
         if self.private {
             set_dontfork(self.ptr, self.map_len, true)
-                .map_err(|e| Error::HostMemory(format!("madvise(MADV_DONTFORK): {e}")))?;
+                .map_err(|e| MemError::DontFork { os: e.to_string() })?;
         }
         // SAFETY: `[addr, addr+nbytes)` is this region's own mapping, registered once (the lock
         // is held and `ranges` was empty). It stays mapped until `unregister_cuda` succeeds: the
@@ -837,7 +847,7 @@ mod tests {
         match HostRegion::new(1 << 20, opts) {
             Ok(r) => assert_eq!(r.tier(), Tier::Huge1G),
             Err(e) => {
-                assert!(matches!(e, Error::HostMemory(_)));
+                assert!(matches!(e, Error::Mem(_)));
                 assert!(e.to_string().contains("1GB hugepages"), "{e}");
             }
         }
@@ -1000,7 +1010,10 @@ mod tests {
         let r = HostRegion::new(4096, RegionOptions::default()).unwrap();
         if !crate::cuda::available() {
             let e = r.register_cuda(0, 1 << 30, None).unwrap_err();
-            assert!(matches!(e, Error::CudaUnavailable(_)));
+            assert!(matches!(
+                e,
+                Error::Cuda(crate::error::CudaError::Unavailable(_))
+            ));
             assert!(!r.pinned());
         }
     }

@@ -107,11 +107,11 @@ impl IndexMap {
     /// The map's own parameters: a DCP rank below a positive size, a positive page size.
     pub fn check(self) -> Result<()> {
         match self {
-            Self::Dcp { size, rank } if size == 0 || rank >= size => Err(Error::Value(format!(
+            Self::Dcp { size, rank } if size == 0 || rank >= size => Err(Error::value(format!(
                 "dcp_rank must lie in [0, dcp_size); got dcp_rank={rank}, dcp_size={size}"
             ))),
-            Self::PageRows { page: 0 } => Err(Error::Value(
-                "a page-row index map needs a positive page size, got 0".into(),
+            Self::PageRows { page: 0 } => Err(Error::value(
+                "a page-row index map needs a positive page size, got 0",
             )),
             _ => Ok(()),
         }
@@ -125,7 +125,7 @@ impl IndexMap {
             Self::Identity | Self::C4Value | Self::C4Scale => Ok(raw_len),
             Self::Dcp { size, .. } => {
                 if raw_len % size as usize != 0 {
-                    return Err(Error::Assertion(format!(
+                    return Err(Error::assertion(format!(
                         "HiCache DCP translation expects runs of whole widened pages; got \
                          {raw_len} logical slots with dcp_size={size}."
                     )));
@@ -168,7 +168,10 @@ mod tests {
             vec![4, 5]
         );
         let e = m.apply_all(&[1, 2, 3]).unwrap_err();
-        assert!(matches!(e, Error::Assertion(_)), "{e:?}");
+        assert!(
+            matches!(e, Error::Arg(crate::error::ArgError::Assertion(_))),
+            "{e:?}"
+        );
         assert!(e
             .to_string()
             .contains("got 3 logical slots with dcp_size=2"));

@@ -35,12 +35,12 @@ impl LayerMap {
         what: &str,
     ) -> Result<Self> {
         let Some(drafts) = positions.checked_sub(owned_slots.len()) else {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "{what}: every plane needs one tensor per owned layer and draft"
             )));
         };
         if owned_slots.len() > target_layer_num {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "{what}: {} owned layers do not fit {target_layer_num} host layers",
                 owned_slots.len()
             )));
@@ -49,7 +49,7 @@ impl LayerMap {
         // handed to one call, holding only some of the layers).
         if let Some(h) = host_layers {
             if h.len() != owned_slots.len() || h.iter().any(|&l| l >= target_layer_num) {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "{what}: host_layers {h:?} must name one host layer below \
                      {target_layer_num} per owned slot ({} slots)",
                     owned_slots.len()
@@ -92,7 +92,7 @@ impl LayerMap {
         }
         match self.drafts.get(&id) {
             Some(&entry) => Ok(Some(entry)),
-            None => Err(Error::LayerIndex(format!(
+            None => Err(Error::layer_index(format!(
                 "is_draft layer_id {id} is not a packed MTP draft layer: this host pool holds \
                  drafts at layer ids [{}, {})",
                 self.device_layer_num,
@@ -145,7 +145,10 @@ mod tests {
         assert_eq!(m.lookup(6, true).unwrap(), Some((2, 2)));
         assert_eq!(m.lookup(7, true).unwrap(), Some((3, 3)));
         let e = m.lookup(8, true).unwrap_err();
-        assert!(matches!(e, Error::LayerIndex(_)));
+        assert!(matches!(
+            e,
+            Error::Arg(crate::error::ArgError::LayerIndex(_))
+        ));
         assert!(e.to_string().contains("drafts at layer ids [6, 8)"), "{e}");
         assert_eq!(m.host_layer_num(), 4);
         assert!(m.complete());

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::request::Layout;
 
 fn geometry_overflow(what: &str) -> Error {
-    Error::Geometry(format!(
+    Error::geometry(format!(
         "host pool geometry overflows 64-bit byte offsets ({what})"
     ))
 }
@@ -96,16 +96,16 @@ impl PlaneLayout {
     ) -> Result<Self> {
         let shared = layout == Layout::PageUnified;
         if components == 0 || component >= components || (!shared && components != 1) {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "plane {component} of {components} sharing one allocation: only page_unified \
                  interleaves planes"
             )));
         }
         if page_size == 0 {
-            return Err(Error::Geometry("Page size must be positive".into()));
+            return Err(Error::geometry("Page size must be positive"));
         }
         if heads == 0 {
-            return Err(Error::Geometry("head_num must be positive".into()));
+            return Err(Error::geometry("head_num must be positive"));
         }
         let heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
             heads
@@ -118,7 +118,7 @@ impl PlaneLayout {
             } else {
                 ("head_num", "head")
             };
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "item size {item_bytes} bytes is not divisible by {name} {heads} ({} stores one \
                  segment of item_size / {name} bytes per {unit})",
                 layout.name()
@@ -129,7 +129,7 @@ impl PlaneLayout {
             Layout::PageFirstDirect | Layout::PageHead | Layout::PageUnified
         ) && rows % page_size != 0
         {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "{} needs whole pages: rows={rows} is not a multiple of page_size={page_size}",
                 layout.name()
             )));
@@ -498,7 +498,10 @@ mod tests {
     #[test]
     fn overflow_is_an_error() {
         let e = PlaneLayout::new(Layout::LayerFirst, 1 << 20, 1 << 30, 1, 1 << 20, 1).unwrap_err();
-        assert!(matches!(e, Error::Geometry(_)), "{e:?}");
+        assert!(
+            matches!(e, Error::Layout(crate::error::LayoutError::Geometry(_))),
+            "{e:?}"
+        );
         assert!(e.to_string().contains("overflows"));
         assert!(plane_nbytes(Layout::PageFirst, usize::MAX, 2, 1, 2, 1).is_err());
         // Big page with a tiny pool.

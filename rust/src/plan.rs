@@ -15,7 +15,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 pub use crate::error::Side;
-use crate::error::{Error, Result, TransferError};
+use crate::error::{Error, PlanError, Result};
 use crate::index_map::{IndexMap, MapParams};
 use crate::layout::PlaneLayout;
 use crate::request::{DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
@@ -72,7 +72,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     let device = req.device();
     let nplanes = g.item_bytes.len();
     if nplanes == 0 || nplanes > 2 || g.plane_base.len() != nplanes {
-        return Err(Error::Geometry(format!(
+        return Err(Error::geometry(format!(
             "a host pool has 1 or 2 planes with one base address each; got {} item sizes and {} \
              base addresses",
             nplanes,
@@ -86,7 +86,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         && (g.item_bytes.iter().any(|&i| i != g.item_bytes[0])
             || g.plane_base.iter().any(|&b| b != g.plane_base[0]))
     {
-        return Err(Error::Geometry(format!(
+        return Err(Error::geometry(format!(
             "page_unified planes share one allocation: they need one base address and one item \
              size, got bases {:x?} and item sizes {:?}",
             g.plane_base, g.item_bytes
@@ -107,7 +107,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         if g.plane_base[p].checked_add(pl.nbytes).is_none()
             || (g.plane_base[p] == 0 && pl.nbytes > 0)
         {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "plane {p} base address {:#x} cannot hold {} bytes",
                 g.plane_base[p], pl.nbytes
             )));
@@ -119,7 +119,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         Op::Backup => (0, g.layers as u64),
         Op::BackupLayer { host_layer } | Op::Load { host_layer } => {
             if host_layer >= g.layers {
-                return Err(TransferError::LayerOutOfRange {
+                return Err(PlanError::LayerOutOfRange {
                     layer: host_layer as i64,
                     layers: g.layers,
                 }
@@ -139,7 +139,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     let (h, d) = (req.host_idx(), req.dev_idx());
     let (host_len, dev_len) = (h.count()?, d.count()?);
     if host_len != dev_len {
-        return Err(TransferError::LengthMismatch {
+        return Err(PlanError::LengthMismatch {
             host: host_len,
             device: dev_len,
         }
@@ -149,7 +149,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     // SGLang's direct ops (transfer_kv_direct and the page-first-direct pair) all refuse a
     // partial page; its kernels do not check.
     if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
-        return Err(TransferError::PartialPage {
+        return Err(PlanError::PartialPage {
             len,
             page_size: g.page_size,
         }
@@ -294,7 +294,7 @@ fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
     for position in 0..view.len() {
         let value = view.get(position);
         if value < 0 {
-            return Err(TransferError::Negative {
+            return Err(PlanError::Negative {
                 side,
                 position,
                 value,
@@ -302,7 +302,7 @@ fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
             .into());
         }
         if value as u64 >= bound {
-            return Err(TransferError::OutOfRange {
+            return Err(PlanError::OutOfRange {
                 side,
                 position,
                 value,
@@ -324,7 +324,7 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
     for k in 0..pages {
         let d = dev.get(k * p) as u64;
         if d + pu > dev_rows {
-            return Err(TransferError::PageOutsideDevice {
+            return Err(PlanError::PageOutsideDevice {
                 start: d,
                 position: k * p,
                 end: d + pu,
@@ -337,7 +337,7 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
         let first = k * p;
         let h0 = host.get(first);
         if h0 as u64 % pu != 0 {
-            return Err(TransferError::PageNotAligned {
+            return Err(PlanError::PageNotAligned {
                 page: k,
                 side: Side::Host,
                 value: h0 as u64,
@@ -349,7 +349,7 @@ fn check_pages(host: &IndexView<'_>, dev: &IndexView<'_>, p: usize, dev_rows: u6
         for (side, view) in [(Side::Host, host), (Side::Device, dev)] {
             let v0 = view.get(first);
             if let Some(j) = (1..p).find(|&j| view.get(first + j) != v0 + j as i64) {
-                return Err(TransferError::PageRunBroken {
+                return Err(PlanError::PageRunBroken {
                     page: k,
                     side,
                     value: view.get(first + j),
@@ -390,7 +390,7 @@ fn check_page_rows(req: &TransferRequest) -> Result<()> {
             let first = k * p;
             let v0 = view.get(first);
             if v0.rem_euclid(p as i64) != 0 {
-                return Err(TransferError::PageNotAligned {
+                return Err(PlanError::PageNotAligned {
                     page: k,
                     side,
                     value: v0 as u64,
@@ -400,7 +400,7 @@ fn check_page_rows(req: &TransferRequest) -> Result<()> {
                 .into());
             }
             if let Some(j) = (1..p).find(|&j| view.get(first + j) != v0 + j as i64) {
-                return Err(TransferError::PageRunBroken {
+                return Err(PlanError::PageRunBroken {
                     page: k,
                     side,
                     value: view.get(first + j),
@@ -907,7 +907,7 @@ impl<'a> Plan<'a> {
 }
 
 fn changed(side: Side, value: i64, position: usize) -> Error {
-    TransferError::Changed {
+    PlanError::Changed {
         side,
         position,
         value,
@@ -1475,7 +1475,7 @@ mod tests {
             &c,
             "page 1: device index 2 at position 5 breaks the run 3..7",
         );
-        assert!(matches!(e, Error::Transfer(_)));
+        assert!(matches!(e, Error::Plan(_)));
         c.dev_idx = vec![5, 6, 7, 8, 0, 1, 2, 3];
         c.host_idx = vec![4, 5, 9, 7, 12, 13, 14, 15];
         expect_err(&c, "page 0: host index 9 at position 2 breaks the run 4..8");
@@ -1547,7 +1547,7 @@ mod tests {
             &b,
             "Source and destination indices must have the same length",
         );
-        assert!(matches!(e, Error::Transfer(_)));
+        assert!(matches!(e, Error::Plan(_)));
 
         let mut b = c.clone();
         b.host_idx[2] = -3;
@@ -1577,7 +1577,10 @@ mod tests {
         let mut b = c.clone();
         b.layout = Layout::PageFirst;
         let e = expect_err(&b, "Unsupported layout: page_first");
-        assert!(matches!(e, Error::Unsupported(_)));
+        assert!(matches!(
+            e,
+            Error::Layout(crate::error::LayoutError::Unsupported(_))
+        ));
 
         // int32 values are sign-extended, so a negative int32 is reported as negative.
         let mut b = c.clone();
@@ -1642,7 +1645,10 @@ mod tests {
         parts.0.plane_base.pop();
         // SAFETY: a missing plane base is refused before any use; the rest is live.
         let req = unsafe { req_from(parts) };
-        assert!(matches!(build(&req).unwrap_err(), Error::Geometry(_)));
+        assert!(matches!(
+            build(&req).unwrap_err(),
+            Error::Layout(crate::error::LayoutError::Geometry(_))
+        ));
 
         // A request over CUDA memory plans (the direct backend streams its copies) but the CPU
         // engine refuses it.
@@ -1831,7 +1837,10 @@ mod tests {
             c.host_idx = vec![0, 1, 2, 3];
             c.dev_idx = vec![4, 5, 6, 7];
             let e = expect_err(&c, "Unsupported layout");
-            assert!(matches!(e, Error::Unsupported(_)));
+            assert!(matches!(
+                e,
+                Error::Layout(crate::error::LayoutError::Unsupported(_))
+            ));
         }
     }
 
@@ -1881,7 +1890,7 @@ mod tests {
             .for_each_copy(0..plan.units(), |_| {
                 calls += 1;
                 if calls == 3 {
-                    Err(Error::Cuda("stop".into()))
+                    Err(Error::cuda("stop"))
                 } else {
                     Ok(())
                 }

@@ -29,7 +29,7 @@ impl PoolKind {
             "mha_asymmetric" => Ok(Self::AsymmetricMha),
             "mla" => Ok(Self::Mla),
             "v4_paged" => Ok(Self::V4Paged),
-            other => Err(Error::Geometry(format!(
+            other => Err(Error::geometry(format!(
                 "unknown pool kind {other:?}; expected mha, mha_asymmetric, mla or v4_paged"
             ))),
         }
@@ -88,7 +88,7 @@ fn head_groups_of(kind: PoolKind, head_groups: usize) -> usize {
 }
 
 fn overflow(what: &str) -> Error {
-    Error::Geometry(format!(
+    Error::geometry(format!(
         "host pool geometry overflows 64-bit sizes ({what})"
     ))
 }
@@ -146,7 +146,7 @@ impl PoolSpec {
             PoolKind::Mla | PoolKind::V4Paged => 1,
         };
         if dims.len() != want {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "a {kind:?} pool has {want} plane(s), got {} dims",
                 dims.len()
             )));
@@ -157,7 +157,7 @@ impl PoolSpec {
             ("dcp_size", dcp_size),
         ] {
             if v == 0 {
-                return Err(Error::Geometry(format!("{what} must be positive, got 0")));
+                return Err(Error::geometry(format!("{what} must be positive, got 0")));
             }
         }
         // Slot numbers are Python ints read as i64: the pool's (logical) slots must fit one.
@@ -178,12 +178,12 @@ impl PoolSpec {
         // Per-layer answers (page metadata, buffer infos) have one entry per layer: a layer
         // count no model has would only exhaust memory building them.
         if layers > MAX_LAYERS {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "num_layers must lie in [0, {MAX_LAYERS}], got {layers}"
             )));
         }
         if dcp_rank >= dcp_size {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "dcp_rank must lie in [0, {dcp_size}), got {dcp_rank}"
             )));
         }
@@ -192,12 +192,12 @@ impl PoolSpec {
             PoolKind::Mla | PoolKind::V4Paged => 1,
         };
         if heads == 0 || dims.contains(&0) {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "head_num and every head dim must be positive, got head_num={heads}, dims={dims:?}"
             )));
         }
         if kind != PoolKind::V4Paged && rows % page_size != 0 {
-            return Err(Error::Geometry(format!(
+            return Err(Error::geometry(format!(
                 "the host pool holds whole pages: size={rows} is not a multiple of \
                  page_size={page_size}"
             )));
@@ -457,7 +457,7 @@ impl PoolSpec {
         if self.kind == PoolKind::V4Paged {
             let row = index.div_euclid(self.page_size as i64);
             if index < 0 || row as u64 >= self.rows {
-                return Err(Error::PageIndex(format!(
+                return Err(Error::page_index(format!(
                     "{} page index {index} out of range [0, {})",
                     self.name,
                     self.rows * self.page_size
@@ -469,12 +469,12 @@ impl PoolSpec {
         let (s, p) = (self.rows as i64, self.page_size as i64);
         if self.page_major() {
             if !(0..s).contains(&index) {
-                return Err(Error::PageIndex(format!(
+                return Err(Error::page_index(format!(
                     "page index {index} is outside the host pool [0, {s})"
                 )));
             }
         } else if !(0..=s - p).contains(&index) {
-            return Err(Error::PageIndex(format!(
+            return Err(Error::page_index(format!(
                 "page starting at slot {index} does not fit in the host pool of {s} slots"
             )));
         }
@@ -488,15 +488,13 @@ impl PoolSpec {
         }
         let lp = self.logical_page_size() as i64;
         if index < 0 || index % lp != 0 {
-            return Err(Error::Value(
-                "DCP L3 page start must be a nonnegative logical page boundary.".into(),
+            return Err(Error::value(
+                "DCP L3 page start must be a nonnegative logical page boundary.",
             ));
         }
         let logical = (self.rows * self.dcp_size) as i64;
         if index.checked_add(lp).is_none_or(|end| end > logical) {
-            return Err(Error::PageIndex(
-                "DCP L3 page is outside the host pool.".into(),
-            ));
+            return Err(Error::page_index("DCP L3 page is outside the host pool."));
         }
         Ok(index / self.dcp_size as i64)
     }
@@ -507,7 +505,7 @@ impl PoolSpec {
         let n = indices.len() as u64;
         if self.kind == PoolKind::V4Paged {
             if n % self.page_size != 0 {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "{} get_page_buffer_meta needs whole pages: got {n} indices for page size {}",
                     self.name, self.page_size
                 )));
@@ -521,7 +519,7 @@ impl PoolSpec {
         if self.dcp_size != 1 {
             let lp = self.logical_page_size();
             if n % lp != 0 {
-                return Err(Error::Assertion(format!(
+                return Err(Error::assertion(format!(
                     "{n} indices is not a multiple of the logical page size {lp}"
                 )));
             }
@@ -533,7 +531,7 @@ impl PoolSpec {
         }
         let p = self.page_size;
         if n % p != 0 {
-            return Err(Error::Assertion(format!(
+            return Err(Error::assertion(format!(
                 "{n} indices is not a multiple of the page size {p}"
             )));
         }
@@ -541,12 +539,12 @@ impl PoolSpec {
         let mut out = Vec::with_capacity((n / p) as usize);
         for &t in indices.iter().step_by(p as usize) {
             if !(0..=s - p as i64).contains(&t) {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "page starting at slot {t} does not fit in the host pool of {s} slots"
                 )));
             }
             if self.page_major() && t as u64 % p != 0 {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "slot {t} is not the first slot of a page (page size {p})"
                 )));
             }
@@ -619,7 +617,7 @@ impl PoolSpec {
     /// them: those calls refuse the layout, as there.
     fn refuse_unified(&self) -> Result<()> {
         if self.layout == Layout::PageUnified {
-            return Err(Error::Value("Unsupported layout: page_unified".into()));
+            return Err(Error::value("Unsupported layout: page_unified"));
         }
         Ok(())
     }
@@ -633,13 +631,13 @@ impl PoolSpec {
         split_factor: u64,
     ) -> Result<(Vec<u64>, Vec<u64>)> {
         if self.kind != PoolKind::Mha || self.layout != Layout::PageHead {
-            return Err(Error::Assertion(format!(
+            return Err(Error::assertion(format!(
                 "get_split_heads_page_buffer_meta requires layout='page_head', got {}",
                 self.layout.name()
             )));
         }
         if split_factor == 0 || self.heads % split_factor != 0 {
-            return Err(Error::Assertion(format!(
+            return Err(Error::assertion(format!(
                 "head_num ({}) must be a multiple of split_factor ({split_factor})",
                 self.heads
             )));
@@ -677,11 +675,10 @@ impl PoolSpec {
         let page = start / p;
         let view =
             match (self.kind, self.layout) {
-                (PoolKind::AsymmetricMha, _) => return Err(Error::NotImplemented(
+                (PoolKind::AsymmetricMha, _) => return Err(Error::not_implemented(
                     "Models with head_dim != v_head_dim do not support the flat-page interface \
                      used by HiCache L3 storage backends {hf3fs, eic, nixl}. Use a backend that \
-                     does not use this interface (e.g. mooncake, simm)."
-                        .into(),
+                     does not use this interface (e.g. mooncake, simm).",
                 )),
                 (PoolKind::V4Paged, Layout::LayerFirst) => PageView {
                     offset: start * w,
@@ -757,7 +754,7 @@ impl PoolSpec {
                 vec![s * t; l as usize],
                 vec![t; l as usize],
             )),
-            (PoolKind::V4Paged, layout) => Err(Error::Value(format!(
+            (PoolKind::V4Paged, layout) => Err(Error::value(format!(
                 "{} get_contiguous_buf_infos requires layer_first layout, got {}",
                 self.name,
                 layout.name()
@@ -773,7 +770,7 @@ impl PoolSpec {
                 };
                 if dim0 < l {
                     // SGLang fails indexing kv_buffer[l] there.
-                    return Err(Error::Value(format!(
+                    return Err(Error::value(format!(
                         "get_contiguous_buf_infos: kv_buffer has {dim0} entries along dim 0 but \
                          the pool has {l} layers (layout {:?})",
                         layout.name()
@@ -785,8 +782,8 @@ impl PoolSpec {
                     vec![t * p; l as usize],
                 ))
             }
-            _ => Err(Error::Value(
-                "get_contiguous_buf_infos is defined for MLA and DeepSeek V4 pools".into(),
+            _ => Err(Error::value(
+                "get_contiguous_buf_infos is defined for MLA and DeepSeek V4 pools",
             )),
         }
     }
@@ -818,26 +815,26 @@ pub mod unified {
             ("itemsize", fields[5]),
         ];
         if let Some((name, _)) = named.iter().find(|(_, v)| *v <= 0) {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "{name} must be positive: {}",
                 repr(&named, mla)
             )));
         }
         let [_, _, heads, groups, dim, itemsize] = fields;
         if heads % groups != 0 {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "head_group_num={groups} must divide the pool's {heads} kv heads."
             )));
         }
         if mla && (groups != 1 || heads != 1) {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "MLA page blocks have no head axis: {}",
                 repr(&named, mla)
             )));
         }
         let group_bytes = (heads / groups) as i128 * dim as i128 * itemsize as i128;
         if group_bytes % 16 != 0 {
-            return Err(Error::Value(format!(
+            return Err(Error::value(format!(
                 "one head group's token row is {group_bytes} bytes, which the page_unified \
                  transfer kernels cannot move: they require a multiple of 16. Raise head_dim, \
                  lower head_group_num, or use another --hicache-mem-layout."
@@ -877,12 +874,12 @@ pub mod unified {
         pub fn chunk_span(&self, start: i64, end: i64, head_group: i64) -> Result<(u64, u64)> {
             let layers = self.layers as i64;
             if !(0 <= start && start < end && end <= layers) {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "layer range ({start}, {end}) is not a non-empty sub-range of [0, {layers})."
                 )));
             }
             if !(0..self.head_groups as i64).contains(&head_group) {
-                return Err(Error::Value(format!(
+                return Err(Error::value(format!(
                     "head group {head_group} is outside [0, {}).",
                     self.head_groups
                 )));

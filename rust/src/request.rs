@@ -35,7 +35,7 @@ impl Layout {
             "page_first_direct" => Ok(Self::PageFirstDirect),
             "page_head" => Ok(Self::PageHead),
             "page_unified" => Ok(Self::PageUnified),
-            other => Err(Error::Unsupported(format!("Unsupported layout: {other}"))),
+            other => Err(Error::unsupported(format!("Unsupported layout: {other}"))),
         }
     }
 
@@ -63,7 +63,7 @@ impl Backend {
         match s {
             "kernel" => Ok(Self::Kernel),
             "direct" => Ok(Self::Direct),
-            other => Err(Error::Unsupported(format!(
+            other => Err(Error::unsupported(format!(
                 "Unsupported IO backend: {other}"
             ))),
         }

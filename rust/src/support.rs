@@ -29,7 +29,7 @@ impl Transfer {
             "slots" => Ok(Self::Slots),
             "tokens" => Ok(Self::Tokens),
             "sharded_backup" => Ok(Self::ShardedBackup),
-            other => Err(Error::Value(format!(
+            other => Err(Error::value(format!(
                 "unknown transfer kind {other:?}; expected slots, tokens or sharded_backup"
             ))),
         }
@@ -141,11 +141,11 @@ pub fn build(kind: PoolKind, layout: &str) -> Result<Layout> {
         .any(|&(k, l, b)| k == kind && l == layout && b == Build::Ours);
     match Layout::parse(layout) {
         Ok(parsed) if ours => Ok(parsed),
-        _ if kind == AsymmetricMha => Err(Error::Unsupported(format!(
+        _ if kind == AsymmetricMha => Err(Error::unsupported(format!(
             "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \
              'page_first' or 'page_first_direct'."
         ))),
-        _ => Err(Error::Unsupported(format!("Unsupported layout: {layout}"))),
+        _ => Err(Error::unsupported(format!("Unsupported layout: {layout}"))),
     }
 }
 
@@ -174,7 +174,7 @@ pub fn route(
         .iter()
         .find(|&&(k, l, i, t, _)| k == kind && l == layout && i == io && t == transfer)
     else {
-        return Err(Error::Unsupported(refusal(
+        return Err(Error::unsupported(refusal(
             kind, layout, io, shown, transfer, pool,
         )));
     };
@@ -193,7 +193,7 @@ pub fn strategy(layout: Layout, backend: Backend) -> Result<Strategy> {
         (Backend::Kernel, _) => Ok(PerItem),
         (Backend::Direct, LayerFirst) => Ok(Runs),
         (Backend::Direct, PageFirstDirect) => Ok(PageBlocks),
-        (Backend::Direct, _) => Err(Error::Unsupported(refusal(
+        (Backend::Direct, _) => Err(Error::unsupported(refusal(
             Mha,
             layout,
             Io::Direct,

@@ -179,7 +179,7 @@ impl<'e> Submitter<'e> {
         // address is a valid argument in either direction.
         let rc = unsafe { sys::cuMemcpyAsync(op.dst, op.src, op.len as usize, self.stream) };
         if rc != sys::cudaError_enum::CUDA_SUCCESS {
-            return Err(Error::Cuda(format!(
+            return Err(Error::cuda(format!(
                 "cuMemcpyAsync (copy {}) failed: {}",
                 self.done,
                 describe(code(rc))
@@ -252,7 +252,7 @@ impl<'e> Submitter<'e> {
             } else {
                 format!(" at copy {}", self.done + fail_idx)
             };
-            return Err(Error::Cuda(format!(
+            return Err(Error::cuda(format!(
                 "cuMemcpyBatchAsync of {n} copies failed{at}: {}",
                 describe(rc)
             )));
@@ -326,7 +326,7 @@ pub(crate) fn run(
 ) -> Result<()> {
     if let Some(p) = entered.registered.iter().position(|&r| !r) {
         let nbytes = c.planes[p].map_or(0, |pl| pl.nbytes);
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "the direct backend needs host memory registered with CUDA (pin_memory=True): host \
              plane {p} ({:#x}, {nbytes} bytes) is not, and a copy from pageable memory would \
              block the calling thread until the GPU has finished it; register the pool or use \

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use cudarc::driver::sys;
 
-use crate::error::{DriverError, Error, Result};
+use crate::error::{CudaError, DriverError, Error, Result};
 
 pub(crate) use sys::cudaError_enum as Cu;
 
@@ -26,7 +26,7 @@ pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
                 .map(String::as_str)
                 .or_else(|| payload.downcast_ref::<&str>().copied())
                 .unwrap_or("unknown panic");
-            Err(Error::Cuda(format!(
+            Err(Error::cuda(format!(
                 "{what}: internal error in the CUDA driver binding: {msg}"
             )))
         }
@@ -189,15 +189,15 @@ pub(crate) fn as_void(p: u64) -> *mut c_void {
 
 thread_local! {
     /// Set while `cuda::try_execute` runs on this thread: anything that would block returns
-    /// `Error::WouldBlock` instead, before the first enqueue.
+    /// `Error::Cuda(CudaError::WouldBlock)` instead, before the first enqueue.
     static NO_BLOCK: Cell<bool> = const { Cell::new(false) };
 }
 
-/// `Err(Error::WouldBlock)` when the calling thread asked not to block. Called before every step
+/// `Err(Error::Cuda(CudaError::WouldBlock))` when the calling thread asked not to block. Called before every step
 /// that may wait (JIT, pinned or device allocation, a stream/event wait, a context creation).
 pub(crate) fn may_block() -> Result<()> {
     if NO_BLOCK.with(Cell::get) {
-        Err(Error::WouldBlock)
+        Err(Error::Cuda(CudaError::WouldBlock))
     } else {
         Ok(())
     }
@@ -220,14 +220,14 @@ impl Drop for NoBlock {
 }
 
 /// Locks a cache whose holder may be blocked in the driver (JIT, allocation): in "must not block"
-/// mode a held lock is `Error::WouldBlock`, so a thread holding the GIL never waits for one. A
+/// mode a held lock is `Error::Cuda(CudaError::WouldBlock)`, so a thread holding the GIL never waits for one. A
 /// poisoned lock is still used: every update of these caches is a single insert.
 pub(crate) fn lock_cache<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
     if NO_BLOCK.with(Cell::get) {
         match m.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-            Err(TryLockError::WouldBlock) => Err(Error::WouldBlock),
+            Err(TryLockError::WouldBlock) => Err(Error::Cuda(CudaError::WouldBlock)),
         }
     } else {
         Ok(m.lock().unwrap_or_else(|p| p.into_inner()))

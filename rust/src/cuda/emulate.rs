@@ -34,7 +34,7 @@ fn launch(kernel: c_int, p: &HkvParams, grid: u32) -> Result<()> {
     // before they address a row, so they touch nothing else.
     let rc = unsafe { hkv_emu_launch(kernel, p, grid, BLOCK_THREADS) };
     if rc != 0 {
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "emulated launch of kernel {kernel} failed ({rc})"
         )));
     }
@@ -45,8 +45,8 @@ fn launch(kernel: c_int, p: &HkvParams, grid: u32) -> Result<()> {
 /// environment).
 pub(crate) fn emulate_with_quota(req: &TransferRequest, quota: u32) -> Result<()> {
     if req.device().memory != DeviceMemory::Host {
-        return Err(Error::Unsupported(
-            "the kernel emulation runs on the CPU and cannot reach CUDA device memory".into(),
+        return Err(Error::unsupported(
+            "the kernel emulation runs on the CPU and cannot reach CUDA device memory",
         ));
     }
     let c = plan::validate(req)?;

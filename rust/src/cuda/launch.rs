@@ -32,7 +32,7 @@ fn device_view_of_plane(plane: usize, base: u64, nbytes: u64) -> Result<u64> {
             )
         };
         if rc != sys::cudaError_enum::CUDA_SUCCESS {
-            return Err(Error::Cuda(format!(
+            return Err(Error::cuda(format!(
                 "host plane {plane} at {p:#x} is not registered with CUDA ({}); the kernel \
                  backend needs pinned host memory (register the pool: pin_memory=True)",
                 describe(code(rc))
@@ -44,7 +44,7 @@ fn device_view_of_plane(plane: usize, base: u64, nbytes: u64) -> Result<u64> {
     if nbytes > 1 {
         let last = dev_of(base + nbytes - 1)?;
         if last != first + nbytes - 1 {
-            return Err(Error::Cuda(format!(
+            return Err(Error::cuda(format!(
                 "host plane {plane} is not mapped as one contiguous device range (device \
                  addresses {first:#x}..{last:#x} for {nbytes} bytes); unified addressing is \
                  required"
@@ -121,7 +121,7 @@ pub(crate) fn run(
     let ordinal = probe::current_device()?;
     if let Some(d) = pr.devices.get(ordinal as usize) {
         if !d.unified_addressing {
-            return Err(Error::CudaUnavailable(format!(
+            return Err(Error::cuda_unavailable(format!(
                 "device {ordinal} ({}) has no unified addressing; the kernel backend needs it",
                 d.name
             )));

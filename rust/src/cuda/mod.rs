@@ -25,7 +25,7 @@ mod tests;
 
 use cudarc::driver::sys;
 
-use crate::error::{Error, Result};
+use crate::error::{CudaError, Error, Result};
 use crate::plan::{self, Strategy};
 use crate::request::TransferRequest;
 use driver::guard;
@@ -50,12 +50,12 @@ pub fn execute(req: &TransferRequest, stream: u64) -> Result<()> {
     run(req, stream)
 }
 
-/// `execute`, unless it would have to block: then `Err(Error::WouldBlock)` with nothing
+/// `execute`, unless it would have to block: then `Err(Error::Cuda(CudaError::WouldBlock))` with nothing
 /// enqueued, and the caller retries with `execute` after releasing the GIL.
 pub fn try_execute(req: &TransferRequest, stream: u64) -> Result<()> {
     let _no_block = driver::NoBlock::enter();
     if !probe::probed_here() {
-        return Err(Error::WouldBlock);
+        return Err(Error::Cuda(CudaError::WouldBlock));
     }
     run(req, stream)
 }
@@ -120,16 +120,16 @@ fn refuse_capture(stream: u64) -> Result<()> {
     };
     match driver::code(rc) {
         0 if status == 0 => Ok(()),
-        0 => Err(Error::Cuda(format!(
+        0 => Err(Error::cuda(format!(
             "{which} is capturing a CUDA graph (capture status {status}): hostkv_rs transfers \
              cannot be captured (their index checks, staging buffers and events belong to this \
              call); run the transfer outside the capture. Nothing was enqueued"
         ))),
-        STREAM_CAPTURE_IMPLICIT => Err(Error::Cuda(format!(
+        STREAM_CAPTURE_IMPLICIT => Err(Error::cuda(format!(
             "{which} cannot be used while another thread captures a CUDA graph in global mode \
              (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); use a side stream. Nothing was enqueued"
         ))),
-        other => Err(Error::Cuda(format!(
+        other => Err(Error::cuda(format!(
             "cuStreamIsCapturing({which}) failed: {}",
             driver::describe(other)
         ))),
@@ -147,11 +147,10 @@ pub fn emulate(req: &TransferRequest) -> Result<()> {
 /// Built without the `emulator` feature (the wheel): refuses, saying how to get the emulator.
 #[cfg(not(feature = "emulator"))]
 pub fn emulate(_req: &TransferRequest) -> Result<()> {
-    Err(Error::Unsupported(
+    Err(Error::unsupported(
         "the CUDA kernel emulator is not built into this hostkv_rs core (engine 'emulated' \
          needs the cargo feature `emulator`: scripts/dev_build.sh, or `maturin build --features \
-         python,emulator`); use engine 'plan'"
-            .into(),
+         python,emulator`); use engine 'plan'",
     ))
 }
 

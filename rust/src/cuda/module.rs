@@ -173,7 +173,7 @@ impl JitLog {
 
 fn load(driver_version: i32) -> Result<Handles> {
     if driver_version < 12000 {
-        return Err(Error::CudaUnavailable(format!(
+        return Err(Error::cuda_unavailable(format!(
             "the hostkv_rs kernels need a CUDA 12.0 or newer driver (PTX ISA 8.0, \
              cuLibraryLoadData); this driver is {driver_version}"
         )));
@@ -196,7 +196,7 @@ fn load(driver_version: i32) -> Result<Handles> {
         )
     };
     if rc != sys::cudaError_enum::CUDA_SUCCESS {
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "loading the hostkv_rs kernels (PTX ISA 8.0, sm_80) failed: {}; driver version {}; \
              JIT log: {}",
             describe(code(rc)),

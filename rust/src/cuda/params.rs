@@ -90,7 +90,7 @@ pub(crate) struct Marshalled {
 }
 
 fn too_big(what: &str, v: u64) -> Error {
-    Error::Unsupported(format!(
+    Error::unsupported(format!(
         "the CUDA kernel path supports {what} up to {}; got {v}",
         u32::MAX
     ))
@@ -111,7 +111,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
     let nptrs = planes as u64 * layer_count as u64;
     // The copy kernel advances its task counter as (i, r) with r + step < 2 * nptrs in 32 bits.
     if nptrs > i32::MAX as u64 {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::unsupported(format!(
             "the CUDA kernel path supports planes x layers up to {}; got {nptrs}",
             i32::MAX
         )));
@@ -145,7 +145,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
     });
     for p in 0..c.nplanes {
         let pl = c.planes[p].as_ref().ok_or_else(|| {
-            Error::Geometry(format!("plane {p} of {} was not checked", c.nplanes))
+            Error::geometry(format!("plane {p} of {} was not checked", c.nplanes))
         })?;
         to_u32("item bytes", pl.item)?;
         params.host_base[p] = g.plane_base[p];

@@ -62,7 +62,7 @@ pub(crate) fn probe() -> Arc<Probe> {
 }
 
 fn forked_error(p: &Probe) -> Error {
-    Error::CudaUnavailable(format!(
+    Error::cuda_unavailable(format!(
         "CUDA was initialised in process {} and this is a forked child (pid {}); CUDA cannot be \
          used after fork. Start worker processes with the 'spawn' method instead.",
         p.pid,
@@ -78,7 +78,7 @@ pub(crate) fn ready() -> Result<Arc<Probe>> {
     }
     match &p.problem {
         None => Ok(p),
-        Some(why) => Err(Error::CudaUnavailable(why.clone())),
+        Some(why) => Err(Error::cuda_unavailable(why.clone())),
     }
 }
 
@@ -587,7 +587,10 @@ mod tests {
             assert!(cuda::check_device_errors().is_ok());
             // SAFETY: CUDA is unavailable, so nothing is registered (the address is never used).
             let e = unsafe { cuda::register_host(4096, 4096, 0, 1 << 30, None) }.unwrap_err();
-            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+            assert!(
+                matches!(e, Error::Cuda(crate::error::CudaError::Unavailable(_))),
+                "{e}"
+            );
         }
     }
 }

@@ -44,7 +44,7 @@ pub(crate) fn chunks(
     chunk_limit: usize,
 ) -> Result<Vec<(usize, usize)>> {
     if granularity > chunk_limit || chunk_limit == 0 {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::unsupported(format!(
             "Host registration granularity exceeds the configured chunk limit: \
              granularity={granularity}, chunk_limit={chunk_limit}"
         )));
@@ -241,7 +241,7 @@ pub(crate) unsafe fn register(
             unregister_one(ptr + o as u64);
         }
         let chunk_bytes = parts[0].1;
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "cudaHostRegister failed (rc={}, {}) at offset={} size={} (total={len}, \
              chunk_limit={chunk_bytes}); host buffer is not pinned and device transfers may \
              silently return stale data.",
@@ -321,6 +321,9 @@ mod tests {
             "Host registration granularity exceeds the configured chunk limit: \
              granularity=3145728, chunk_limit=2097152"
         );
-        assert!(matches!(e, Error::Unsupported(_)));
+        assert!(matches!(
+            e,
+            Error::Layout(crate::error::LayoutError::Unsupported(_))
+        ));
     }
 }

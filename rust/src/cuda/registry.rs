@@ -144,7 +144,7 @@ pub(crate) fn enter(planes: &[(u64, u64)]) -> Result<Entered> {
         }
         let mut st = r.lock();
         if st.closing {
-            return Err(Error::Cuda(format!(
+            return Err(Error::cuda(format!(
                 "host plane {p} at {base:#x} is being unregistered from CUDA (its pool is being \
                  destroyed); the transfer was refused and nothing was enqueued"
             )));
@@ -280,7 +280,7 @@ fn wait_events(events: &[(usize, c_int)], deadline: Instant) -> Result<usize> {
                 Ok(true) => {}
                 Ok(false) => still.push((ev, device)),
                 Err(rc) => {
-                    return Err(Error::Cuda(format!(
+                    return Err(Error::cuda(format!(
                         "waiting for transfers queued on pinned host memory failed: \
                          cuEventQuery: {}",
                         describe(rc)
@@ -304,7 +304,7 @@ fn unregister_chunk(c: &Chunk) -> Result<()> {
     if rc == Cu::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda(format!(
+        Err(Error::cuda(format!(
             "cuMemHostUnregister of {:#x} ({} bytes, device {}) failed: {}",
             c.base,
             c.len,
@@ -330,7 +330,7 @@ pub(crate) fn remove(base: u64) -> Result<()> {
         return if st.removed {
             Ok(())
         } else {
-            Err(Error::Cuda(format!(
+            Err(Error::cuda(format!(
                 "pinned host memory at {base:#x} could not be unregistered by another thread \
                  (see its error); it stays pinned"
             )))
@@ -378,7 +378,7 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
             limit.as_secs_f64()
         );
         log(&msg);
-        Error::Cuda(msg)
+        Error::cuda(msg)
     };
     let mut st = r.lock();
     while st.readers > 0 {
@@ -425,7 +425,7 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
         .name("hostkv-unpin".into())
         .spawn(move || unpin_chunks(&region, base));
     if let Err(e) = spawned {
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "could not start the thread that unpins host memory at {base:#x}: {e}; it stays \
              pinned"
         )));

@@ -150,9 +150,7 @@ pub(crate) fn acquire(ctx: sys::CUcontext, bytes: usize) -> Result<Lease> {
             .and_then(|m| m.get_mut(&key))
             .and_then(|pool| pool.get_mut(i))
         else {
-            return Err(Error::Cuda(
-                "staging buffer lost while waiting for it".into(),
-            ));
+            return Err(Error::cuda("staging buffer lost while waiting for it"));
         };
         if let Err(e) = r {
             b.leased = false;

@@ -386,7 +386,7 @@ fn bad_device_resident_index_writes_nothing() {
             let req = request_with(&c, &mut pools, &hi, &di, Backend::Kernel, true);
             let e = emulate_with_quota(&req, 2).unwrap_err();
             let msg = e.to_string();
-            assert!(matches!(e, Error::Transfer(_)), "{msg}");
+            assert!(matches!(e, Error::Plan(_)), "{msg}");
             assert!(msg.starts_with(&format!("{side} index {bad} ")), "{msg}");
             assert!(
                 pools.host == b.pools.host && pools.dev == b.pools.dev,
@@ -419,10 +419,7 @@ fn host_resident_bad_index_is_refused_before_any_write() {
     let hi = encode(&vals, c.width);
     let mut pools = b.pools.clone();
     let req = request(&c, &mut pools, &hi, &b.dev_idx);
-    assert!(matches!(
-        emulate_with_quota(&req, 2),
-        Err(Error::Transfer(_))
-    ));
+    assert!(matches!(emulate_with_quota(&req, 2), Err(Error::Plan(_))));
     assert!(pools.host == b.pools.host && pools.dev == b.pools.dev);
 }
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::error::{DriverError, Error, TransferError};
+use crate::error::{ArgError, CudaError, DriverError, Error, LayoutError, PlanError};
 
 static TRANSFER_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static LAYER_INDEX_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -94,9 +94,9 @@ fn raise(ty: PyResult<&Bound<'_, PyType>>, message: String) -> PyErr {
 }
 
 /// A structured transfer refusal: the exception plus its fields as attributes.
-fn transfer_error(py: Python<'_>, e: TransferError) -> PyErr {
+fn transfer_error(py: Python<'_>, e: PlanError) -> PyErr {
     let message = e.to_string();
-    let ty = if matches!(e, TransferError::LayerOutOfRange { .. }) {
+    let ty = if matches!(e, PlanError::LayerOutOfRange { .. }) {
         layer_index_error_type(py)
     } else {
         transfer_error_type(py)
@@ -108,10 +108,10 @@ fn transfer_error(py: Python<'_>, e: TransferError) -> PyErr {
     err
 }
 
-fn set_fields(py: Python<'_>, err: &PyErr, e: &TransferError) -> PyResult<()> {
+fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
     let value = err.value(py);
     let set = |name: &str, v: Bound<'_, PyAny>| value.setattr(name, v);
-    use TransferError as T;
+    use PlanError as T;
     let kind = match e {
         T::Negative { .. } => "negative",
         T::OutOfRange { .. } => "out_of_range",
@@ -220,19 +220,25 @@ fn driver_error(py: Python<'_>, e: DriverError) -> PyErr {
     }
 }
 
+/// The one mapping from the core's error layers to Python exceptions.
 pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     match e {
-        Error::Unsupported(m) | Error::Geometry(m) | Error::Value(m) => PyValueError::new_err(m),
-        Error::Transfer(t) => transfer_error(py, t),
-        Error::LayerIndex(m) => raise(layer_index_error_type(py), m),
-        Error::PageIndex(m) => raise(page_index_error_type(py), m),
-        Error::Assertion(m) => PyAssertionError::new_err(m),
-        Error::NotImplemented(m) => PyNotImplementedError::new_err(m),
-        Error::HostMemory(m) => PyMemoryError::new_err(m),
-        Error::Driver(d) => driver_error(py, d),
-        Error::CudaUnavailable(m) | Error::Cuda(m) => PyRuntimeError::new_err(m),
+        Error::Layout(LayoutError::Unsupported(m) | LayoutError::Geometry(m)) => {
+            PyValueError::new_err(m)
+        }
+        Error::Plan(t) => transfer_error(py, t),
+        Error::Arg(ArgError::Value(m)) => PyValueError::new_err(m),
+        Error::Arg(ArgError::LayerIndex(m)) => raise(layer_index_error_type(py), m),
+        Error::Arg(ArgError::PageIndex(m)) => raise(page_index_error_type(py), m),
+        Error::Arg(ArgError::Assertion(m)) => PyAssertionError::new_err(m),
+        Error::Arg(ArgError::NotImplemented(m)) => PyNotImplementedError::new_err(m),
+        Error::Mem(m) => PyMemoryError::new_err(m.to_string()),
+        Error::Cuda(CudaError::Driver(d)) => driver_error(py, d),
+        Error::Cuda(CudaError::Unavailable(m) | CudaError::Refused(m)) => {
+            PyRuntimeError::new_err(m)
+        }
         // Internal to `cuda::try_execute` (retried detached); never expected here.
-        e @ Error::WouldBlock => PyRuntimeError::new_err(e.to_string()),
+        e @ Error::Cuda(CudaError::WouldBlock) => PyRuntimeError::new_err(e.to_string()),
     }
 }
 
