@@ -600,10 +600,10 @@ class HostKVCache(SlotFreeList, abc.ABC):
         return bool(getattr(device_pool, "layer_shard_enabled", False))
 
     def _device_owned_layer_range(self, device_pool=None) -> tuple[int, int]:
-        return owned_range(device_pool or self.device_pool)
+        return owned_range(self.device_pool if device_pool is None else device_pool)
 
     def _effective_host_layer_num(self, device_pool=None) -> int:
-        return sharded_host_layer_num(device_pool or self.device_pool)
+        return sharded_host_layer_num(self.device_pool if device_pool is None else device_pool)
 
     def _is_device_layer_owned(self, device_pool, layer_id: int) -> bool:
         start, end = self._device_owned_layer_range(device_pool)
