@@ -154,3 +154,25 @@ def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(cas
     assert done.returncode == 0, done.stderr[-4000:]
     assert "REFUSED" in done.stdout and refusal in done.stdout, done.stdout
     assert "UNCHANGED" in done.stdout
+
+
+def test_a_device_pool_handed_to_a_call_without_the_layer_is_refused_by_the_core():
+    _dev, host = _pools()
+    h = host.alloc(16)
+    d = torch.arange(16, 32)
+    short = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=1)
+    before = host.kv_buffer.clone()
+    with pytest.raises(
+        _core.LayerIndexError, match="layer_id 2 is out of range: the device pool has 1 layers"
+    ) as refused:
+        host.load_to_device_per_layer(short, h, d, 2, "kernel")
+    assert (refused.value.kind, refused.value.layer, refused.value.bound) == (
+        "device_layer_out_of_range",
+        2,
+        1,
+    )
+    # A backup names every host layer: the first one the short pool lacks is refused.
+    with pytest.raises(_core.LayerIndexError, match="layer_id 1 is out of range"):
+        host.backup_from_device_all_layer(short, h, d, "kernel")
+    assert torch.equal(host.kv_buffer, before)
+    assert torch.count_nonzero(short.k_buffer[0]) == 0

@@ -13,6 +13,7 @@ from hostkv_rs import (
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
     MLATokenToKVPoolHost,
+    PageIndexError,
     TransferError,
 )
 from reference import (
@@ -693,3 +694,14 @@ def test_pools_without_a_head_split_take_split_factor_one_only():
         ValueError, match="MLATokenToKVPoolHost has no head split: split_factor must be 1, got 2"
     ):
         host.get_page_buffer_element_size(2)
+
+
+@pytest.mark.parametrize("index", [2**63, -(2**63) - 1, 2**70])
+def test_a_page_index_no_slot_number_reaches_is_a_page_index_error(index):
+    dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    with pytest.raises(
+        PageIndexError,
+        match=f"page index {index} is out of range: the host pool has {host.size} slots",
+    ):
+        host.get_data_page(index)

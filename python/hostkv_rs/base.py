@@ -686,13 +686,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):
         a strided view of the pool's first allocation; a page outside the pool raises
         PageIndexError before anything is read."""
-        index = as_int("index", index)
-        if not -(2**63) <= index < 2**63:
-            # The core takes an int64; no slot lies out there.
-            raise _core.PageIndexError(
-                f"page index {index} is out of range: the host pool has {self.size} slots"
-            )
-        offset, shape, strides = self._spec.page_view(index)
+        offset, shape, strides = self._spec.page_view(as_int("index", index))
         base = self._page_base()
         return torch.as_strided(base, shape, strides, base.storage_offset() + offset)
 
@@ -797,22 +791,34 @@ class HostKVCache(SlotFreeList, abc.ABC):
             like=self._device_rows_like(),
             name=type(self).__name__,
             index_map=self._index_map(),
+            packed=self._packed_tables(),
         )
         self._captured_first = self._captured_pools[0] if self._captured_pools else None
 
-    def _foreign_binding(self, device_pool, tensors, slots, host_layers):
-        """A binding over the layers of a device pool handed to one call (SGLang <= 0.5.21 reads
-        the pool it is given). Reused while the same tensors come back, and dropped with the
-        device pool, so it never keeps device memory alive."""
+    def _packed_tables(self):
+        """(plane name, layers) of SGLang's packed target + MTP draft device tables: SGLang
+        (device-pool form) packs every layer of every draft pool after the target's and backs
+        each up into its own host layer, so a draft pool of more than one layer cannot be
+        backed up."""
+        count = getattr(self, "_packed_layer_count", None)
+        if not self.mtp_draft_device_pools or count is None:
+            return None
+        return (self._device_plane_names[0], count)
+
+    def _foreign_binding(self, device_pool, positions, slots, host_layers):
+        """A binding over the device layers at `positions` of a device pool handed to one call
+        (SGLang <= 0.5.21 reads the pool it is given). Reused while the same tensors come back,
+        and dropped with the device pool, so it never keeps device memory alive."""
+        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
         cache = self.__dict__.setdefault("_foreign_bindings", {})
-        key = (id(device_pool), tuple(map(id, (t for plane in tensors for t in plane))))
-        key = (*key, tuple(host_layers))
+        key = (id(device_pool), tuple(map(id, (t for plane in planes for t in plane))))
+        key = (*key, tuple(positions), tuple(host_layers))
         binding = cache.get(key)
         if binding is not None:
             return binding
         binding = _core.DeviceBinding(
             self._live_core(),
-            tensors,
+            planes,
             slots,
             0,
             self._host_layer_total(),
@@ -820,6 +826,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             like=self._device_rows_like(),
             name=type(self).__name__,
             index_map=self._index_map(),
+            positions=positions,
         )
         try:
             weakref.finalize(device_pool, cache.clear)
@@ -841,30 +848,16 @@ class HostKVCache(SlotFreeList, abc.ABC):
         self._check_device_pool(device_pool)
         # SGLang <= 0.5.21: the given pool's layer (layer 0 of a draft pool).
         device_layer = 0 if is_draft else layer_key(layer_id)
-        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        if not all(0 <= device_layer < len(plane) for plane in planes):
-            raise LayerIndexError(
-                f"layer_id {device_layer} is out of range: the device pool has "
-                f"{min(map(len, planes))} layers"
-            )
-        tensors = [[plane[device_layer]] for plane in planes]
-        return self._foreign_binding(device_pool, tensors, [layer_key(layer_id)], [host_layer])
+        return self._foreign_binding(
+            device_pool, [device_layer], [layer_key(layer_id)], [host_layer]
+        )
 
     def _foreign_backup(self, device_pool):
         """The binding of an all-layer backup from a device pool handed to the call."""
         self._check_device_pool(device_pool)
-        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
         targets = self._layer_targets()
-        for slot, _ in targets:
-            if not all(slot < len(plane) for plane in planes):
-                raise _core.TransferError(
-                    f"device pool has {min(map(len, planes))} layers but the host pool holds "
-                    f"layer {slot}"
-                )
-        tensors = [[plane[slot] for slot, _ in targets] for plane in planes]
-        return self._foreign_binding(
-            device_pool, tensors, [s for s, _ in targets], [h for _, h in targets]
-        )
+        slots = [slot for slot, _ in targets]
+        return self._foreign_binding(device_pool, slots, slots, [h for _, h in targets])
 
     def _index_map(self):
         """How the core reads both index arrays of every transfer: with dcp_size > 1 (only
@@ -900,25 +893,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
         """One all-layer backup through the core, every argument checked before a byte moves."""
         binding = self._device_side
-        if self.mtp_draft_device_pools:
-            self._check_io(io_backend)
-            self._live_core()
-            # SGLang (device-pool form) packs every layer of every draft pool after the target's
-            # and expects one host layer per packed layer: a draft pool with more layers than one
-            # cannot be backed up. With packed drafts SGLang reads its packed tables and ignores
-            # the given pool.
-            packed = getattr(self, "_packed_layer_count", binding.host_layer_num)
-            if packed != self.layer_num:
-                name = self._device_plane_names[0]
-                raise _core.TransferError(
-                    f"packed target + MTP draft device pools {name} has {packed} layers but the "
-                    f"host pool holds {self.layer_num}"
-                )
-        elif binding is None or (
+        # With packed MTP drafts SGLang reads its packed tables and ignores the given pool.
+        foreign = (
             device_pool is not None
             and device_pool is not self._captured_first
             and self._foreign(device_pool)
-        ):
+        )
+        if not self.mtp_draft_device_pools and (binding is None or foreign):
             if binding is None:
                 device_pool = self.device_pool if device_pool is None else device_pool
             self._check_io(io_backend)

@@ -15,7 +15,7 @@ import torch
 from hostkv_rs import _core, _memory
 from hostkv_rs import base as pool_host_base
 from hostkv_rs._args import as_int, positive_int, truth
-from hostkv_rs._device_side import LayerIndexError, ptr_table
+from hostkv_rs._device_side import ptr_table
 from hostkv_rs._indices import as_index_array, check_storage
 from hostkv_rs._slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.base import HostKVCache, get_allocator_from_storage, new_pool_lock, synchronized
@@ -546,12 +546,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         """Every layer for a backup, else the one checked load layer."""
         if layer_id is _ALL_LAYERS:
             return list(range(self.layer_num))
-        layer = as_int("layer_id", layer_id)
-        if not 0 <= layer < self.layer_num:
-            raise LayerIndexError(
-                f"{self.pool_name} layer_id {layer_id} out of range [0, {self.layer_num})"
-            )
-        return [layer]
+        return [self._spec.layer(as_int("layer_id", layer_id))]
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         calls = self._plan(io_backend, host_indices, device_indices)

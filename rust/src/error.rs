@@ -61,6 +61,9 @@ pub enum PlanError {
     PartialPage { len: usize, page_size: usize },
     #[error("host layer {layer} is out of range [0, {layers})")]
     LayerOutOfRange { layer: i64, layers: usize },
+    /// A layer the call names that the device pool handed to it does not have.
+    #[error("layer_id {layer} is out of range: the device pool has {layers} layers")]
+    DeviceLayerOutOfRange { layer: i64, layers: usize },
     #[error(
         "device page starting at index {start} (position {position}) needs rows [{start}, \
          {end}) but the device pool has {rows} rows"

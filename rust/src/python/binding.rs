@@ -27,6 +27,7 @@ use super::host_pool::PyHostPool;
 use super::spec::PyPoolSpec;
 use crate::config;
 use crate::engine::{self, CopyEngine};
+use crate::error::{Error, PlanError};
 use crate::layer_map::LayerMap;
 use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op};
 
@@ -155,6 +156,8 @@ pub struct PyDeviceBinding {
     /// The engine for CPU device tensors, from HOSTKV_CPU_ENGINE when the binding was built (an
     /// unknown value is refused at the first CPU transfer, not at construction).
     cpu_engine: Result<&'static dyn CopyEngine, String>,
+    /// SGLang's packed target + draft device tables (plane name, layers), with MTP drafts.
+    packed: Option<(String, usize)>,
     /// The last full check. Lock order: this lock is innermost and never held while Python runs
     /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
     /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
@@ -569,12 +572,39 @@ fn fast_index(
     }))
 }
 
+/// The layers at `positions` of each plane's full layer list; a position one plane lacks is
+/// refused naming the shortest plane's layer count.
+fn pick_layers(
+    py: Python<'_>,
+    planes: Vec<Vec<Py<PyAny>>>,
+    positions: &[i64],
+) -> crate::Result<Vec<Vec<Py<PyAny>>>> {
+    let layers = planes.iter().map(Vec::len).min().unwrap_or(0);
+    let mut picked = Vec::with_capacity(planes.len());
+    for plane in &planes {
+        let mut held = Vec::with_capacity(positions.len());
+        for &layer in positions {
+            let tensor = usize::try_from(layer)
+                .ok()
+                .and_then(|i| plane.get(i))
+                .ok_or(PlanError::DeviceLayerOutOfRange { layer, layers })?;
+            held.push(tensor.clone_ref(py));
+        }
+        picked.push(held);
+    }
+    Ok(picked)
+}
+
 #[pymethods]
 impl PyDeviceBinding {
     /// `planes`: per plane, the device layer tensors (owned target layers in host order, then
     /// one per packed draft). `like`: per plane, `(dtype, (heads, head_dim) or None)`.
     #[new]
-    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None))]
+    /// `positions`: when given, `planes` holds every layer of a device pool handed to one call,
+    /// and the binding holds the layers at these positions of each (a position the device
+    /// pool lacks is a `LayerIndexError`). `packed`: (plane name, layers) of SGLang's packed
+    /// target + MTP draft device tables, which a backup needs one host layer each of.
+    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -588,8 +618,14 @@ impl PyDeviceBinding {
         what: &str,
         name: &str,
         index_map: Option<&Bound<'_, PyAny>>,
+        positions: Option<Vec<i64>>,
+        packed: Option<(String, usize)>,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
+        let planes = match positions {
+            Some(positions) => pick_layers(py, planes, &positions).map_err(|e| to_py(py, e))?,
+            None => planes,
+        };
         // Device rows are checked against the rows the pool addresses (its spec's, except for
         // the V4 pool's finer C4 token rows and its KV + indexer-scale pair).
         let host = pool.get();
@@ -639,6 +675,7 @@ impl PyDeviceBinding {
             cpu_engine: config::cpu_engine().map(engine::for_cpu),
             checked: Mutex::new(None),
             index_map,
+            packed,
         })
     }
 
@@ -688,6 +725,20 @@ impl PyDeviceBinding {
     ) -> PyResult<()> {
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
+        if let Some((name, layers)) = &self.packed {
+            let host = self.layers.host_layer_num();
+            if *layers != host {
+                // SGLang backs up every packed device layer into its own host layer: a draft
+                // pool of more than one layer has no host layer to land in.
+                return Err(to_py(
+                    py,
+                    Error::transfer(format!(
+                        "packed target + MTP draft device pools {name} has {layers} layers but \
+                         the host pool holds {host}"
+                    )),
+                ));
+            }
+        }
         let order = self.layers.backup_order();
         if order.is_empty() {
             return Ok(());

@@ -96,7 +96,10 @@ fn raise(ty: PyResult<&Bound<'_, PyType>>, message: String) -> PyErr {
 /// A structured transfer refusal: the exception plus its fields as attributes.
 fn transfer_error(py: Python<'_>, e: PlanError) -> PyErr {
     let message = e.to_string();
-    let ty = if matches!(e, PlanError::LayerOutOfRange { .. }) {
+    let ty = if matches!(
+        e,
+        PlanError::LayerOutOfRange { .. } | PlanError::DeviceLayerOutOfRange { .. }
+    ) {
         layer_index_error_type(py)
     } else {
         transfer_error_type(py)
@@ -118,6 +121,7 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
         T::LengthMismatch { .. } => "length_mismatch",
         T::PartialPage { .. } => "partial_page",
         T::LayerOutOfRange { .. } => "layer_out_of_range",
+        T::DeviceLayerOutOfRange { .. } => "device_layer_out_of_range",
         T::PageOutsideDevice { .. } => "page_outside_device",
         T::PageNotAligned { .. } => "page_not_aligned",
         T::PageRunBroken { .. } => "page_run_broken",
@@ -161,7 +165,7 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
             set("len", int(len as i128)?)?;
             set("page_size", int(page_size as i128)?)?;
         }
-        T::LayerOutOfRange { layer, layers } => {
+        T::LayerOutOfRange { layer, layers } | T::DeviceLayerOutOfRange { layer, layers } => {
             set("layer", int(layer as i128)?)?;
             set("bound", int(layers as i128)?)?;
         }

@@ -145,9 +145,42 @@ impl PyPoolSpec {
         self.spec.layer_view_dim(transpose_direct)
     }
 
+    /// Host layer `layer_id` of this pool, or a `LayerIndexError` naming the pool (an int no
+    /// layer number reaches included).
+    fn layer(&self, py: Python<'_>, layer_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let layers = self.spec.layers;
+        match layer_id.extract::<i64>() {
+            Ok(l) if (0..layers as i64).contains(&l) => Ok(l as u64),
+            _ => {
+                let shown = layer_id.str()?.to_string();
+                let name = &self.spec.name;
+                let text = format!("{name} layer_id {shown} out of range [0, {layers})");
+                Err(to_py(py, crate::Error::layer_index(text.trim_start())))
+            }
+        }
+    }
+
     /// The page `index` names (`get_data_page`), as (offset, shape, strides) in elements from
-    /// the start of the pool's first allocation.
-    fn page_view(&self, py: Python<'_>, index: i64) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+    /// the start of the pool's first allocation; a page outside the pool is a `PageIndexError`
+    /// (an int no slot number reaches included).
+    fn page_view(
+        &self,
+        py: Python<'_>,
+        index: &Bound<'_, PyAny>,
+    ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+        let index = index.extract::<i64>().map_err(|_| {
+            let slots = match self.spec.kind {
+                PoolKind::V4Paged => self.spec.rows.saturating_mul(self.spec.page_size),
+                _ => self.spec.rows,
+            };
+            let shown = index.str().map(|s| s.to_string()).unwrap_or_default();
+            to_py(
+                py,
+                crate::Error::page_index(format!(
+                    "page index {shown} is out of range: the host pool has {slots} slots"
+                )),
+            )
+        })?;
         let start = self.spec.data_page_start(index).map_err(|e| to_py(py, e))?;
         let v = self.spec.page_view(start).map_err(|e| to_py(py, e))?;
         Ok((v.offset, u64s(&v.shape), u64s(&v.strides)))
