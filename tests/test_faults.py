@@ -419,3 +419,26 @@ def test_a_fork_during_alloc_in_another_thread(no_cgroup):
         leave.set()
         thread.join(10)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_moves_bytes_through_the_bindings_it_inherits(no_cgroup):
+    # The core's binding locks come along into the child; a free one is taken there as usual (a
+    # held one is refused, never waited on: rust/src/fork.rs's cargo test).
+    host, dp = _mha()
+    slots = host.alloc(8).clone()
+    dev_rows = torch.arange(4, 12)
+    for layer in dp.k_buffer + dp.v_buffer:
+        layer.view(torch.uint8).random_(generator=torch.Generator().manual_seed(5))
+    host.backup_from_device_all_layer(dp, slots, dev_rows, "kernel")  # checks the binding
+
+    def child():
+        for layer in dp.k_buffer + dp.v_buffer:
+            layer.zero_()
+        host.load_to_device_per_layer(dp, slots, dev_rows, 1, "kernel")
+        host.backup_from_device_all_layer(dp, slots, dev_rows, "kernel")
+        loaded = dp.k_buffer[1][dev_rows].view(torch.uint8)
+        return bool(loaded.any()) and torch.equal(loaded, host.k_buffer[slots, 1].view(torch.uint8))
+
+    status = _fork_and_run(child, timeout=30)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"

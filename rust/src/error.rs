@@ -155,6 +155,10 @@ pub enum ArgError {
     /// What a pool kind does not offer (Python NotImplementedError).
     #[error("{0}")]
     NotImplemented(String),
+    /// An object that cannot serve the call in its present state (used in a forked child with
+    /// a lock the parent held, ...): Python RuntimeError.
+    #[error("{0}")]
+    State(String),
 }
 
 /// Host memory the OS refused (Python MemoryError).
@@ -250,6 +254,9 @@ impl Error {
     }
     pub fn not_implemented(message: impl Into<String>) -> Self {
         Self::Arg(ArgError::NotImplemented(message.into()))
+    }
+    pub fn state(message: impl Into<String>) -> Self {
+        Self::Arg(ArgError::State(message.into()))
     }
     pub fn cuda_unavailable(message: impl Into<String>) -> Self {
         Self::Cuda(CudaError::Unavailable(message.into()))

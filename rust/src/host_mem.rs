@@ -666,17 +666,23 @@ impl Drop for HostRegion {
         if self.leaked.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        if self.unregister_cuda().is_err() || self.tier == Tier::Adopted {
+        // SAFETY: getpid has no preconditions.
+        if unsafe { libc::getpid() } != self.owner_pid {
+            // A forked child: the CUDA registration is the parent's (and CUDA is unusable here),
+            // and the range lock may be held by a thread that was not forked, so neither is
+            // touched. A private range is either absent (it was pinned, so `MADV_DONTFORK`) or a
+            // copy-on-write copy that dies with the child; the struct cannot tell which, and
+            // unmapping an absent range could hit something the child mapped there since. A
+            // shared (hugetlb) mapping is this child's own: unmapped unless it is, or may be,
+            // pinned.
+            let unpinned = matches!(self.registered.try_lock(), Ok(r) if r.is_empty());
+            if self.private || self.tier == Tier::Adopted || !unpinned {
+                return;
+            }
+        } else if self.unregister_cuda().is_err() || self.tier == Tier::Adopted {
             // Work queued on the region did not finish in time (logged by the CUDA path): the
             // GPU may still write here, so the pages stay pinned and mapped (leaked) rather than
             // freed under a running DMA. Adopted memory is its owner's to free.
-            return;
-        }
-        // SAFETY: getpid has no preconditions.
-        if self.private && unsafe { libc::getpid() } != self.owner_pid {
-            // In a forked child the range is either absent (it was pinned, so `MADV_DONTFORK`) or
-            // a copy-on-write copy that dies with the child; the struct cannot tell which, and
-            // unmapping an absent range could hit something the child mapped there since.
             return;
         }
         // SAFETY: this region's own mapping (`map_len` bytes, none for an empty region), now

@@ -6,6 +6,7 @@ pub mod cuda;
 pub mod digest;
 pub mod engine;
 pub mod error;
+pub mod fork;
 pub mod host_mem;
 pub mod index_map;
 pub mod layer_map;

@@ -28,6 +28,7 @@ use super::spec::PyPoolSpec;
 use crate::config;
 use crate::engine::{self, CopyEngine};
 use crate::error::{Error, PlanError};
+use crate::fork;
 use crate::layer_map::LayerMap;
 use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op};
 
@@ -158,6 +159,8 @@ pub struct PyDeviceBinding {
     cpu_engine: Result<&'static dyn CopyEngine, String>,
     /// SGLang's packed target + draft device tables (plane name, layers), with MTP drafts.
     packed: Option<(String, usize)>,
+    /// The fork generation the binding was made in (its locks in a forked child: `fork::lock`).
+    born: u64,
     /// The last full check. Lock order: this lock is innermost and never held while Python runs
     /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
     /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
@@ -330,12 +333,12 @@ impl PyDeviceBinding {
         py: Python<'_>,
         positions: &[usize],
     ) -> PyResult<(Vec<u64>, usize, Option<Py<PyAny>>)> {
-        let last = self.lock_checked()?.clone();
+        let last = self.lock_checked(py)?.clone();
         let checked = match last {
             Some(checked) if self.still_holds(py, &checked, positions)? => checked,
             _ => {
                 let fresh = Arc::new(self.check_all(py)?);
-                let stale = self.lock_checked()?.replace(Arc::clone(&fresh));
+                let stale = self.lock_checked(py)?.replace(Arc::clone(&fresh));
                 drop(stale); // outside the lock: dropping Python objects may run Python
                 fresh
             }
@@ -370,10 +373,22 @@ impl PyDeviceBinding {
         Ok(true)
     }
 
-    fn lock_checked(&self) -> PyResult<std::sync::MutexGuard<'_, Option<Arc<CheckedDevice>>>> {
-        self.checked
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))
+    fn lock_checked(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<std::sync::MutexGuard<'_, Option<Arc<CheckedDevice>>>> {
+        fork::lock(&self.checked, self.born, || self.lock_name()).map_err(|e| to_py(py, e))
+    }
+
+    fn lock_core(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<std::sync::MutexGuard<'_, Option<Py<PyHostPool>>>> {
+        fork::lock(&self.core, self.born, || self.lock_name()).map_err(|e| to_py(py, e))
+    }
+
+    fn lock_name(&self) -> String {
+        format!("the device binding of {}", self.name)
     }
 
     /// The engine for the checked device and, for CUDA, the stream to queue on (torch's current
@@ -411,10 +426,7 @@ impl PyDeviceBinding {
     }
 
     fn live_core(&self, py: Python<'_>) -> PyResult<Py<PyHostPool>> {
-        let core = self
-            .core
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?;
+        let core = self.lock_core(py)?;
         core.as_ref().map(|c| c.clone_ref(py)).ok_or_else(|| {
             PyRuntimeError::new_err(format!(
                 "{} has been destroyed; it cannot transfer",
@@ -676,6 +688,7 @@ impl PyDeviceBinding {
             checked: Mutex::new(None),
             index_map,
             packed,
+            born: fork::generation(),
         })
     }
 
@@ -821,12 +834,8 @@ impl PyDeviceBinding {
     }
 
     /// Drops the core (the pool was destroyed): later transfers raise.
-    fn release(&self) -> PyResult<()> {
-        let core = self
-            .core
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("device binding lock poisoned"))?
-            .take();
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let core = self.lock_core(py)?.take();
         drop(core); // after the lock is released: the last reference may run Python finalizers
         Ok(())
     }

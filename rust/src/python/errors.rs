@@ -236,6 +236,7 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Arg(ArgError::PageIndex(m)) => raise(page_index_error_type(py), m),
         Error::Arg(ArgError::Assertion(m)) => PyAssertionError::new_err(m),
         Error::Arg(ArgError::NotImplemented(m)) => PyNotImplementedError::new_err(m),
+        Error::Arg(ArgError::State(m)) => PyRuntimeError::new_err(m),
         Error::Mem(m) => PyMemoryError::new_err(m.to_string()),
         Error::Cuda(CudaError::Driver(d)) => driver_error(py, d),
         Error::Cuda(CudaError::Unavailable(m) | CudaError::Refused(m)) => {
