@@ -502,7 +502,17 @@ def test_forked_child_does_not_touch_cuda(mock_dir):
         pid = os.fork()
         if pid == 0:
             ok = (not _core.cuda_available()) and "spawn" in _core.runtime_info()
-            del pool
+            # The registration is the parent's: the child sees none, and undoing it is a no-op
+            # that takes no lock a parent thread could have held at the fork.
+            region = pool.region
+            ok = ok and not region.pinned and region.registered_ranges == []
+            region.unregister_cuda()
+            try:
+                region.register_cuda()
+                ok = False
+            except RuntimeError as e:
+                ok = ok and "forked child" in str(e)
+            del pool, region
             gc.collect()
             # The parent's registrations are not the child's to undo.
             ok = ok and m.mock_registrations() == regs

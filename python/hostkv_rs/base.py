@@ -596,7 +596,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
     # SGLang's layer-sharding helpers (device pool defaults to the one the pool was built from).
 
     def _is_device_layer_sharded(self, device_pool=None) -> bool:
-        device_pool = device_pool or self.device_pool
+        device_pool = self.device_pool if device_pool is None else device_pool
         return bool(getattr(device_pool, "layer_shard_enabled", False))
 
     def _device_owned_layer_range(self, device_pool=None) -> tuple[int, int]:

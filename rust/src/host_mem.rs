@@ -586,12 +586,23 @@ impl HostRegion {
         self.registered.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether this is a forked child of the process that made the region: the registrations
+    /// are the parent's, and the range lock may be held by a thread that was not forked.
+    fn forked(&self) -> bool {
+        // SAFETY: getpid has no preconditions.
+        (unsafe { libc::getpid() }) != self.owner_pid
+    }
+
+    /// The ranges registered with CUDA by this process (none in a forked child).
     pub fn registered_ranges(&self) -> Vec<(u64, usize)> {
+        if self.forked() {
+            return Vec::new();
+        }
         self.ranges().clone()
     }
 
     pub fn pinned(&self) -> bool {
-        !self.ranges().is_empty()
+        !self.forked() && !self.ranges().is_empty()
     }
 
     /// Registers the region with CUDA (chunks of `granularity` multiples, at most `chunk_limit`)
@@ -608,6 +619,12 @@ impl HostRegion {
                 "cannot register host memory with CUDA: CUDA is not available ({})",
                 crate::cuda::runtime_info()
             )));
+        }
+        if self.forked() {
+            return Err(Error::cuda_unavailable(
+                "cannot register host memory with CUDA in a forked child of the process that \
+                 made it",
+            ));
         }
         let mut ranges = self.ranges();
         if !ranges.is_empty() || self.nbytes == 0 {
@@ -641,6 +658,10 @@ impl HostRegion {
     /// detached) for the transfers still queued on the region; when that wait runs out the
     /// region stays registered and the error says why (a later call tries again).
     pub fn unregister_cuda(&self) -> Result<()> {
+        if self.forked() {
+            // The registration is the parent's to undo (a child cannot use CUDA).
+            return Ok(());
+        }
         // Not holding the lock while waiting: `pinned()` and friends stay answerable.
         let taken = self.ranges().clone();
         if taken.is_empty() {
@@ -653,8 +674,7 @@ impl HostRegion {
                 ranges.clear();
             }
         }
-        // SAFETY: getpid has no preconditions. A forked child never had the pinned range.
-        if self.private && unsafe { libc::getpid() } == self.owner_pid {
+        if self.private {
             let _ = set_dontfork(self.ptr, self.map_len, false);
         }
         Ok(())
@@ -666,8 +686,7 @@ impl Drop for HostRegion {
         if self.leaked.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        // SAFETY: getpid has no preconditions.
-        if unsafe { libc::getpid() } != self.owner_pid {
+        if self.forked() {
             // A forked child: the CUDA registration is the parent's (and CUDA is unusable here),
             // and the range lock may be held by a thread that was not forked, so neither is
             // touched. A private range is either absent (it was pinned, so `MADV_DONTFORK`) or a

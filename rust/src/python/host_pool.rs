@@ -30,9 +30,13 @@ impl Unlock for Gil<'_> {
 pub struct PyHostPool {
     pub(crate) geom: HostGeometry,
     planes: Vec<PlaneLayout>,
-    /// The spec this pool follows: what its pair checks, page metadata and views answer by.
-    /// None for a geometry built row by row (`from_geometry` without a spec).
+    /// The spec this pool follows: what its pair checks answer by. None for a geometry built
+    /// row by row (`from_geometry` without a spec).
     pub(crate) spec: Option<Py<PyPoolSpec>>,
+    /// Built from its spec (`HostPool(spec, allocations)`), so its memory was checked against
+    /// the spec's planes and page metadata may be answered from them; a `from_geometry` pool's
+    /// memory was checked against its own rows only.
+    spec_built: bool,
     /// What keeps each plane's memory alive (see `memory`); never read, only held.
     _owners: Vec<Py<PyAny>>,
 }
@@ -61,17 +65,20 @@ impl PyHostPool {
             geom: geom_of(addrs),
             planes,
             spec,
+            spec_built: false,
             _owners: owners,
         })
     }
 
-    /// The spec, or the error a spec-less row geometry gives for a question only a spec answers.
+    /// The spec a page question is answered by: only a pool built from it, whose memory was
+    /// checked against the spec's planes (a row geometry's spec serves its pair checks only).
     fn spec_of(&self, what: &str) -> PyResult<&PyPoolSpec> {
-        self.spec.as_ref().map(|s| s.get()).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "{what}: this host pool was built without a PoolSpec"
-            ))
-        })
+        match &self.spec {
+            Some(spec) if self.spec_built => Ok(spec.get()),
+            _ => Err(PyValueError::new_err(format!(
+                "{what}: this host pool was built without a PoolSpec (HostPool.from_geometry)"
+            ))),
+        }
     }
 
     /// Runs one transfer on `engine` (queued on `stream` for a CUDA engine); every argument is
@@ -160,7 +167,9 @@ impl PyHostPool {
             item_bytes: items,
             plane_base,
         };
-        Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))
+        let mut pool = Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))?;
+        pool.spec_built = true;
+        Ok(pool)
     }
 
     /// A pool of explicit row geometry (the V4 pool's finer C4 token rows and its KV + scale

@@ -149,6 +149,9 @@ impl PyPoolSpec {
     /// layer number reaches included).
     fn layer(&self, py: Python<'_>, layer_id: &Bound<'_, PyAny>) -> PyResult<u64> {
         let layers = self.spec.layers;
+        if !layer_id.is_instance_of::<pyo3::types::PyInt>() {
+            layer_id.extract::<i64>()?; // the TypeError of a non-int
+        }
         match layer_id.extract::<i64>() {
             Ok(l) if (0..layers as i64).contains(&l) => Ok(l as u64),
             _ => {
@@ -168,6 +171,9 @@ impl PyPoolSpec {
         py: Python<'_>,
         index: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+        if !index.is_instance_of::<pyo3::types::PyInt>() {
+            index.extract::<i64>()?; // the TypeError of a non-int
+        }
         let index = index.extract::<i64>().map_err(|_| {
             let slots = match self.spec.kind {
                 PoolKind::V4Paged => self.spec.rows.saturating_mul(self.spec.page_size),
