@@ -176,3 +176,10 @@ def test_a_device_pool_handed_to_a_call_without_the_layer_is_refused_by_the_core
         host.backup_from_device_all_layer(short, h, d, "kernel")
     assert torch.equal(host.kv_buffer, before)
     assert torch.count_nonzero(short.k_buffer[0]) == 0
+
+
+def test_the_c4_token_maps_read_only_c4_page_rows():
+    _dev, host = _pools()
+    planes = [list(_dev.k_buffer), list(_dev.v_buffer)]
+    with pytest.raises(ValueError, match="the C4 token maps read a layer_first pool of 37440-byte"):
+        _core.DeviceBinding(host._pool_core, planes, [0, 1, 2], 3, 3, index_map=("c4_value",))

@@ -44,8 +44,6 @@ _C4_PAGE_TOKENS = _core.C4_PAGE_TOKENS
 _C4_VALUE_BYTES = _core.C4_VALUE_BYTES
 _C4_SCALE_BYTES = _core.C4_SCALE_BYTES
 _C4_ROW_BYTES = _core.C4_ROW_BYTES
-_C4_VALUES_PER_ROW = _core.C4_VALUES_PER_ROW
-_C4_SCALES_PER_ROW = _core.C4_SCALES_PER_ROW
 
 
 # A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
@@ -254,17 +252,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._token_bindings = None
         self._ascend_binding = None
         if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
+            # The same pool, read as rows of one value and rows of one scale (the core derives
+            # those rows from the C4 maps).
             self._token_bindings = (
-                self._binding(
-                    self._make_core(Nh * _C4_VALUES_PER_ROW, [_C4_VALUE_BYTES]),
-                    [_C4_VALUE_BYTES],
-                    ("c4_value",),
-                ),
-                self._binding(
-                    self._make_core(Nh * _C4_SCALES_PER_ROW, [_C4_SCALE_BYTES]),
-                    [_C4_SCALE_BYTES],
-                    ("c4_scale",),
-                ),
+                self._binding(self._pool, [_C4_VALUE_BYTES], ("c4_value",)),
+                self._binding(self._pool, [_C4_SCALE_BYTES], ("c4_scale",)),
             )
         self.clear()
 

@@ -161,6 +161,9 @@ pub struct PyDeviceBinding {
     packed: Option<(String, usize)>,
     /// The fork generation the binding was made in (its locks in a forked child: `fork::lock`).
     born: u64,
+    /// The host rows this binding addresses when they are not the pool's own
+    /// (`HostPool::row_view`: V4's C4 value and scale rows).
+    view: Option<crate::request::HostGeometry>,
     /// The last full check. Lock order: this lock is innermost and never held while Python runs
     /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
     /// and waits for it can never wait on a thread that holds it and waits for the GIL. Two
@@ -482,7 +485,20 @@ impl PyDeviceBinding {
         // the index arrays come from live contiguous int32/int64 tensors held in this frame
         // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
         // current stream, in whose order torch's caching allocator reuses freed memory.
-        unsafe { core.run(py, backend, op, ptrs, rows, h, d, engine, stream) }
+        unsafe {
+            core.run(
+                py,
+                backend,
+                op,
+                ptrs,
+                rows,
+                h,
+                d,
+                engine,
+                stream,
+                self.view.as_ref(),
+            )
+        }
     }
 }
 
@@ -638,10 +654,12 @@ impl PyDeviceBinding {
             Some(positions) => pick_layers(py, planes, &positions).map_err(|e| to_py(py, e))?,
             None => planes,
         };
-        // Device rows are checked against the rows the pool addresses (its spec's, except for
-        // the V4 pool's finer C4 token rows and its KV + indexer-scale pair).
+        // Device rows are checked against the rows the binding addresses: the pool's, or the V4
+        // pool's finer C4 token rows over the same bytes (its index map says which).
         let host = pool.get();
-        let item_bytes: Vec<u64> = host.geom.item_bytes.iter().map(|&b| b as u64).collect();
+        let view = host.row_view(index_map).map_err(|e| to_py(py, e))?;
+        let rows_of = view.as_ref().unwrap_or(&host.geom);
+        let item_bytes: Vec<u64> = rows_of.item_bytes.iter().map(|&b| b as u64).collect();
         let spec = host.spec.as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
             PyValueError::new_err(format!(
                 "{what}: the host pool has no PoolSpec to check (layout, io_backend) pairs by"
@@ -689,6 +707,7 @@ impl PyDeviceBinding {
             index_map,
             packed,
             born: fork::generation(),
+            view,
         })
     }
 

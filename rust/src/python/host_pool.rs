@@ -13,7 +13,9 @@ use super::raw::IndexArg;
 use super::spec::PyPoolSpec;
 use crate::engine::{CopyEngine, Unlock};
 use crate::layout::PlaneLayout;
-use crate::request::{Backend, DeviceSide, HostGeometry, IndexArray, Layout, Op, TransferRequest};
+use crate::request::{
+    Backend, DeviceSide, HostGeometry, IndexArray, IndexMap, Layout, Op, TransferRequest,
+};
 
 /// Lets the engines run long work without the GIL.
 pub(crate) struct Gil<'py>(pub(crate) Python<'py>);
@@ -70,6 +72,40 @@ impl PyHostPool {
         })
     }
 
+    /// The rows a binding with `map` addresses, when they are not the pool's own: a DeepSeek V4
+    /// layer_first pool of C4 page rows read through the C4 value or scale map is the same
+    /// bytes as rows of one value (576 B) or one scale (8 B). None: the pool's rows.
+    pub(crate) fn row_view(&self, map: IndexMap) -> crate::Result<Option<HostGeometry>> {
+        use crate::pool::c4;
+        let per_row = match map {
+            IndexMap::C4Value => (c4::VALUES_PER_ROW, c4::VALUE_BYTES),
+            IndexMap::C4Scale => (c4::SCALES_PER_ROW, c4::SCALE_BYTES),
+            _ => return Ok(None),
+        };
+        let g = &self.geom;
+        if g.item_bytes.len() == 1 && g.item_bytes[0] as u64 == per_row.1 {
+            return Ok(None); // already rows of that unit
+        }
+        let c4_rows = g.layout == Layout::LayerFirst
+            && g.page_size == 1
+            && g.item_bytes == [c4::ROW_BYTES as usize];
+        if !c4_rows {
+            return Err(crate::Error::value(format!(
+                "the C4 token maps read a layer_first pool of {}-byte C4 page rows; this pool \
+                 has {} layout rows of {:?} bytes",
+                c4::ROW_BYTES,
+                g.layout.name(),
+                g.item_bytes
+            )));
+        }
+        // Same bytes: every layer's rows * ROW_BYTES = (rows * per_row) * unit.
+        Ok(Some(HostGeometry {
+            rows: g.rows * per_row.0 as usize,
+            item_bytes: vec![per_row.1 as usize],
+            ..g.clone()
+        }))
+    }
+
     /// The spec a page question is answered by: only a pool built from it, whose memory was
     /// checked against the spec's planes (a row geometry's spec serves its pair checks only).
     fn spec_of(&self, what: &str) -> PyResult<&PyPoolSpec> {
@@ -102,6 +138,7 @@ impl PyHostPool {
         dev_idx: IndexArray,
         engine: &dyn CopyEngine,
         stream: u64,
+        view: Option<&HostGeometry>,
     ) -> PyResult<()> {
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
@@ -112,7 +149,7 @@ impl PyHostPool {
         // device side and the index arrays are what this function's caller guarantees.
         let req = unsafe {
             TransferRequest::new(
-                self.geom.clone(),
+                view.unwrap_or(&self.geom).clone(),
                 backend,
                 op,
                 device_side,

@@ -81,6 +81,7 @@ impl PyHostPool {
                 dev_idx,
                 engine,
                 stream,
+                None,
             )
         }
     }
