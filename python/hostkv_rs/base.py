@@ -720,6 +720,15 @@ class HostKVCache(SlotFreeList, abc.ABC):
     _captured_pools: tuple = ()
     _captured_first = None
 
+    def _names_other_pool(self, device_pool) -> bool:
+        """Whether a transfer handed `device_pool` reads that pool's layers rather than the
+        captured ones (checked only past the cheap identity tests: this is every call's path)."""
+        return (
+            device_pool is not None
+            and device_pool is not self._captured_first
+            and self._foreign(device_pool)
+        )
+
     def _foreign(self, device_pool) -> bool:
         """A device pool other than the ones this pool was built from, read as SGLang <= 0.5.21
         reads it (device-pool form only; SGLang 0.5.22+ and the buffer-info form ignore the
@@ -873,11 +882,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """One per-layer load through the core, every argument checked before a byte moves. A
         target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
         binding = self._device_side
-        if binding is None or (
-            device_pool is not None
-            and device_pool is not self._captured_first
-            and self._foreign(device_pool)
-        ):
+        if binding is None or self._names_other_pool(device_pool):
             is_draft = truth("is_draft", is_draft)
             if binding is None:
                 # Built from geometry alone: the layers are those of the pool this call names.
@@ -894,12 +899,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """One all-layer backup through the core, every argument checked before a byte moves."""
         binding = self._device_side
         # With packed MTP drafts SGLang reads its packed tables and ignores the given pool.
-        foreign = (
-            device_pool is not None
-            and device_pool is not self._captured_first
-            and self._foreign(device_pool)
-        )
-        if not self.mtp_draft_device_pools and (binding is None or foreign):
+        if not self.mtp_draft_device_pools and (
+            binding is None or self._names_other_pool(device_pool)
+        ):
             if binding is None:
                 device_pool = self.device_pool if device_pool is None else device_pool
             self._check_io(io_backend)
