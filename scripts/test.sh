@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 echo "== install test dependencies"
 $PY -m pip install -q "maturin>=1.14,<2" torch numpy psutil pytest hypothesis pytest-benchmark ruff mypy
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
-# Mooncake Store for the hostkv_rs.l3 tests (tests/test_l3_mooncake.py; they skip, with the reason,
+# Mooncake Store for the hostkv_rs.l3 tests (tests/l3/test_mooncake.py; they skip, with the reason,
 # where this fails): the wheel, and the two Debian libraries its native code loads (no RDMA needed).
 if ! $PY -c "import ctypes; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('libnuma.so.1')" 2>/dev/null; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -61,7 +61,7 @@ cargo test --locked --features emulator
 echo "== build and install the wheel"
 rm -rf target/wheels target/release-wheel
 # The release wheel (what `pip install .` builds): the tests check that it has no entry point
-# that takes a raw address (tests/test_release_wheel.py).
+# that takes a raw address (tests/core/test_release_wheel.py).
 $PY -m maturin build --release --locked -o target/release-wheel
 export HOSTKV_RELEASE_WHEEL
 HOSTKV_RELEASE_WHEEL=$(ls "$PWD"/target/release-wheel/hostkv_rs-*.whl)

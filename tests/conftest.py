@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+# The suite's helper modules (reference.py, mooncake_support.py) sit here; the test modules live
+# in subfolders that mirror the package (pools/, core/, l3/, tools/).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _EMULATION_PROBE: dict[str, str | None] = {}
 

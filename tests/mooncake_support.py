@@ -1,4 +1,4 @@
-"""Support for tests/test_l3_mooncake.py: why Mooncake is unavailable (if it is), one small pool
+"""Support for tests/l3/test_mooncake.py: why Mooncake is unavailable (if it is), one small pool
 of every kind and layout, byte helpers, and the worker that the tests run in another process
 (`python mooncake_support.py restore|master-stop ...`).
 

@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _env, _memory
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _env
+from hostkv_rs.pools import memory as _memory
 
 PACKAGE = pathlib.Path(_env.__file__).parent
 

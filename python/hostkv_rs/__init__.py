@@ -16,12 +16,12 @@ from hostkv_rs._core import __version__ as __version__
 # The pools import torch (seconds); the console script's --help and --version must not wait for
 # it, so the pool classes load on first use.
 _LAZY = {
-    "HostTensorAllocator": "hostkv_rs._memory",
-    "HostKVCache": "hostkv_rs.base",
-    "AsymmetricMHATokenToKVPoolHost": "hostkv_rs.mha",
-    "MHATokenToKVPoolHost": "hostkv_rs.mha",
-    "get_mha_host_pool_cls": "hostkv_rs.mha",
-    "MLATokenToKVPoolHost": "hostkv_rs.mla",
+    "HostTensorAllocator": "hostkv_rs.pools.memory",
+    "HostKVCache": "hostkv_rs.pools.base",
+    "AsymmetricMHATokenToKVPoolHost": "hostkv_rs.pools.mha",
+    "MHATokenToKVPoolHost": "hostkv_rs.pools.mha",
+    "get_mha_host_pool_cls": "hostkv_rs.pools.mha",
+    "MLATokenToKVPoolHost": "hostkv_rs.pools.mla",
     "MHATokenToKVPool": "hostkv_rs.tools.device_pools",
     "MLATokenToKVPool": "hostkv_rs.tools.device_pools",
     "DeepSeekV4PagedHostPool": "hostkv_rs.v4",

@@ -34,11 +34,11 @@ from hostkv_rs import (
     _core,
     get_mha_host_pool_cls,
 )
-from hostkv_rs._indices import index_arg
-from hostkv_rs.mla import MLATokenToKVPoolHost
+from hostkv_rs.pools.indices import index_arg
+from hostkv_rs.pools.mla import MLATokenToKVPoolHost
 from hostkv_rs.tools import bench
 
-# The pairs each pool kind serves, from the core (test_core_bindings.py checks them against the
+# The pairs each pool kind serves, from the core (core/test_host_pool.py checks them against the
 # contract's matrix written out in reference.py).
 PAIRS = {**bench.PAIRS, "v4": _core.supported_pairs("v4_paged")}
 # case -> (layers, page size, pages moved, op)

@@ -1,5 +1,5 @@
 """The CUDA path's production guards on a real GPU (issue 12; the CPU-side proofs are in
-tests/test_mock_driver.py):
+tests/core/test_cuda_driver.py):
 
 * the copy kernel's resources: 256-thread blocks, <= 64 registers, no local memory, 4 blocks per
   SM, so a copy block never needs (or holds) a whole SM;

@@ -1,4 +1,4 @@
-// A stand-in libcuda.so for CPU-only tests of hostkv_rs's CUDA driver code (tests/test_mock_driver.py).
+// A stand-in libcuda.so for CPU-only tests of hostkv_rs's CUDA driver code (tests/core/test_cuda_driver.py).
 //
 // It implements the driver entry points rust/src/cuda calls, with the rules of the real driver
 // that our code depends on, and nothing else:

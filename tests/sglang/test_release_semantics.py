@@ -240,8 +240,8 @@ def _which(rows, candidates) -> str:
 
 def test_pools_follow_the_installed_release(hk, installed):
     """The release ours follow is the installed one, before and after install()."""
-    from hostkv_rs import _sources
     from hostkv_rs import sglang as shim
+    from hostkv_rs.sglang import sources as _sources
 
     assert _sources.sglang_release() == H.REL[:3]
     shim.uninstall()

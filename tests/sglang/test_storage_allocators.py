@@ -295,7 +295,7 @@ class _WrongDtype:
 
 
 def test_a_storage_allocation_of_the_wrong_kind_is_refused(installed, publish, monkeypatch):
-    from hostkv_rs import base
+    from hostkv_rs.pools import base
 
     monkeypatch.setattr(base, "get_allocator_from_storage", lambda *a, **k: _WrongDtype())
     publish(page_size=PAGE, hicache_mem_layout="page_first")

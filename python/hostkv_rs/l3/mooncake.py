@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hostkv_rs._indices import as_index_array
 from hostkv_rs.l3 import _native, proof
 from hostkv_rs.l3.format import PageFormat, _host_allocations, page_format
+from hostkv_rs.pools.indices import as_index_array
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class MooncakeTier:
                 pool, _unregister, self.store, tuple(done), self._lock, headers
             )
             finalizer.atexit = False  # at exit the client goes away with its registrations
-            from hostkv_rs.base import on_destroy
+            from hostkv_rs.pools.base import on_destroy
 
             on_destroy(pool, finalizer)
             self._pool_ref = weakref.ref(pool)

@@ -74,7 +74,7 @@ def available_memory() -> tuple[int, str]:
     """(bytes this process can allocate now, where that figure comes from): the host pools' own
     measure where the package has one (it also counts a container's memory cgroup), else
     psutil's available memory."""
-    from hostkv_rs import _memory
+    from hostkv_rs.pools import memory as _memory
 
     measure = getattr(_memory, "available_host_memory", None)
     if measure is not None:
@@ -89,7 +89,7 @@ def check_memory(cfg: DemoConfig) -> None:
     """Refuse, before anything is allocated, a demo this machine cannot hold: otherwise torch's
     allocator fails deep inside the device pool (or the OOM killer ends the process) instead of
     an error that says what was asked for and what there is."""
-    from hostkv_rs._memory import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+    from hostkv_rs.pools.memory import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
 
     device, host = demo_bytes(cfg)
     available, source = available_memory()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hostkv_rs._args import positive_int
-from hostkv_rs._device_side import ptr_table
+from hostkv_rs.pools.args import positive_int
+from hostkv_rs.pools.device_side import ptr_table
 
 # index_put does not support fp8, so SGLang stores fp8 caches as raw bytes.
 FP8_DTYPES = tuple(

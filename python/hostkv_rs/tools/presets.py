@@ -195,10 +195,10 @@ def build_device_pool(preset: Preset, size: int, page_size: int, device: str):
 def host_pool_class(device_pool, kind: str):
     """The host pool class SGLang would build for `device_pool` (MHA goes through the factory)."""
     if kind == "mla":
-        from hostkv_rs.mla import MLATokenToKVPoolHost
+        from hostkv_rs.pools.mla import MLATokenToKVPoolHost
 
         return MLATokenToKVPoolHost
-    from hostkv_rs import mha
+    from hostkv_rs.pools import mha
 
     factory = getattr(mha, "get_mha_host_pool_cls", None)
     if factory is not None:

@@ -38,7 +38,7 @@ struct Torch {
     int32: Py<PyAny>,
     int64: Py<PyAny>,
     cpu: Py<PyAny>,
-    /// `hostkv_rs._indices.as_index_array`: the conversions off the fast path (lists, numpy,
+    /// `hostkv_rs.pools.indices.as_index_array`: the conversions off the fast path (lists, numpy,
     /// other dtypes, strided or device-resident tensors), with their exact refusals.
     as_index_array: Py<PyAny>,
     check_storage: Py<PyAny>,
@@ -49,7 +49,7 @@ static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 fn torch(py: Python<'_>) -> PyResult<&Torch> {
     TORCH.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        let indices = py.import("hostkv_rs._indices")?;
+        let indices = py.import("hostkv_rs.pools.indices")?;
         Ok(Torch {
             tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
             int32: torch.getattr("int32")?.unbind(),

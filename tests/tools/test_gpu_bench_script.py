@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hostkv_rs import _core
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
 
 
 def test_the_dry_run_fills_every_row(tmp_path, capsys):

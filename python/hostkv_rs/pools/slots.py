@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hostkv_rs._indices import as_index_array
+from hostkv_rs.pools.indices import as_index_array
 
 _CPU = torch.device("cpu")
 

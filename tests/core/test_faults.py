@@ -20,10 +20,10 @@ from hostkv_rs import (
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
     MLATokenToKVPoolHost,
-    _memory,
-    base,
 )
-from hostkv_rs._slots import SLOT_TABLE_BYTES
+from hostkv_rs.pools import base
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.slots import SLOT_TABLE_BYTES
 
 GiB = 1024**3
 

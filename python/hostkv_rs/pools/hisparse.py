@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from hostkv_rs._args import as_int
+from hostkv_rs.pools.args import as_int
 
 logger = logging.getLogger(__name__)
 

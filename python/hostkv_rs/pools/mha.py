@@ -9,11 +9,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hostkv_rs import _core, _handover, _memory
-from hostkv_rs._args import device_side_of, positive_int, required, truth
-from hostkv_rs._device_side import device_pool_extent, first_device, owned_range, ptr_table
-from hostkv_rs._slots import index_list
-from hostkv_rs._sources import (
+from hostkv_rs import _core
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import device_side_of, positive_int, required, truth
+from hostkv_rs.pools.base import HostKVCache
+from hostkv_rs.pools.device_side import device_pool_extent, first_device, owned_range, ptr_table
+from hostkv_rs.pools.slots import index_list
+from hostkv_rs.sglang import handover as _handover
+from hostkv_rs.sglang.sources import (
     arg,
     binds_on_transfer,
     cat_tables,
@@ -27,7 +30,6 @@ from hostkv_rs._sources import (
     scale_layout_value,
     scales_reason,
 )
-from hostkv_rs.base import HostKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """page_unified (SGLang 0.5.23's fused page block) on MHA and MLA pools: SGLang's shape,
 attributes and `PageUnifiedLayout`, bytes in SGLang's `page_dims` order, and SGLang's refusals
 for what 0.5.23 does not move (the direct backend, page metadata, flat pages). The byte
-round trips over every supported pair are in test_transfers.py (reference.py's formula)."""
+round trips over every supported pair are in core/test_transfers.py (reference.py's formula)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The slot allocator of host-pool-contract.md §4.1 (`hostkv_rs._slots`), for every pool kind:
+"""The slot allocator of host-pool-contract.md §4.1 (`hostkv_rs.pools.slots`), for every pool kind:
 FIFO, page-multiple requests, lazy release, double-alloc / double-free detection, one RLock
 around everything. The V4 paged and logical pools track their slots too (stricter than SGLang,
 whose V4 and logical pools accept double frees)."""
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from hostkv_rs.base import HostKVCache
+from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 from reference import make_mha, make_mla
 
@@ -159,7 +159,7 @@ def test_double_alloc_text(pool):
 
 def test_free_accepts_any_integer_tensor_and_returns_count(pool):
     if isinstance(pool, LogicalHostPool):
-        pytest.skip("the logical pool frees whole pages only (test_logical_pool.py)")
+        pytest.skip("the logical pool frees whole pages only (pools/test_logical.py)")
     pool.alloc(12)
     assert pool.free(torch.tensor([0, 1], dtype=torch.int32)) == 2
     assert pool.free(torch.tensor([[2, 3], [4, 5]])) == 4

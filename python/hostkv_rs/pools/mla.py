@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hostkv_rs import _core, _memory
-from hostkv_rs._args import as_int, device_side_of, positive_int, required, truth
-from hostkv_rs._device_side import (
+from hostkv_rs import _core
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import as_int, device_side_of, positive_int, required, truth
+from hostkv_rs.pools.base import HostKVCache
+from hostkv_rs.pools.device_side import (
     device_pool_extent,
     first_device,
     layer_key,
@@ -18,8 +20,9 @@ from hostkv_rs._device_side import (
     ptr_table,
     sharded_host_layer_num,
 )
-from hostkv_rs._slots import index_list
-from hostkv_rs._sources import (
+from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
+from hostkv_rs.pools.slots import index_list
+from hostkv_rs.sglang.sources import (
     arg,
     binds_on_transfer,
     cat_tables,
@@ -31,8 +34,6 @@ from hostkv_rs._sources import (
     refuse_unserved,
     refuses_dcp_l3_pages,
 )
-from hostkv_rs.base import HostKVCache
-from hostkv_rs.hisparse import HiSparseHostPoolMixin
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from functools import wraps
 
 import torch
 
-from hostkv_rs import _core, _handover, _memory, _sources
-from hostkv_rs._args import (
+from hostkv_rs import _core
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import (
     as_int,
     finite_number,
     finite_product,
@@ -28,15 +29,17 @@ from hostkv_rs._args import (
     required,
     truth,
 )
-from hostkv_rs._device_side import (
+from hostkv_rs.pools.device_side import (
     LayerIndexError,
     device_pool_extent,
     layer_key,
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs._indices import check_storage
-from hostkv_rs._slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.pools.indices import check_storage
+from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.sglang import handover as _handover
+from hostkv_rs.sglang import sources as _sources
 
 logger = logging.getLogger(__name__)
 

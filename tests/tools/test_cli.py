@@ -742,7 +742,7 @@ def test_console_script_entry_point():
     import tomllib
     from pathlib import Path
 
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("source tree not available")
     scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]

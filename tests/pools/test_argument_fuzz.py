@@ -26,8 +26,8 @@ from hostkv_rs import (
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
     MLATokenToKVPoolHost,
-    _memory,
 )
+from hostkv_rs.pools import memory as _memory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

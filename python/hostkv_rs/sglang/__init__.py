@@ -37,7 +37,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from hostkv_rs import _handover
+from hostkv_rs.sglang import handover as _handover
 
 logger = logging.getLogger(__name__)
 

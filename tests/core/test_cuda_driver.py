@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The mock runs the real kernels, so it includes them (and the emulation shim) from the crate.
 KERNELS = os.path.join(ROOT, "rust", "kernels")
 MOCK_SRC = os.path.join(ROOT, "tests", "mock_driver", "mock_libcuda.cpp")
@@ -794,7 +794,8 @@ def test_a_second_driver_library_in_the_process_is_refused(mock_dir, tmp_path):
 def test_pin_memory_with_a_gpu_the_core_cannot_use_raises(monkeypatch):
     # Before: the pool was silently left unpinned.
     import torch
-    from hostkv_rs import _core, _memory
+    from hostkv_rs import _core
+    from hostkv_rs.pools import memory as _memory
 
     if _core.cuda_available():
         pytest.skip("the core can use CUDA here")

@@ -15,8 +15,8 @@ from hostkv_rs import (
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
     MLATokenToKVPoolHost,
-    _memory,
 )
+from hostkv_rs.pools import memory as _memory
 from reference import LAYERS, make_mha, make_mla
 
 GB = 1e9
@@ -125,7 +125,7 @@ def test_budget_formula(monkeypatch, tmp_path):
         available = 50 * 1024**3
 
     monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: VM)
-    # The machine running the tests may sit in a memory cgroup (test_faults.py covers those).
+    # The machine running the tests may sit in a memory cgroup (core/test_faults.py covers those).
     monkeypatch.setattr(_memory, "PROC_SELF_CGROUP", str(tmp_path / "none"))
     assert _memory.host_memory_budget_bytes() == 40 * 1024**3
     monkeypatch.setattr(_memory, "ranks_per_host", lambda: 4)
@@ -138,10 +138,10 @@ def test_mla_dcp_and_mtp_arguments_are_accepted():
         dp, 2.0, 0, 16, "layer_first", True, "cpu", "default", None, (), 1, 0, pool_label="x"
     )
     assert host.dcp_size == 1 and host.dcp_rank == 0
-    # MLA translates DCP slots in its transfers (test_contract_mla.py covers it).
+    # MLA translates DCP slots in its transfers (pools/test_mla.py covers it).
     dcp = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=2)
     assert (dcp.dcp_size, dcp.page_size, dcp.logical_page_size) == (2, 8, 16)
-    # MLA packs MTP draft layers (test_contract_mla.py covers it).
+    # MLA packs MTP draft layers (pools/test_mla.py covers it).
     mtp = MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", mtp_draft_device_pools=(dp,))
     assert (mtp.target_layer_num, mtp.layer_num) == (LAYERS, LAYERS + 1)
 

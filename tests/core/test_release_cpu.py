@@ -1,5 +1,5 @@
 """Which SGLang release the pools follow where releases differ, and the MHA side of it (the MLA
-side is in test_contract_mla.py; tests/sglang/test_release_semantics.py compares each release's
+side is in pools/test_mla.py; tests/sglang/test_release_semantics.py compares each release's
 own classes with ours)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _sources
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+from hostkv_rs.sglang import sources as _sources
 from reference import fill_random, host_planes
 
 

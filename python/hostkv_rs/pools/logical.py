@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from hostkv_rs import _memory
-from hostkv_rs._args import as_int
-from hostkv_rs._indices import as_tensor
-from hostkv_rs._slots import SlotFreeList, slot_table_bytes, slots_in_pool
-from hostkv_rs.base import new_pool_lock, synchronized
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import as_int
+from hostkv_rs.pools.base import new_pool_lock, synchronized
+from hostkv_rs.pools.indices import as_tensor
+from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 
 
 class LogicalHostPool(SlotFreeList):

@@ -20,8 +20,8 @@ import uuid
 
 import pytest
 import torch
-from hostkv_rs.base import on_destroy
 from hostkv_rs.l3 import PageResult, Status, host_buffers, page_format
+from hostkv_rs.pools.base import on_destroy
 from hostkv_rs.v4 import LogicalHostPool
 from mooncake_support import (
     DST_PAGES,
@@ -37,7 +37,9 @@ from mooncake_support import (
 )
 from reference import make_mha, make_mla
 
-SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mooncake_support.py")
+SUPPORT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mooncake_support.py"
+)
 MOONCAKE_MISSING = mooncake_unavailable()
 needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
 

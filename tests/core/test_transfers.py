@@ -2,8 +2,8 @@
 x its supported (backend, layout) pairs: a backup of whole pages, then per-layer loads into other
 device pages, both pools checked against the contract's layout formulas (reference.py) at page
 sizes 1/16/64, bf16 and fp8, int32 and int64 indices; random page sets; and the same round trips
-through the emulated CUDA kernels. Pool-specific behaviour stays in test_mha.py, test_mla.py and
-test_asymmetric.py; DeepSeek V4 rows are in test_v4_paged.py."""
+through the emulated CUDA kernels. Pool-specific behaviour stays in pools/test_mha.py, pools/test_mla.py and
+pools/test_mha.py; DeepSeek V4 rows are in pools/test_v4_paged.py."""
 
 from __future__ import annotations
 

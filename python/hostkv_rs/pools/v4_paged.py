@@ -12,14 +12,20 @@ import logging
 
 import torch
 
-from hostkv_rs import _core, _memory
-from hostkv_rs import base as pool_host_base
-from hostkv_rs._args import as_int, positive_int, truth
-from hostkv_rs._device_side import ptr_table
-from hostkv_rs._indices import as_index_array, check_storage
-from hostkv_rs._slots import index_list, slot_table_bytes, slots_in_pool
-from hostkv_rs.base import HostKVCache, get_allocator_from_storage, new_pool_lock, synchronized
-from hostkv_rs.hisparse import HiSparseHostPoolMixin
+from hostkv_rs import _core
+from hostkv_rs.pools import base as pool_host_base
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import as_int, positive_int, truth
+from hostkv_rs.pools.base import (
+    HostKVCache,
+    get_allocator_from_storage,
+    new_pool_lock,
+    synchronized,
+)
+from hostkv_rs.pools.device_side import ptr_table
+from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
+from hostkv_rs.pools.indices import as_index_array, check_storage
+from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 
 logger = logging.getLogger(__name__)
 
