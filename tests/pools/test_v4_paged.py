@@ -590,6 +590,44 @@ def test_lazy_release_order():
     assert pool.alloc(4) is None
 
 
+def test_allocator_of_a_pool_made_with_new():
+    """SGLang's own unit tests build a V4 pool with `__new__` and set only `size`,
+    `slot_page_size` and `lock`: clear, alloc (rounded up to whole page rows) and the lazy free
+    must work from those alone."""
+    import threading
+
+    pool = DeepSeekV4PagedHostPool.__new__(DeepSeekV4PagedHostPool)
+    pool.size, pool.slot_page_size, pool.lock = 8, 2, threading.RLock()
+    pool.clear()
+    assert pool.free(torch.empty(0, dtype=torch.int64)) == 0
+    taken = pool.alloc(6)
+    front = pool.free_slots
+    pool.free(taken[:2])
+    assert pool.free_slots is front  # parked, not merged
+    assert (pool.num_release_slots, pool.available_size()) == (2, 4)
+    assert pool.alloc(2).tolist() == [6, 7]
+    assert pool.alloc(2).tolist() == [0, 1]  # the free list ran out: the parked chunk merged
+    assert (pool.num_release_slots, pool.release_slots, pool.available_size()) == (0, [], 0)
+    with pytest.raises(AssertionError, match="Double-free"):
+        pool.free(torch.tensor([0, 0]))
+    pool.clear()
+    assert len(pool.alloc(1)) == 2
+
+
+def test_page_aligned_refusal_of_a_pool_made_with_new():
+    """A page-aligned-only pool made with `__new__` (SGLang's unit tests set `pool_name`,
+    `slot_page_size`, `layer_num`, `page_aligned_only`) refuses a partial page before it looks
+    at anything else."""
+    pool = DeepSeekV4PagedHostPool.__new__(DeepSeekV4PagedHostPool)
+    pool.pool_name, pool.slot_page_size, pool.layer_num = "c4_indexer", 4, 1
+    pool.page_aligned_only = True
+    three = torch.arange(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="c4_indexer expects page-aligned indices"):
+        pool.backup_from_device_all_layer(None, three, three, "direct")
+    with pytest.raises(ValueError, match="page-aligned"):
+        pool.load_to_device_per_layer(None, three, three, 0, "direct")
+
+
 def test_single_released_chunk_is_adopted():
     pool, _ = make_pool(pages=2, P=4)
     pool.alloc(8)

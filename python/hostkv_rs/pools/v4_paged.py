@@ -77,6 +77,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     # HostKVCache.__init__ is not called (as in SGLang), so the DCP defaults live here too.
     dcp_size = 1
     dcp_rank = 0
+    # What the slot allocator and the transfers' first checks read, for a pool made with
+    # `__new__` and a few attributes set by hand (SGLang's own unit tests build V4 pools that
+    # way: `size`, `slot_page_size` and `lock` for the allocator; `pool_name`,
+    # `slot_page_size` and `page_aligned_only` for the page-alignment refusal).
+    pool_name = "DeepSeekV4PagedHostPool"
+    page_aligned_only = False
+    _destroyed = False
 
     @classmethod
     def _unsupported_reason(cls, args, kwargs) -> str | None:
