@@ -52,6 +52,13 @@ pub fn block_quota() -> Result<u32> {
     }
 }
 
+/// `HOSTKV_TENSOR_EXTENT`: `auto` (default: a binding reads its device tensors' extents from
+/// torch's objects where the offsets could be found) or `python` (every check through Python).
+/// Read once per process, when the first device tensor is checked; anything else is `auto`.
+pub fn tensor_extent_reads() -> bool {
+    var("HOSTKV_TENSOR_EXTENT").is_none_or(|v| !v.trim().eq_ignore_ascii_case("python"))
+}
+
 /// `HOSTKV_DIRECT_BATCH=0` forces the direct backend's per-copy path (a diagnostic switch).
 pub fn direct_batch() -> bool {
     var("HOSTKV_DIRECT_BATCH").is_none_or(|v| v.trim() != "0")

@@ -3,6 +3,7 @@ pointers or shapes, and every device refusal is raised before a byte moves."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -128,12 +129,25 @@ else:
     print("ACCEPTED")
 assert torch.equal(before, raw(storage)), "bytes changed"
 print("UNCHANGED")
+current = dev.k_buffer[1].untyped_storage()
+if current.nbytes() >= 112 * 32 and bool((raw(current)[80 * 32 : 112 * 32] == 9).all()):
+    print("NEW STORAGE WRITTEN")
 """
 
 
+@pytest.mark.parametrize("extent", ["auto", "python"])
 @pytest.mark.parametrize(
     ("case", "rows", "refusal"),
     [
+        # The storage swapped for another of the same size (same shape, other memory).
+        (
+            (
+                "old = layer.untyped_storage(); layer.set_(torch.zeros_like(layer)); "
+                "layer = torch.empty(0, dtype=torch.bfloat16).set_(old)"
+            ),
+            "torch.arange(80, 112)",
+            None,
+        ),
         # The tensor resized smaller on its storage: rows 80..111 are past its 32 rows.
         ("layer.resize_(32, 2, 8)", "torch.arange(80, 112)", "out of range"),
         # The storage freed and reallocated smaller (13 rows): the shape no longer fits it.
@@ -146,14 +160,54 @@ print("UNCHANGED")
         ("layer.untyped_storage().resize_(0)", "torch.arange(0, 4)", "fewer than its shape"),
     ],
 )
-def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(case, rows, refusal):
+def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(
+    case, rows, refusal, extent
+):
+    """Both ways of noticing the change: the tensors' extents read from torch's objects (the
+    default, `extent.rs`) and the Python calls (`HOSTKV_TENSOR_EXTENT=python`). A swapped
+    storage of the same size is checked again and written (the old one stays unchanged)."""
     script = _STALE_EXTENT.replace("CASE", case).replace("ROWS", rows)
+    env = {**os.environ, "HOSTKV_TENSOR_EXTENT": extent}
     done = subprocess.run(
-        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "REFUSED" in done.stdout and refusal in done.stdout, done.stdout
-    assert "UNCHANGED" in done.stdout
+    if refusal is None:
+        assert "ACCEPTED" in done.stdout and "UNCHANGED" in done.stdout, done.stdout
+        assert "NEW STORAGE WRITTEN" in done.stdout, done.stdout
+    else:
+        assert "REFUSED" in done.stdout and refusal in done.stdout, done.stdout
+        assert "UNCHANGED" in done.stdout
+
+
+def test_tensor_extents_are_read_from_torch_unless_switched_off():
+    """This torch's field offsets are found (so the cases above test the reads, not only the
+    Python fallback), and `HOSTKV_TENSOR_EXTENT=python` switches the reads off."""
+    found = _core.tensor_extent_layout()
+    assert found is not None, f"torch {torch.__version__}: no tensor layout found"
+    assert [name for name, _ in found] == [
+        "tensor_impl",
+        "storage",
+        "storage_offset",
+        "numel",
+        "data",
+        "nbytes",
+    ]
+    code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOSTKV_TENSOR_EXTENT": "python"},
+    )
+    assert done.stdout.strip() == "None"
 
 
 def test_a_device_pool_handed_to_a_call_without_the_layer_is_refused_by_the_core():

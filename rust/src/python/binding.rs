@@ -23,6 +23,7 @@ use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::args;
 use super::errors::to_py;
+use super::extent;
 use super::host_pool::PyHostPool;
 use super::spec::PyPoolSpec;
 use crate::config;
@@ -67,17 +68,23 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
 /// a tensor `set_` to other memory changes its pointer (two live storages do not share an
 /// address), a tensor resized on its storage changes its byte size, and a storage resized,
 /// freed or reallocated in place changes the storage's byte size; any of these sends the
-/// binding through the full check again. Three cheap calls per touched tensor, no allocation:
-/// the two methods are bound once, here (the abi3 build has no vectorcall of a method by name,
-/// so binding one per call would allocate it every time).
+/// binding through the full check again.
+///
+/// Where this process's torch layout was found (`extent.rs`), the same facts are read straight
+/// from the tensor's and the storage's C++ objects, a few loads per tensor; otherwise three
+/// cheap Python calls per touched tensor, no allocation (the two methods are bound once, here:
+/// the abi3 build has no vectorcall of a method by name, so binding one per call would
+/// allocate it every time).
 struct Snap {
     ptr: u64,
     tensor_nbytes: u64,
     storage_nbytes: u64,
     /// `tensor.data_ptr`, bound.
     data_ptr: Py<PyAny>,
-    /// `storage.nbytes`, bound to the held storage.
+    /// `storage.nbytes`, bound to the held storage (which keeps the storage alive).
     storage_nbytes_of: Py<PyAny>,
+    /// The extent as torch's objects hold it, where it could be read and agreed with Python.
+    read: Option<(extent::TorchLayout, extent::Extent)>,
 }
 
 impl Snap {
@@ -85,17 +92,30 @@ impl Snap {
         let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
         let data_ptr = tensor.getattr(intern!(py, "data_ptr"))?;
         let storage_nbytes_of = storage.getattr(intern!(py, "nbytes"))?;
+        let read = match extent::layout(py) {
+            Some(layout) => {
+                let reported = extent::reported(tensor)?;
+                layout.snapshot(&reported).map(|e| (layout, e))
+            }
+            None => None,
+        };
         Ok(Self {
             ptr: data_ptr.call0()?.extract()?,
             tensor_nbytes: tensor.getattr(intern!(py, "nbytes"))?.extract()?,
             storage_nbytes: storage_nbytes_of.call0()?.extract()?,
             data_ptr: data_ptr.unbind(),
             storage_nbytes_of: storage_nbytes_of.unbind(),
+            read,
         })
     }
 
-    /// Whether `tensor` is still what was checked.
+    /// Whether `tensor` (the one this was taken of) is still what was checked.
     fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if let Some((layout, extent)) = &self.read {
+            // SAFETY: `extent` was read through `layout` by `snapshot`; the GIL is held; the
+            // binding holds `tensor` and this snapshot holds its storage (`storage_nbytes_of`).
+            return Ok(unsafe { layout.unchanged(extent) });
+        }
         let ptr: u64 = self.data_ptr.bind(py).call0()?.extract()?;
         if ptr != self.ptr {
             return Ok(false);

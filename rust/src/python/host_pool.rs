@@ -304,8 +304,19 @@ impl PyHostPool {
 
     /// SGLang's `is_stride_page_aligned`: every plane's start and page stride are multiples of
     /// `page_size_bytes` (False for the layouts without a page stride).
-    fn is_stride_page_aligned(&self, page_size_bytes: u64) -> PyResult<bool> {
+    fn is_stride_page_aligned(&self, page_size_bytes: &Bound<'_, PyAny>) -> PyResult<bool> {
         let spec = &self.spec_of("is_stride_page_aligned")?.spec;
+        let page_size_bytes = page_size_bytes.cast::<pyo3::types::PyInt>()?;
+        if page_size_bytes.lt(0)? {
+            return Err(PyValueError::new_err(format!(
+                "page_size_bytes must be positive, got {page_size_bytes}"
+            )));
+        }
+        let Ok(page_size_bytes) = page_size_bytes.extract::<u64>() else {
+            // Past 2**64: no plane address or page stride (all nonzero, below 2**64) is a
+            // multiple of it.
+            return Ok(false);
+        };
         if page_size_bytes == 0 {
             return Err(PyValueError::new_err(
                 "page_size_bytes must be positive, got 0",

@@ -6,6 +6,7 @@
 mod args;
 mod binding;
 mod errors;
+mod extent;
 mod host_pool;
 mod memory;
 #[cfg(feature = "raw-calls")]
@@ -99,6 +100,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<host_pool::PyHostPool>()?;
     m.add_class::<spec::PyPoolSpec>()?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
+    m.add_function(wrap_pyfunction!(extent::tensor_extent_layout, m)?)?;
     m.add_class::<unified::PyPageUnifiedLayout>()?;
     m.add_class::<binding::PyDeviceBinding>()?;
     m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;

@@ -1,0 +1,332 @@
+//! A device tensor's extent read from torch's own objects, so a transfer can tell that a checked
+//! tensor is unchanged without calling into Python for every tensor it touches.
+//!
+//! What a transfer must know of each tensor it writes through a cached pointer: the tensor still
+//! names the same storage, the storage still holds the same allocation (data pointer, byte
+//! size), and the tensor still sits at the same element offset with the same element count.
+//! torch keeps all of these in two C++ objects: the tensor's `TensorImpl` (its storage, storage
+//! offset and numel) and that storage's `StorageImpl` (data pointer, byte size). Their field
+//! offsets are not a public ABI and change between releases (2.15 dropped the `MaybeOwned`
+//! wrapper in `THPVariable`, for one), so none is assumed: once per process the offsets are
+//! found by asking torch, through Python, about probe tensors of known, distinct geometry (two
+//! allocators, three dtypes, offsets and counts that no other field shares) and searching for
+//! the one set of offsets that gives every probe's answers, with a read that cannot fault (the
+//! kernel copies the bytes into a pipe, and refuses an unmapped address with EFAULT). No set, or
+//! more than one: no layout, and every check goes through Python as before.
+//!
+//! Why the per-call read is sound: a tensor's snapshot is taken only when reading its objects
+//! with the found offsets (again with the faultless read) gives exactly what Python reports for
+//! it; the binding holds the tensor object (which owns its `TensorImpl` for life) and the
+//! storage object (which owns the `StorageImpl`), so both stay allocated and every later read is
+//! inside live objects; and it runs with the GIL held, which every torch call that could change
+//! these fields from Python also holds. `HOSTKV_TENSOR_EXTENT=python` turns the reads off.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyDict, PySlice};
+
+use crate::config;
+
+/// Byte offsets, found once per process: the `TensorImpl` pointer in the tensor's Python
+/// object; the storage pointer, storage offset and numel in the `TensorImpl`; the data pointer
+/// and byte size in the `StorageImpl`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct TorchLayout {
+    pub(crate) tensor_impl: usize,
+    pub(crate) storage: usize,
+    pub(crate) storage_offset: usize,
+    pub(crate) numel: usize,
+    pub(crate) data: usize,
+    pub(crate) nbytes: usize,
+}
+
+/// One tensor's extent as read through a `TorchLayout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Extent {
+    /// The tensor's Python object (held by the binding).
+    object: usize,
+    tensor_impl: usize,
+    storage_impl: usize,
+    data: u64,
+    nbytes: u64,
+    storage_offset: u64,
+    numel: u64,
+}
+
+/// What Python reports about one tensor: the values a snapshot must read back.
+pub(crate) struct Reported {
+    pub(crate) object: usize,
+    pub(crate) storage_data: u64,
+    pub(crate) storage_nbytes: u64,
+    pub(crate) storage_offset: u64,
+    pub(crate) numel: u64,
+    /// Python's object size for the tensor's type: where the `TensorImpl` pointer may sit.
+    pub(crate) basicsize: usize,
+}
+
+static LAYOUT: PyOnceLock<Option<TorchLayout>> = PyOnceLock::new();
+
+/// The offsets for this process's torch, found on first use; None where they could not be
+/// found or `HOSTKV_TENSOR_EXTENT=python`.
+pub(crate) fn layout(py: Python<'_>) -> Option<TorchLayout> {
+    *LAYOUT.get_or_init(py, || {
+        if !config::tensor_extent_reads() {
+            return None;
+        }
+        calibrate(py).ok().flatten()
+    })
+}
+
+/// Reads of any address that fail instead of faulting: the kernel copies the bytes from our
+/// address space into a pipe, and an unmapped address is EFAULT, not a signal.
+struct SafeReader {
+    read_end: OwnedFd,
+    write_end: OwnedFd,
+}
+
+impl SafeReader {
+    fn new() -> Option<Self> {
+        let mut fds = [0; 2];
+        // SAFETY: `fds` is a valid two-int array for pipe2 to fill.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
+        Some(unsafe {
+            Self {
+                read_end: OwnedFd::from_raw_fd(fds[0]),
+                write_end: OwnedFd::from_raw_fd(fds[1]),
+            }
+        })
+    }
+
+    /// The `N` machine words at `addr`, or None if any of their bytes is not readable.
+    fn words<const N: usize>(&self, addr: usize) -> Option<[u64; N]> {
+        if addr == 0 || addr % 8 != 0 {
+            return None;
+        }
+        let len = N * 8;
+        // SAFETY: write(2) reads `len` bytes at `addr` in the kernel, which returns EFAULT
+        // (nothing written) for an unmapped range instead of faulting this process.
+        let put = unsafe { libc::write(self.write_end.as_raw_fd(), addr as *const _, len) };
+        if put != len as isize {
+            // A partial write (the range ends in an unmapped page) left bytes to drain.
+            if put > 0 {
+                let mut sink = vec![0u8; put as usize];
+                // SAFETY: `sink` has room for the `put` bytes the pipe holds.
+                unsafe {
+                    libc::read(
+                        self.read_end.as_raw_fd(),
+                        sink.as_mut_ptr().cast(),
+                        sink.len(),
+                    )
+                };
+            }
+            return None;
+        }
+        let mut out = [0u64; N];
+        // SAFETY: `out` is `len` writable bytes; the pipe holds exactly the `len` just written.
+        let got = unsafe { libc::read(self.read_end.as_raw_fd(), out.as_mut_ptr().cast(), len) };
+        (got == len as isize).then_some(out)
+    }
+
+    fn word(&self, addr: usize) -> Option<u64> {
+        self.words::<1>(addr).map(|[w]| w)
+    }
+}
+
+// How far into each object the search looks (bytes); torch's fields sit well inside.
+const IMPL_SEARCH: usize = 512;
+const STORAGE_SEARCH: usize = 256;
+
+/// Every set of offsets under which `reported`'s tensor reads back as Python reports it.
+fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
+    let mut out = Vec::new();
+    for tensor_impl in (16..reported.basicsize.min(256)).step_by(8) {
+        let Some(impl_addr) = reader.word(reported.object + tensor_impl) else {
+            continue;
+        };
+        let Some(fields) = reader.words::<{ IMPL_SEARCH / 8 }>(impl_addr as usize) else {
+            continue;
+        };
+        let at = |value: u64| -> Vec<usize> {
+            (1..fields.len())
+                .filter(|&i| fields[i] == value)
+                .map(|i| i * 8)
+                .collect()
+        };
+        let offsets = at(reported.storage_offset);
+        let numels = at(reported.numel);
+        if offsets.is_empty() || numels.is_empty() {
+            continue;
+        }
+        for (i, &storage_addr) in fields.iter().enumerate().skip(1) {
+            let Some(storage) = reader.words::<{ STORAGE_SEARCH / 8 }>(storage_addr as usize)
+            else {
+                continue;
+            };
+            let find = |value: u64| -> Vec<usize> {
+                (1..storage.len())
+                    .filter(|&j| storage[j] == value)
+                    .map(|j| j * 8)
+                    .collect()
+            };
+            for data in find(reported.storage_data) {
+                for nbytes in find(reported.storage_nbytes) {
+                    for &storage_offset in &offsets {
+                        for &numel in &numels {
+                            out.push(TorchLayout {
+                                tensor_impl,
+                                storage: i * 8,
+                                storage_offset,
+                                numel,
+                                data,
+                                nbytes,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What Python says about `tensor`, for a search or a snapshot.
+pub(crate) fn reported(tensor: &Bound<'_, PyAny>) -> PyResult<Reported> {
+    let py = tensor.py();
+    let storage = tensor.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+    Ok(Reported {
+        object: tensor.as_ptr() as usize,
+        storage_data: storage
+            .call_method0(pyo3::intern!(py, "data_ptr"))?
+            .extract()?,
+        storage_nbytes: storage
+            .call_method0(pyo3::intern!(py, "nbytes"))?
+            .extract()?,
+        storage_offset: tensor
+            .call_method0(pyo3::intern!(py, "storage_offset"))?
+            .extract()?,
+        numel: tensor.call_method0(pyo3::intern!(py, "numel"))?.extract()?,
+        basicsize: tensor
+            .get_type()
+            .getattr(pyo3::intern!(py, "__basicsize__"))?
+            .extract()?,
+    })
+}
+
+/// Probe tensors whose storages come from two allocators (torch's own, and a bytearray's
+/// buffer, whose allocation context is not its data pointer), with distinct dtypes, storage
+/// sizes, offsets and element counts, 2-D so that no size or stride equals the count.
+fn probes(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
+    let torch = py.import("torch")?;
+    fn view<'py>(
+        base: Bound<'py, PyAny>,
+        offset: isize,
+        rows: usize,
+        cols: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let end = offset + (rows * cols) as isize;
+        base.get_item(PySlice::new(base.py(), offset, end, 1))?
+            .call_method1("view", (rows, cols))
+    }
+    let dtype = |name: &str| torch.getattr(name);
+    let empty = |n: usize, name: &str| {
+        let kw = PyDict::new(py);
+        kw.set_item("dtype", dtype(name)?)?;
+        torch.call_method("empty", (n,), Some(&kw))
+    };
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", dtype("int64")?)?;
+    let from_buffer = torch.call_method(
+        "frombuffer",
+        (PyByteArray::new(py, &[0u8; 8008]),),
+        Some(&kw),
+    )?;
+    Ok(vec![
+        view(empty(4096, "uint8")?, 37, 9, 13)?,
+        view(empty(2050, "int16")?, 101, 7, 11)?,
+        view(from_buffer, 5, 3, 29)?,
+    ])
+}
+
+fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
+    let Some(reader) = SafeReader::new() else {
+        return Ok(None);
+    };
+    let probes = probes(py)?;
+    let mut common: Option<Vec<TorchLayout>> = None;
+    for probe in &probes {
+        let found = candidates(&reader, &reported(probe)?);
+        common = Some(match common {
+            None => found,
+            Some(before) => before.into_iter().filter(|c| found.contains(c)).collect(),
+        });
+    }
+    Ok(match common.as_deref() {
+        Some([only]) => Some(*only),
+        _ => None,
+    })
+}
+
+impl TorchLayout {
+    /// `reported`'s tensor read through these offsets, if that is exactly what Python reports
+    /// (read faultlessly: the tensor has not been vouched for yet).
+    pub(crate) fn snapshot(&self, reported: &Reported) -> Option<Extent> {
+        let reader = SafeReader::new()?;
+        let tensor_impl = reader.word(reported.object + self.tensor_impl)? as usize;
+        let storage_impl = reader.word(tensor_impl + self.storage)? as usize;
+        let extent = Extent {
+            object: reported.object,
+            tensor_impl,
+            storage_impl,
+            data: reader.word(storage_impl + self.data)?,
+            nbytes: reader.word(storage_impl + self.nbytes)?,
+            storage_offset: reader.word(tensor_impl + self.storage_offset)?,
+            numel: reader.word(tensor_impl + self.numel)?,
+        };
+        let agrees = extent.data == reported.storage_data
+            && extent.nbytes == reported.storage_nbytes
+            && extent.storage_offset == reported.storage_offset
+            && extent.numel == reported.numel;
+        agrees.then_some(extent)
+    }
+
+    /// Whether the tensor of `extent` still has it: same `TensorImpl`, same storage, same
+    /// allocation and byte size, same offset and count.
+    ///
+    /// # Safety
+    /// `extent` came from `snapshot` with these offsets, the caller holds the GIL, and the
+    /// tensor object and the storage object it was taken from are still held alive (so every
+    /// address read here lies inside a live object).
+    pub(crate) unsafe fn unchanged(&self, extent: &Extent) -> bool {
+        let read = |addr: usize| -> u64 {
+            // SAFETY: per this function's contract, `addr` lies inside a live, aligned object.
+            unsafe { std::ptr::read_volatile(addr as *const u64) }
+        };
+        read(extent.object + self.tensor_impl) as usize == extent.tensor_impl
+            && read(extent.tensor_impl + self.storage) as usize == extent.storage_impl
+            && read(extent.storage_impl + self.data) == extent.data
+            && read(extent.storage_impl + self.nbytes) == extent.nbytes
+            && read(extent.tensor_impl + self.storage_offset) == extent.storage_offset
+            && read(extent.tensor_impl + self.numel) == extent.numel
+    }
+}
+
+/// `_core.tensor_extent_layout()`: the offsets this process reads tensors' extents at, or None
+/// where every check goes through Python (diagnostics and tests).
+#[pyfunction]
+pub(crate) fn tensor_extent_layout(py: Python<'_>) -> Option<Vec<(&'static str, usize)>> {
+    layout(py).map(|l| {
+        vec![
+            ("tensor_impl", l.tensor_impl),
+            ("storage", l.storage),
+            ("storage_offset", l.storage_offset),
+            ("numel", l.numel),
+            ("data", l.data),
+            ("nbytes", l.nbytes),
+        ]
+    })
+}
