@@ -237,3 +237,23 @@ def test_the_c4_token_maps_read_only_c4_page_rows():
     planes = [list(_dev.k_buffer), list(_dev.v_buffer)]
     with pytest.raises(ValueError, match="the C4 token maps read a layer_first pool of 37440-byte"):
         _core.DeviceBinding(host._pool_core, planes, [0, 1, 2], 3, 3, index_map=("c4_value",))
+
+
+def test_index_tensors_read_from_torch_objects_keep_their_offset_width_and_refusals():
+    """The index fast path reads a plain index tensor's count, offset and storage from torch's
+    objects: views into a larger tensor move exactly their rows, int32 views are read at their
+    own width, and a tensor without a storage (sparse) still gets as_index_array's refusal."""
+    dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first")
+    h = host.alloc(16)
+    host.kv_buffer.view(torch.uint8).fill_(7)
+    wide = torch.arange(100, dtype=torch.int64)
+    narrow = torch.arange(100, dtype=torch.int32)
+    host.load_to_device_per_layer(dev, h[2:5], wide[20:23], 1, "kernel")
+    host.load_to_device_per_layer(dev, h[5:7], narrow[40:42], 1, "kernel")
+    rows = dev.k_buffer[1].reshape(dev.k_buffer[1].shape[0], -1).view(torch.uint8)
+    written = (rows == 7).all(dim=1).nonzero().flatten().tolist()
+    assert written == [20, 21, 22, 40, 41]
+    with pytest.raises(TypeError, match="index tensors must be dense"):
+        host.load_to_device_per_layer(dev, h[:3], torch.tensor([1, 2, 3]).to_sparse(), 1, "kernel")
+    assert (rows == 7).all(dim=1).nonzero().flatten().tolist() == written

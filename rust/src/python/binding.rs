@@ -19,7 +19,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyString, PyTuple, PyType};
+use pyo3::types::{PyString, PyType};
 
 use super::args;
 use super::errors::to_py;
@@ -565,7 +565,8 @@ fn fast_index(
     value: &Bound<'_, PyAny>,
     host_side: bool,
 ) -> PyResult<Option<IndexArray>> {
-    if !value.is_instance(t.tensor.bind(py))? {
+    let exact = value.get_type().is(t.tensor.bind(py));
+    if !exact && !value.is_instance(t.tensor.bind(py))? {
         return Ok(None);
     }
     let dtype = value.getattr(pyo3::intern!(py, "dtype"))?;
@@ -576,12 +577,10 @@ fn fast_index(
     } else {
         return Ok(None);
     };
-    let shape = value.getattr(pyo3::intern!(py, "shape"))?;
-    let shape = shape.cast::<PyTuple>()?;
-    if shape.len() != 1 {
+    let dim: usize = value.call_method0(pyo3::intern!(py, "dim"))?.extract()?;
+    if dim != 1 {
         return Ok(None);
     }
-    let len: usize = shape.get_item(0)?.extract()?;
     let on_device = value.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()?;
     if on_device && host_side {
         return Ok(None);
@@ -595,22 +594,44 @@ fn fast_index(
     {
         return Ok(None);
     }
-    if len > 0 {
-        let offset: u64 = value
-            .call_method0(pyo3::intern!(py, "storage_offset"))?
-            .extract()?;
-        let nbytes: u64 = value
-            .call_method0(pyo3::intern!(py, "untyped_storage"))?
-            .call_method0(pyo3::intern!(py, "nbytes"))?
-            .extract()?;
-        let need = (offset as u128 + len as u128) * width.bytes() as u128;
-        if need > nbytes as u128 {
-            t.check_storage.bind(py).call1((value, "index tensor"))?;
+    let layout = if exact { extent::layout(py) } else { None };
+    let (ptr, len) = match layout {
+        Some(layout) => {
+            // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked
+            // above), borrowed for this call, and the GIL is held.
+            let Some(dense) = (unsafe { layout.dense(value.as_ptr() as usize) }) else {
+                return Ok(None);
+            };
+            let len = dense.numel as usize;
+            let need = (dense.storage_offset as u128 + len as u128) * width.bytes() as u128;
+            if len > 0 && need > dense.storage_nbytes as u128 {
+                t.check_storage.bind(py).call1((value, "index tensor"))?;
+            }
+            let ptr =
+                dense.storage_offset as u128 * width.bytes() as u128 + dense.storage_data as u128;
+            (ptr as u64, len)
         }
-    }
-    let ptr: u64 = value
-        .call_method0(pyo3::intern!(py, "data_ptr"))?
-        .extract()?;
+        None => {
+            let len: usize = value.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
+            if len > 0 {
+                let offset: u64 = value
+                    .call_method0(pyo3::intern!(py, "storage_offset"))?
+                    .extract()?;
+                let nbytes: u64 = value
+                    .call_method0(pyo3::intern!(py, "untyped_storage"))?
+                    .call_method0(pyo3::intern!(py, "nbytes"))?
+                    .extract()?;
+                let need = (offset as u128 + len as u128) * width.bytes() as u128;
+                if need > nbytes as u128 {
+                    t.check_storage.bind(py).call1((value, "index tensor"))?;
+                }
+            }
+            let ptr: u64 = value
+                .call_method0(pyo3::intern!(py, "data_ptr"))?
+                .extract()?;
+            (ptr, len)
+        }
+    };
     Ok(Some(IndexArray {
         ptr,
         len,

@@ -315,6 +315,44 @@ impl TorchLayout {
     }
 }
 
+/// What a dense tensor's objects say about its memory: the element count and offset, and its
+/// storage's data pointer and byte size.
+pub(crate) struct Dense {
+    pub(crate) numel: u64,
+    pub(crate) storage_offset: u64,
+    pub(crate) storage_data: u64,
+    pub(crate) storage_nbytes: u64,
+}
+
+impl TorchLayout {
+    /// The extent of a tensor nobody has snapshotted (an index tensor, read once per call), or
+    /// None where it has no storage (sparse, opaque and other storage-less tensors).
+    ///
+    /// # Safety
+    /// `object` is a live Python object of exactly type `torch.Tensor` (whose layout the
+    /// offsets were found for), on a CPU or CUDA device, and the caller holds the GIL and a
+    /// reference to it for the duration of the call (the tensor owns its `TensorImpl`, which
+    /// owns its storage).
+    pub(crate) unsafe fn dense(&self, object: usize) -> Option<Dense> {
+        let read = |addr: usize| -> u64 {
+            // SAFETY: per this function's contract each address lies inside the live tensor
+            // object, its `TensorImpl` or that impl's `StorageImpl`, all 8-byte aligned.
+            unsafe { std::ptr::read_volatile(addr as *const u64) }
+        };
+        let tensor_impl = read(object + self.tensor_impl) as usize;
+        let storage = read(tensor_impl + self.storage) as usize;
+        if storage == 0 {
+            return None;
+        }
+        Some(Dense {
+            numel: read(tensor_impl + self.numel),
+            storage_offset: read(tensor_impl + self.storage_offset),
+            storage_data: read(storage + self.data),
+            storage_nbytes: read(storage + self.nbytes),
+        })
+    }
+}
+
 /// `_core.tensor_extent_layout()`: the offsets this process reads tensors' extents at, or None
 /// where every check goes through Python (diagnostics and tests).
 #[pyfunction]
