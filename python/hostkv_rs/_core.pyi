@@ -17,6 +17,7 @@ __all__ = [
     "HostPool",
     "HostRegion",
     "LayerIndexError",
+    "LayerMap",
     "PageIndexError",
     "PageUnifiedLayout",
     "PoolSpec",
@@ -255,6 +256,17 @@ class PoolSpec:
     def layer_view_dim(self, transpose_direct: bool) -> int | None: ...
     def layer(self, layer_id: int) -> int: ...
     def page_view(self, index: int) -> tuple[int, list[int], list[int]]: ...
+
+@final
+class LayerMap:
+    """Controller layer ids -> host layers of a pool without a device binding yet."""
+
+    def __new__(cls, owned_slots: Sequence[int], target_layer_num: int) -> LayerMap: ...
+    def lookup(self, layer_id: int, is_draft: bool = False) -> int | None: ...
+    @property
+    def targets(self) -> list[tuple[int, int]]: ...
+    @property
+    def host_layer_num(self) -> int: ...
 
 @final
 class DeviceBinding:

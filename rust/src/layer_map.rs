@@ -92,6 +92,10 @@ impl LayerMap {
         }
         match self.drafts.get(&id) {
             Some(&entry) => Ok(Some(entry)),
+            None if self.drafts.is_empty() => Err(Error::layer_index(format!(
+                "is_draft layer_id {id} is not a packed MTP draft layer: this host pool holds \
+                 no drafts"
+            ))),
             None => Err(Error::layer_index(format!(
                 "is_draft layer_id {id} is not a packed MTP draft layer: this host pool holds \
                  drafts at layer ids [{}, {})",
@@ -154,6 +158,16 @@ mod tests {
         assert!(m.complete());
         assert_eq!(m.backup_order(), &[(0, 0), (1, 1), (2, 2), (3, 3)]);
         assert_eq!(m.targets(), vec![(4, 0), (5, 1)]);
+    }
+
+    #[test]
+    fn a_pool_without_drafts_says_so() {
+        // A geometry-only pool's map (`_core.LayerMap`): layers 2..4 of the device pool.
+        let m = LayerMap::new(2, &[2, 3], 0, 2, None, "layer map").unwrap();
+        assert_eq!(m.lookup(3, false).unwrap(), Some((1, 1)));
+        assert_eq!(m.lookup(0, false).unwrap(), None);
+        let e = m.lookup(0, true).unwrap_err();
+        assert!(e.to_string().ends_with("this host pool holds no drafts"), "{e}");
     }
 
     #[test]

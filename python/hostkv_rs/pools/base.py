@@ -30,7 +30,6 @@ from hostkv_rs.pools.args import (
     truth,
 )
 from hostkv_rs.pools.device_side import (
-    LayerIndexError,
     device_pool_extent,
     layer_key,
     owned_range,
@@ -744,33 +743,23 @@ class HostKVCache(SlotFreeList, abc.ABC):
             return False
         return all(hasattr(device_pool, name) for name in self._device_plane_names)
 
-    # Controller layer ids the construction pool owns, when it gave only its geometry (SGLang
-    # <= 0.5.21 captures nothing then): no binding exists until a transfer names a device pool.
-    _geometry_only_layers: range | None = None
+    # Controller layer ids -> host layers of a pool built from a device pool's geometry alone
+    # (SGLang <= 0.5.21 captures nothing then): no binding exists until a transfer names a
+    # device pool, so the core's `LayerMap` of the layers that pool owns answers meanwhile.
+    _layer_map: _core.LayerMap | None = None
+
+    @property
+    def _layer_index(self):
+        """The device binding's layer lookups, or the geometry-only pool's `LayerMap`."""
+        return self._device_side if self._device_side is not None else self._layer_map
 
     def _lookup_layer(self, layer_id, is_draft: bool):
         """The host layer of controller layer `layer_id`, None for a target layer not held."""
-        if self._device_side is not None:
-            return self._device_side.lookup(layer_id, is_draft)
-        key = layer_key(layer_id)
-        if is_draft:
-            raise LayerIndexError(
-                f"is_draft layer_id {key} is not a packed MTP draft layer: this host pool holds "
-                f"no drafts"
-            )
-        owned = self._geometry_only_layers
-        return key - owned.start if key in owned else None
-
-    def _layer_targets(self) -> list[tuple[int, int]]:
-        if self._device_side is not None:
-            return self._device_side.targets
-        owned = self._geometry_only_layers
-        return [(slot, slot - owned.start) for slot in owned]
+        return self._layer_index.lookup(layer_id, is_draft)
 
     def _host_layer_total(self) -> int:
-        if self._device_side is not None:
-            return self._device_side.host_layer_num
-        return self.layer_num
+        index = self._layer_index
+        return self.layer_num if index is None else index.host_layer_num
 
     def _device_rows_like(self) -> list:
         """Per plane, the `(dtype, (heads, head_dim))` device rows must have (see
@@ -867,7 +856,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _foreign_backup(self, device_pool):
         """The binding of an all-layer backup from a device pool handed to the call."""
         self._check_device_pool(device_pool)
-        targets = self._layer_targets()
+        targets = self._layer_index.targets
         slots = [slot for slot, _ in targets]
         return self._foreign_binding(device_pool, slots, slots, [h for _, h in targets])
 

@@ -186,7 +186,7 @@ class MHATokenToKVPoolHost(HostKVCache):
                     f"device pool owns layers [{start}, {end}) but claims layer_num={dp.layer_num}"
                 )
             self._captured_pools = ()
-            self._geometry_only_layers = range(start, end)
+            self._layer_map = _core.LayerMap(list(range(start, end)), self.target_layer_num)
             return {
                 "planes": None,
                 "device": torch.device(dp.device),

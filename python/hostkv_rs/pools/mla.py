@@ -239,7 +239,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.target_layer_num}"
             )
         self._captured_pools = ()
-        self._geometry_only_layers = range(start, end)
+        self._layer_map = _core.LayerMap(list(range(start, end)), self.target_layer_num)
         return {
             "planes": None,
             "device": torch.device(dp.device),

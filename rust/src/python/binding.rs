@@ -195,7 +195,7 @@ pub struct PyDeviceBinding {
 }
 
 /// A layer id as SGLang compares it: an integer (a bool is refused rather than read as 0 or 1).
-fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
     let refuse = || -> PyResult<PyErr> {
         Ok(PyTypeError::new_err(format!(
             "layer_id must be an integer, got {}",

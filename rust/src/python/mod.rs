@@ -8,6 +8,7 @@ mod binding;
 mod errors;
 mod extent;
 mod host_pool;
+mod layer_map;
 mod memory;
 #[cfg(feature = "raw-calls")]
 mod raw;
@@ -98,6 +99,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<region::PyHostRegion>()?;
     m.add_class::<host_pool::PyHostPool>()?;
+    m.add_class::<layer_map::PyLayerMap>()?;
     m.add_class::<spec::PyPoolSpec>()?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
     m.add_function(wrap_pyfunction!(extent::tensor_extent_layout, m)?)?;
