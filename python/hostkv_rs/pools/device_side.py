@@ -10,12 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hostkv_rs import _core
 from hostkv_rs.pools.args import as_int
-
-# A layer id outside the pools: a TransferError (nothing was copied) that is also the IndexError
-# SGLang's `k_buffer[layer_id]` would raise. Defined in Rust, which raises it too.
-LayerIndexError = _core.LayerIndexError
 
 
 def ptr_table(tensors, device) -> torch.Tensor:
