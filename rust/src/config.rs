@@ -54,9 +54,16 @@ pub fn block_quota() -> Result<u32> {
 
 /// `HOSTKV_TENSOR_EXTENT`: `auto` (default: a binding reads its device tensors' extents from
 /// torch's objects where the offsets could be found) or `python` (every check through Python).
-/// Read once per process, when the first device tensor is checked; anything else is `auto`.
-pub fn tensor_extent_reads() -> bool {
-    var("HOSTKV_TENSOR_EXTENT").is_none_or(|v| !v.trim().eq_ignore_ascii_case("python"))
+/// Read once per process, when the first tensor is checked.
+pub fn tensor_extent_reads() -> Result<bool> {
+    let raw = var("HOSTKV_TENSOR_EXTENT").unwrap_or_default();
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(true),
+        "python" => Ok(false),
+        _ => Err(Error::unsupported(format!(
+            "HOSTKV_TENSOR_EXTENT must be one of auto, python, got {raw:?}"
+        ))),
+    }
 }
 
 /// `HOSTKV_DIRECT_BATCH=0` forces the direct backend's per-copy path (a diagnostic switch).

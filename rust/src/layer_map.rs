@@ -167,7 +167,10 @@ mod tests {
         assert_eq!(m.lookup(3, false).unwrap(), Some((1, 1)));
         assert_eq!(m.lookup(0, false).unwrap(), None);
         let e = m.lookup(0, true).unwrap_err();
-        assert!(e.to_string().ends_with("this host pool holds no drafts"), "{e}");
+        assert!(
+            e.to_string().ends_with("this host pool holds no drafts"),
+            "{e}"
+        );
     }
 
     #[test]

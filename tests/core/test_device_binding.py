@@ -208,6 +208,26 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         env={**os.environ, "HOSTKV_TENSOR_EXTENT": "python"},
     )
     assert done.stdout.strip() == "None"
+    code = (
+        "import torch\n"
+        "from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost\n"
+        "dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)\n"
+        "host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, 'layer_first')\n"
+        "h = host.alloc(16)\n"
+        "try:\n"
+        "    host.load_to_device_per_layer(dev, h, torch.arange(16), 0, 'kernel')\n"
+        "except ValueError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOSTKV_TENSOR_EXTENT": "fast"},
+    )
+    assert 'REFUSED HOSTKV_TENSOR_EXTENT must be one of auto, python, got "fast"' in done.stdout
 
 
 def test_a_device_pool_handed_to_a_call_without_the_layer_is_refused_by_the_core():

@@ -92,7 +92,7 @@ impl Snap {
         let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
         let data_ptr = tensor.getattr(intern!(py, "data_ptr"))?;
         let storage_nbytes_of = storage.getattr(intern!(py, "nbytes"))?;
-        let read = match extent::layout(py) {
+        let read = match extent::layout(py)? {
             Some(layout) => {
                 let reported = extent::reported(tensor)?;
                 layout.snapshot(&reported).map(|e| (layout, e))
@@ -594,7 +594,7 @@ fn fast_index(
     {
         return Ok(None);
     }
-    let layout = if exact { extent::layout(py) } else { None };
+    let layout = if exact { extent::layout(py)? } else { None };
     let (ptr, len) = match layout {
         Some(layout) => {
             // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked

@@ -23,6 +23,7 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyDict, PySlice};
@@ -66,17 +67,17 @@ pub(crate) struct Reported {
     pub(crate) basicsize: usize,
 }
 
-static LAYOUT: PyOnceLock<Option<TorchLayout>> = PyOnceLock::new();
+static LAYOUT: PyOnceLock<Result<Option<TorchLayout>, String>> = PyOnceLock::new();
 
 /// The offsets for this process's torch, found on first use; None where they could not be
-/// found or `HOSTKV_TENSOR_EXTENT=python`.
-pub(crate) fn layout(py: Python<'_>) -> Option<TorchLayout> {
-    *LAYOUT.get_or_init(py, || {
-        if !config::tensor_extent_reads() {
-            return None;
-        }
-        calibrate(py).ok().flatten()
-    })
+/// found or `HOSTKV_TENSOR_EXTENT=python`; a ValueError for any other value of it.
+pub(crate) fn layout(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
+    let found = LAYOUT.get_or_init(py, || match config::tensor_extent_reads() {
+        Ok(false) => Ok(None),
+        Ok(true) => Ok(calibrate(py).ok().flatten()),
+        Err(e) => Err(e.to_string()),
+    });
+    found.clone().map_err(PyValueError::new_err)
 }
 
 /// Reads of any address that fail instead of faulting: the kernel copies the bytes from our
@@ -356,8 +357,8 @@ impl TorchLayout {
 /// `_core.tensor_extent_layout()`: the offsets this process reads tensors' extents at, or None
 /// where every check goes through Python (diagnostics and tests).
 #[pyfunction]
-pub(crate) fn tensor_extent_layout(py: Python<'_>) -> Option<Vec<(&'static str, usize)>> {
-    layout(py).map(|l| {
+pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'static str, usize)>>> {
+    Ok(layout(py)?.map(|l| {
         vec![
             ("tensor_impl", l.tensor_impl),
             ("storage", l.storage),
@@ -366,5 +367,5 @@ pub(crate) fn tensor_extent_layout(py: Python<'_>) -> Option<Vec<(&'static str, 
             ("data", l.data),
             ("nbytes", l.nbytes),
         ]
-    })
+    }))
 }
