@@ -308,15 +308,8 @@ class MHATokenToKVPoolHost(HostKVCache):
         self._spec = spec = self._make_spec()
         self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
-        if self.layout == "page_unified":
-            self.page_unified_layout = _core.PageUnifiedLayout(
-                page_size=self.page_size,
-                layer_num=self.layer_num,
-                head_num=self.head_num,
-                head_group_num=self.head_group_num,
-                head_dim=self.head_dim,
-                itemsize=self.dtype.itemsize,
-            )
+        if spec.page_unified_layout is not None:
+            self.page_unified_layout = spec.page_unified_layout
         return self._allocate(spec)
 
     _device_pool_geometry = (

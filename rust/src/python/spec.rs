@@ -119,6 +119,13 @@ impl PyPoolSpec {
             .map_err(|e| to_py(py, e))
     }
 
+    /// SGLang 0.5.23's `page_unified_layout` object of a page_unified pool; None for every
+    /// other layout.
+    #[getter]
+    fn page_unified_layout(&self) -> Option<super::unified::PyPageUnifiedLayout> {
+        super::unified::PyPageUnifiedLayout::of_spec(&self.spec)
+    }
+
     /// The tensors the pool allocates, as element shapes (MHA: K and V in one; asymmetric MHA:
     /// one each); `HostPool(spec, allocations)` takes them in this order.
     #[getter]

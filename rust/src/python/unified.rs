@@ -36,6 +36,24 @@ pub struct PyPageUnifiedLayout {
 }
 
 impl PyPageUnifiedLayout {
+    /// The layout object of a page_unified pool, from its spec (None for other layouts): MHA's
+    /// K/V heads in `head_groups` groups, MLA's latent as one group of one head.
+    pub(crate) fn of_spec(spec: &crate::pool::PoolSpec) -> Option<Self> {
+        if spec.layout != crate::request::Layout::PageUnified {
+            return None;
+        }
+        let is_mla = spec.kind == crate::pool::PoolKind::Mla;
+        Some(Self {
+            page_size: spec.page_size as i64,
+            layer_num: spec.layers as i64,
+            head_num: spec.heads as i64,
+            head_group_num: spec.head_groups as i64,
+            head_dim: *spec.dims.first()? as i64,
+            itemsize: spec.itemsize as i64,
+            is_mla,
+        })
+    }
+
     fn sizes(&self) -> Unified {
         let c: i64 = if self.is_mla { 1 } else { 2 };
         Unified {
