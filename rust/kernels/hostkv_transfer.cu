@@ -37,6 +37,9 @@ typedef unsigned int hkv_u32;
 
 #define HKV_SIDE_HOST 0
 #define HKV_SIDE_DEVICE 1
+// A broken page run (value: the raw position, bound: the page size) on the host / device side.
+#define HKV_SIDE_HOST_RUN 2
+#define HKV_SIDE_DEVICE_RUN 3
 
 // Threads per block of both kernels, and the blocks per SM the copy kernel is compiled to allow
 // (__launch_bounds__): 256 threads x 4 blocks caps it at 64 registers per thread, so one copy
@@ -84,6 +87,9 @@ struct HkvIndexMap {
     long long mul;
     long long rem_mul;
     long long add;
+    // V4 page rows: every read element must start a run of `run` consecutive raw elements that
+    // begins on a multiple of `run` (a whole page of token slots; 0: no such rule).
+    hkv_u64 run;
 };
 
 struct HkvParams {
@@ -142,12 +148,15 @@ __device__ __forceinline__ void hkv_store(T* p, T v) {
     HKV_STORE(p, v);
 }
 
+// Raw element k of an int64 (`wide`) or int32 index array.
+__device__ __forceinline__ long long hkv_raw(hkv_u64 base, hkv_u32 wide, hkv_u64 k) {
+    return wide ? hkv_load(reinterpret_cast<const long long*>(base) + k)
+                : static_cast<long long>(hkv_load(reinterpret_cast<const int*>(base) + k));
+}
+
 __device__ __forceinline__ long long hkv_index(hkv_u64 base, hkv_u32 wide, const HkvIndexMap& m,
                                                hkv_u64 i) {
-    const hkv_u64 k = m.offset + i * m.stride;
-    const long long t =
-        wide ? hkv_load(reinterpret_cast<const long long*>(base) + k)
-             : static_cast<long long>(hkv_load(reinterpret_cast<const int*>(base) + k));
+    const long long t = hkv_raw(base, wide, m.offset + i * m.stride);
     if (m.div == 1 && m.mul == 1 && m.add == 0) {
         return t;
     }
@@ -301,6 +310,26 @@ __device__ __forceinline__ bool hkv_aborted(const HkvParams& p) {
     return ring[p.abort_seq % HKV_ABORT_RING] == p.abort_seq;
 }
 
+// Position i of a page-run map: the raw elements it stands for are one whole page of slots,
+// `first, first + 1, ...` with `first` on a page boundary (the planner's rule for host-resident
+// indices, which the map's first-element read would otherwise not see).
+__device__ __forceinline__ void hkv_check_run(const HkvParams& p, hkv_u64 base, hkv_u32 wide,
+                                              const HkvIndexMap& m, hkv_u64 i, hkv_u64 side) {
+    const hkv_u64 k = m.offset + i * m.stride;
+    const long long first = hkv_raw(base, wide, k);
+    const long long run = static_cast<long long>(m.run);
+    if (first % run != 0) {
+        hkv_record_bad_index(p, static_cast<long long>(k), m.run, side);
+        return;
+    }
+    for (hkv_u64 j = 1; j < m.run; ++j) {
+        if (hkv_raw(base, wide, k + j) != first + static_cast<long long>(j)) {
+            hkv_record_bad_index(p, static_cast<long long>(k + j), m.run, side);
+            return;
+        }
+    }
+}
+
 // Pass 1 for device-resident indices: checks every index before the copy kernel (same stream)
 // runs, so one bad index means nothing of the transfer is written.
 extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
@@ -315,6 +344,12 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
         const long long d = hkv_index(p.dev_idx, p.dev_idx_wide, p.dev_map, i);
         if (static_cast<hkv_u64>(d) >= p.dev_rows) {
             hkv_record_bad_index(p, d, p.dev_rows, HKV_SIDE_DEVICE);
+        }
+        if (p.host_map.run > 1) {
+            hkv_check_run(p, p.host_idx, p.host_idx_wide, p.host_map, i, HKV_SIDE_HOST_RUN);
+        }
+        if (p.dev_map.run > 1) {
+            hkv_check_run(p, p.dev_idx, p.dev_idx_wide, p.dev_map, i, HKV_SIDE_DEVICE_RUN);
         }
     }
 }

@@ -42,6 +42,10 @@ pub struct MapParams {
     pub mul: i64,
     pub rem_mul: i64,
     pub add: i64,
+    /// Page rows: every read element starts a run of `run` consecutive raw elements beginning
+    /// on a multiple of `run` (0: no such rule). The planner checks it for host-resident arrays
+    /// ([`IndexMap::PageRows`]'s own check), the kernels' first pass for device-resident ones.
+    pub run: u64,
 }
 
 impl MapParams {
@@ -52,6 +56,7 @@ impl MapParams {
         mul: 1,
         rem_mul: 0,
         add: 0,
+        run: 0,
     };
 
     /// The mapped value of raw index `t`.
@@ -86,6 +91,7 @@ impl IndexMap {
             Self::PageRows { page } => MapParams {
                 stride: page as u64,
                 div: page as i64,
+                run: page as u64,
                 ..MapParams::IDENTITY
             },
             Self::C4Value => MapParams {

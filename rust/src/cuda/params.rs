@@ -78,6 +78,10 @@ pub(crate) struct HkvDeviceRecord {
 }
 
 pub(crate) const SIDE_HOST: u64 = 0;
+/// A broken page run (`HKV_SIDE_HOST_RUN` / `HKV_SIDE_DEVICE_RUN`): the record's value is the
+/// raw position, its bound the page size.
+pub(crate) const SIDE_HOST_RUN: u64 = 2;
+pub(crate) const SIDE_DEVICE_RUN: u64 = 3;
 
 /// Parameters plus what they still need placed in device-visible memory.
 pub(crate) struct Marshalled {
@@ -204,7 +208,18 @@ pub(crate) fn refused_message(detail: Option<(u64, u64, u64)>, refused: u64) -> 
 
 /// The message for a bad index a kernel recorded.
 pub(crate) fn bad_index_message(side: u64, value: u64, bound: u64) -> String {
-    let which = if side == SIDE_HOST { "host" } else { "device" };
+    let which = if side == SIDE_HOST || side == SIDE_HOST_RUN {
+        "host"
+    } else {
+        "device"
+    };
+    if side == SIDE_HOST_RUN || side == SIDE_DEVICE_RUN {
+        return format!(
+            "{which} index at position {value} (read by the CUDA kernel from GPU memory) breaks \
+             its page: page-row transfers take whole pages of {bound} consecutive slots starting \
+             on a page boundary; that transfer wrote nothing"
+        );
+    }
     let v = value as i64;
     if v < 0 {
         format!(

@@ -625,8 +625,8 @@ fn a_mapped_index_out_of_range_is_refused_by_the_kernel() {
     let mut got = b.pools.clone();
     let map = IndexMap::PageRows { page: 4 };
     // Page row 12 of a 48-row pool is in range; page row 48 (token 192) is not.
-    let h = encode(&[48, -7, -7, -7, 192, -7, -7, -7], c.width);
-    let d = encode(&[0, -7, -7, -7, 4, -7, -7, -7], c.width);
+    let h = encode(&[48, 49, 50, 51, 192, 193, 194, 195], c.width);
+    let d = encode(&[0, 1, 2, 3, 4, 5, 6, 7], c.width);
     let req = mapped_request(
         &c,
         &mut got,
@@ -639,4 +639,71 @@ fn a_mapped_index_out_of_range_is_refused_by_the_kernel() {
     let e = emulate_with_quota(&req, 1).unwrap_err().to_string();
     assert!(e.contains("host index 48") && e.contains("[0, 48)"), "{e}");
     assert!(got.host == b.pools.host && got.dev == b.pools.dev);
+}
+
+/// Device-resident page-row indices are checked whole, as the planner checks host-resident
+/// ones: a page whose slots do not run on from its first, or whose first slot is not on a page
+/// boundary, is refused by the kernel's pass 1 naming the position, and nothing is written.
+#[test]
+fn a_broken_device_resident_page_run_is_refused_by_the_kernel() {
+    let c = Case::new(Layout::LayerFirst, &[8], 2);
+    let b = build(&c, 6);
+    let map = IndexMap::PageRows { page: 4 };
+    let good = [8, 9, 10, 11, 20, 21, 22, 23];
+    let cases: [(&[i64], &[i64], &str); 3] = [
+        // Host side: the second page's third slot is not 22 (SGLang would move page 5 anyway).
+        (
+            &[8, 9, 10, 11, 20, 21, 1000000000, 23],
+            &good,
+            "host index at position 6",
+        ),
+        // Device side: two half pages.
+        (
+            &good,
+            &[8, 9, 20, 21, 12, 13, 14, 15],
+            "device index at position 2",
+        ),
+        // A page that starts off its boundary.
+        (
+            &[9, 10, 11, 12, 20, 21, 22, 23],
+            &good,
+            "host index at position 0",
+        ),
+    ];
+    for (host, dev, want) in cases {
+        let mut got = b.pools.clone();
+        let (h, d) = (encode(host, c.width), encode(dev, c.width));
+        let req = mapped_request(
+            &c,
+            &mut got,
+            (&h, &d),
+            (8, 8),
+            (map, map),
+            Backend::Kernel,
+            true,
+        );
+        let e = emulate_with_quota(&req, 1).unwrap_err().to_string();
+        assert!(
+            e.contains(want) && e.contains("whole pages of 4 consecutive slots"),
+            "{e}"
+        );
+        assert!(
+            got.host == b.pools.host && got.dev == b.pools.dev,
+            "{want}: bytes changed"
+        );
+    }
+    // The same pages, whole: moved.
+    let mut got = b.pools.clone();
+    let (h, d) = (encode(&good, c.width), encode(&good, c.width));
+    let req = mapped_request(
+        &c,
+        &mut got,
+        (&h, &d),
+        (8, 8),
+        (map, map),
+        Backend::Kernel,
+        true,
+    );
+    emulate_with_quota(&req, 1).unwrap();
+    assert!(got.host != b.pools.host || got.dev != b.pools.dev);
 }
