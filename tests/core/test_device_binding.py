@@ -148,6 +148,15 @@ if current.nbytes() >= 112 * 32 and bool((raw(current)[80 * 32 : 112 * 32] == 9)
             "torch.arange(80, 112)",
             None,
         ),
+        # The same TensorImpl, storage, offset and count, another dtype (`.data =`).
+        (
+            (
+                "layer.data = torch.empty(0, dtype=torch.uint8).set_(layer.untyped_storage(), "
+                "0, layer.shape)"
+            ),
+            "torch.arange(16, 48)",
+            "dtype torch.uint8 differs from the host pool's torch.bfloat16",
+        ),
         # The tensor resized smaller on its storage: rows 80..111 are past its 32 rows.
         ("layer.resize_(32, 2, 8)", "torch.arange(80, 112)", "out of range"),
         # The storage freed and reallocated smaller (13 rows): the shape no longer fits it.
@@ -197,6 +206,7 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "numel",
         "data",
         "nbytes",
+        "dtype",
     ]
     code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
     done = subprocess.run(
@@ -277,3 +287,76 @@ def test_index_tensors_read_from_torch_objects_keep_their_offset_width_and_refus
     with pytest.raises(TypeError, match="index tensors must be dense"):
         host.load_to_device_per_layer(dev, h[:3], torch.tensor([1, 2, 3]).to_sparse(), 1, "kernel")
     assert (rows == 7).all(dim=1).nonzero().flatten().tolist() == written
+
+
+_COPY_ON_WRITE = r"""
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+dev = MHATokenToKVPool(112, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+h, d = host.alloc(32), torch.arange(16, 48)
+host.load_to_device_per_layer(dev, h, d, 1, "kernel")  # checked and cached
+host.kv_buffer.view(torch.uint8).fill_(5)
+clone = torch._lazy_clone(dev.k_buffer[1])  # the layer's storage is now shared copy-on-write
+before = clone.clone()
+host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+assert torch.equal(clone, before), "the copy-on-write clone was written"
+assert bool((dev.k_buffer[1][16:48].view(torch.uint8) == 5).all()), "the layer was not written"
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("extent", ["auto", "python"])
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="this torch has no _lazy_clone")
+def test_a_layer_whose_storage_turned_copy_on_write_is_checked_again(extent):
+    """A copy-on-write clone shares the layer's allocation under a new deleter: the binding
+    sees the storage's allocation change and asks torch for the address again (which gives the
+    layer its own copy), so the clone keeps its bytes."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COPY_ON_WRITE],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-4000:]
+
+
+_NO_MEMORY_INDEX = r"""
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first")
+h = host.alloc(16)[:3]
+
+
+def load(d):
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    return d
+
+
+try:
+    torch.func.functionalize(load)(torch.arange(100)[30:33])
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.parametrize("extent", ["auto", "python"])
+def test_an_index_tensor_without_memory_is_refused_not_read(extent):
+    """Inside torch.func.functionalize an index tensor is a torch.Tensor whose storage has no
+    memory: refused by name (it used to be read at its offset from address 0, a crash; hence
+    its own process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_MEMORY_INDEX],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "REFUSED index tensor: the tensor's storage has no memory" in done.stdout, done.stdout

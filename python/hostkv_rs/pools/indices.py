@@ -71,6 +71,15 @@ def storage_holds(tensor: torch.Tensor) -> bool:
     return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
 
 
+def _storage_data(tensor: torch.Tensor) -> int:
+    """The address of the tensor's storage, 0 where it has none to read (torch raises for a
+    functionalized tensor's)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def check_storage(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided:
         # A sparse or nested tensor has no one storage at an address to read.
@@ -79,6 +88,11 @@ def check_storage(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(
             f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "
             f"fewer than its shape {tuple(tensor.shape)} (offset {tensor.storage_offset()}) needs"
+        )
+    if tensor.numel() and tensor.device.type != "meta" and _storage_data(tensor) == 0:
+        raise ValueError(
+            f"{what}: the tensor's storage has no memory to read or write (a functionalized or "
+            f"fake tensor?)"
         )
 
 

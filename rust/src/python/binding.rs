@@ -617,12 +617,18 @@ fn fast_index(
                 let offset: u64 = value
                     .call_method0(pyo3::intern!(py, "storage_offset"))?
                     .extract()?;
-                let nbytes: u64 = value
-                    .call_method0(pyo3::intern!(py, "untyped_storage"))?
+                let storage = value.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+                let nbytes: u64 = storage
                     .call_method0(pyo3::intern!(py, "nbytes"))?
                     .extract()?;
                 let need = (offset as u128 + len as u128) * width.bytes() as u128;
-                if need > nbytes as u128 {
+                // A storage without memory (functionalized, fake: torch raises for its address)
+                // goes to the conversion path, which refuses it.
+                let has_data = storage
+                    .call_method0(pyo3::intern!(py, "data_ptr"))
+                    .and_then(|p| p.extract::<u64>())
+                    .is_ok_and(|p| p != 0);
+                if need > nbytes as u128 || !has_data {
                     t.check_storage.bind(py).call1((value, "index tensor"))?;
                 }
             }

@@ -14,12 +14,25 @@
 //! kernel copies the bytes into a pipe, and refuses an unmapped address with EFAULT). No set, or
 //! more than one: no layout, and every check goes through Python as before.
 //!
-//! Why the per-call read is sound: a tensor's snapshot is taken only when reading its objects
-//! with the found offsets (again with the faultless read) gives exactly what Python reports for
-//! it; the binding holds the tensor object (which owns its `TensorImpl` for life) and the
-//! storage object (which owns the `StorageImpl`), so both stay allocated and every later read is
-//! inside live objects; and it runs with the GIL held, which every torch call that could change
-//! these fields from Python also holds. `HOSTKV_TENSOR_EXTENT=python` turns the reads off.
+//! Why the per-call read of a checked device tensor (`unchanged`) is sound: a snapshot is taken
+//! only when reading its objects with the found offsets (again with the faultless read) gives
+//! exactly what Python reports for it. The binding holds the tensor object, and the snapshot
+//! holds the storage object, so the `StorageImpl` it read stays allocated. A tensor object does
+//! not own one `TensorImpl` for life (`torch.utils.swap_tensors` exchanges them), so `unchanged`
+//! reads through a pointer only after checking that it is still the snapshot's: the object's
+//! `TensorImpl` pointer first (the object is alive), then, through that impl (alive: the object
+//! still names it), its storage pointer, and only then the held `StorageImpl`'s fields. What is
+//! compared: the storage, the words of its data pointer through its byte size (the data
+//! pointer, its deleter and context, so a storage turned copy-on-write is checked again), the
+//! storage offset, the element count and the dtype. Reads happen with the GIL held; torch
+//! methods that change these fields may release it, so a concurrent change is seen by this
+//! call or the next, and either way every read stays inside a live object.
+//!
+//! Index tensors are read once per call (`dense`) with no snapshot to compare: only for objects
+//! of exactly `torch.Tensor`, after Python said they are 1-D contiguous CPU or CUDA tensors, and
+//! only when they have a storage with data. A thread that `set_`s an index tensor while a
+//! transfer reads it races with that transfer, as it would on the indices themselves.
+//! `HOSTKV_TENSOR_EXTENT=python` turns the reads off.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -41,6 +54,8 @@ pub(crate) struct TorchLayout {
     pub(crate) numel: usize,
     pub(crate) data: usize,
     pub(crate) nbytes: usize,
+    /// The dtype (`caffe2::TypeMeta`, a 16-bit index) in the `TensorImpl`.
+    pub(crate) dtype: usize,
 }
 
 /// One tensor's extent as read through a `TorchLayout`.
@@ -54,7 +69,14 @@ pub(crate) struct Extent {
     nbytes: u64,
     storage_offset: u64,
     numel: u64,
+    dtype: u16,
+    /// The `StorageImpl` words from the data pointer through the byte size.
+    allocation: [u64; ALLOCATION_WORDS],
 }
+
+/// Words from a storage's data pointer through its byte size that a snapshot keeps (torch 2.15:
+/// data, deleter context, deleter, device, byte size); a layout wider than this is not used.
+const ALLOCATION_WORDS: usize = 8;
 
 /// What Python reports about one tensor: the values a snapshot must read back.
 pub(crate) struct Reported {
@@ -63,6 +85,9 @@ pub(crate) struct Reported {
     pub(crate) storage_nbytes: u64,
     pub(crate) storage_offset: u64,
     pub(crate) numel: u64,
+    /// c10's `ScalarType` number of the tensor's dtype, where it is one of the probes' (None:
+    /// not needed for a snapshot, which reads whatever the dtype field holds).
+    pub(crate) scalar_type: Option<u16>,
     /// Python's object size for the tensor's type: where the `TensorImpl` pointer may sit.
     pub(crate) basicsize: usize,
 }
@@ -160,7 +185,15 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
         };
         let offsets = at(reported.storage_offset);
         let numels = at(reported.numel);
-        if offsets.is_empty() || numels.is_empty() {
+        // 16-bit fields: the dtype's TypeMeta index, c10's ScalarType number for these dtypes.
+        let dtypes: Vec<usize> = match reported.scalar_type {
+            Some(want) => (8..IMPL_SEARCH)
+                .step_by(2)
+                .filter(|&b| (fields[b / 8] >> ((b % 8) * 8)) as u16 == want)
+                .collect(),
+            None => Vec::new(),
+        };
+        if offsets.is_empty() || numels.is_empty() || dtypes.is_empty() {
             continue;
         }
         for (i, &storage_addr) in fields.iter().enumerate().skip(1) {
@@ -176,16 +209,22 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
             };
             for data in find(reported.storage_data) {
                 for nbytes in find(reported.storage_nbytes) {
+                    if nbytes < data || (nbytes - data) / 8 >= ALLOCATION_WORDS {
+                        continue;
+                    }
                     for &storage_offset in &offsets {
                         for &numel in &numels {
-                            out.push(TorchLayout {
-                                tensor_impl,
-                                storage: i * 8,
-                                storage_offset,
-                                numel,
-                                data,
-                                nbytes,
-                            });
+                            for &dtype in &dtypes {
+                                out.push(TorchLayout {
+                                    tensor_impl,
+                                    storage: i * 8,
+                                    storage_offset,
+                                    numel,
+                                    data,
+                                    nbytes,
+                                    dtype,
+                                });
+                            }
                         }
                     }
                 }
@@ -211,6 +250,7 @@ pub(crate) fn reported(tensor: &Bound<'_, PyAny>) -> PyResult<Reported> {
             .call_method0(pyo3::intern!(py, "storage_offset"))?
             .extract()?,
         numel: tensor.call_method0(pyo3::intern!(py, "numel"))?.extract()?,
+        scalar_type: None,
         basicsize: tensor
             .get_type()
             .getattr(pyo3::intern!(py, "__basicsize__"))?
@@ -221,7 +261,7 @@ pub(crate) fn reported(tensor: &Bound<'_, PyAny>) -> PyResult<Reported> {
 /// Probe tensors whose storages come from two allocators (torch's own, and a bytearray's
 /// buffer, whose allocation context is not its data pointer), with distinct dtypes, storage
 /// sizes, offsets and element counts, 2-D so that no size or stride equals the count.
-fn probes(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
+fn probes(py: Python<'_>) -> PyResult<Vec<(Bound<'_, PyAny>, u16)>> {
     let torch = py.import("torch")?;
     fn view<'py>(
         base: Bound<'py, PyAny>,
@@ -246,10 +286,11 @@ fn probes(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
         (PyByteArray::new(py, &[0u8; 8008]),),
         Some(&kw),
     )?;
+    // c10::ScalarType: Short 2, Long 4, Double 7 (the numbers torch serialises dtypes by).
     Ok(vec![
-        view(empty(4096, "uint8")?, 37, 9, 13)?,
-        view(empty(2050, "int16")?, 101, 7, 11)?,
-        view(from_buffer, 5, 3, 29)?,
+        (view(empty(4096, "float64")?, 37, 9, 13)?, 7),
+        (view(empty(2050, "int16")?, 101, 7, 11)?, 2),
+        (view(from_buffer, 5, 3, 29)?, 4),
     ])
 }
 
@@ -259,8 +300,10 @@ fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
     };
     let probes = probes(py)?;
     let mut common: Option<Vec<TorchLayout>> = None;
-    for probe in &probes {
-        let found = candidates(&reader, &reported(probe)?);
+    for (probe, scalar_type) in &probes {
+        let mut facts = reported(probe)?;
+        facts.scalar_type = Some(*scalar_type);
+        let found = candidates(&reader, &facts);
         common = Some(match common {
             None => found,
             Some(before) => before.into_iter().filter(|c| found.contains(c)).collect(),
@@ -279,6 +322,15 @@ impl TorchLayout {
         let reader = SafeReader::new()?;
         let tensor_impl = reader.word(reported.object + self.tensor_impl)? as usize;
         let storage_impl = reader.word(tensor_impl + self.storage)? as usize;
+        let mut allocation = [0u64; ALLOCATION_WORDS];
+        for (k, word) in allocation
+            .iter_mut()
+            .enumerate()
+            .take(self.allocation_words())
+        {
+            *word = reader.word(storage_impl + self.data + k * 8)?;
+        }
+        let dtype_word = reader.word((tensor_impl + self.dtype) & !7)?;
         let extent = Extent {
             object: reported.object,
             tensor_impl,
@@ -287,8 +339,11 @@ impl TorchLayout {
             nbytes: reader.word(storage_impl + self.nbytes)?,
             storage_offset: reader.word(tensor_impl + self.storage_offset)?,
             numel: reader.word(tensor_impl + self.numel)?,
+            dtype: (dtype_word >> (((tensor_impl + self.dtype) % 8) * 8)) as u16,
+            allocation,
         };
-        let agrees = extent.data == reported.storage_data
+        let agrees = extent.data != 0
+            && extent.data == reported.storage_data
             && extent.nbytes == reported.storage_nbytes
             && extent.storage_offset == reported.storage_offset
             && extent.numel == reported.numel;
@@ -307,12 +362,24 @@ impl TorchLayout {
             // SAFETY: per this function's contract, `addr` lies inside a live, aligned object.
             unsafe { std::ptr::read_volatile(addr as *const u64) }
         };
+        let read_u16 = |addr: usize| -> u16 {
+            // SAFETY: as `read`; a 2-byte field at its own (2-byte) alignment.
+            unsafe { std::ptr::read_volatile(addr as *const u16) }
+        };
+        // The order matters: each pointer is read through only once it is known to be the
+        // snapshot's (see the module doc).
         read(extent.object + self.tensor_impl) as usize == extent.tensor_impl
             && read(extent.tensor_impl + self.storage) as usize == extent.storage_impl
-            && read(extent.storage_impl + self.data) == extent.data
-            && read(extent.storage_impl + self.nbytes) == extent.nbytes
+            && (0..self.allocation_words())
+                .all(|k| read(extent.storage_impl + self.data + k * 8) == extent.allocation[k])
             && read(extent.tensor_impl + self.storage_offset) == extent.storage_offset
             && read(extent.tensor_impl + self.numel) == extent.numel
+            && read_u16(extent.tensor_impl + self.dtype) == extent.dtype
+    }
+
+    /// Words from the data pointer through the byte size.
+    fn allocation_words(&self) -> usize {
+        (self.nbytes - self.data) / 8 + 1
     }
 }
 
@@ -341,16 +408,21 @@ impl TorchLayout {
             unsafe { std::ptr::read_volatile(addr as *const u64) }
         };
         let tensor_impl = read(object + self.tensor_impl) as usize;
+        if tensor_impl == 0 {
+            return None;
+        }
         let storage = read(tensor_impl + self.storage) as usize;
         if storage == 0 {
             return None;
         }
-        Some(Dense {
+        let dense = Dense {
             numel: read(tensor_impl + self.numel),
             storage_offset: read(tensor_impl + self.storage_offset),
             storage_data: read(storage + self.data),
             storage_nbytes: read(storage + self.nbytes),
-        })
+        };
+        // A storage without memory (functionalized, fake): the conversion path refuses it.
+        (dense.storage_data != 0 || dense.numel == 0).then_some(dense)
     }
 }
 
@@ -366,6 +438,7 @@ pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'sta
             ("numel", l.numel),
             ("data", l.data),
             ("nbytes", l.nbytes),
+            ("dtype", l.dtype),
         ]
     }))
 }
