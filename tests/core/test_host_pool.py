@@ -490,3 +490,22 @@ def test_a_bad_index_map_is_refused_by_name(index_map, error, text):
     ptrs = [t.data_ptr() for t in dev]
     with pytest.raises(error, match=text):
         core.backup("kernel", ptrs, 8, empty, empty, "cpu", 0, index_map=index_map)
+
+
+def test_stream_copy_copies_bytes_and_refuses_what_it_cannot_copy():
+    """The benchmarks' streaming-store yardstick: dst[:] = src for byte buffers, refusing
+    overlap, read-only destinations and length mismatches by name."""
+
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    _core.stream_copy(dst, src)
+    assert np.array_equal(dst, src)
+    odd = np.zeros(1000 + 3, dtype=np.uint8)
+    _core.stream_copy(odd[3:], src[:1000])  # unaligned, not a multiple of 16
+    assert np.array_equal(odd[3:], src[:1000]) and not odd[:3].any()
+    with pytest.raises(ValueError, match="overlap"):
+        _core.stream_copy(src[10:20], src[15:25])
+    with pytest.raises(ValueError, match="dst has 5 bytes, src 6"):
+        _core.stream_copy(dst[:5], src[:6])
+    with pytest.raises(ValueError, match="read-only"):
+        _core.stream_copy(memoryview(bytes(4)), src[:4])

@@ -534,9 +534,10 @@ def test_bench_refuses_a_ratio_over_an_inconsistent_yardstick():
     assert bench_report.copy_ratio(parallel) == 3.0
     table = bench_report.format_table(_report([good, bad, parallel]))
     lines = table.splitlines()
-    assert lines[2].split()[-2] == "0.50"
-    assert lines[3].split()[-2] == "n/a"
-    assert lines[4].split()[-2] == "3.00"
+    # ... x copy, x NT (none in these rows), us/call
+    assert lines[2].split()[-3:-1] == ["0.50", "-"]
+    assert lines[3].split()[-3] == "n/a"
+    assert lines[4].split()[-3] == "3.00"
     assert "n/a: yardstick inconsistent" in table
     markdown = bench_report.format_markdown(_report([good, bad]))
     assert "| n/a |" in markdown and "n/a: yardstick inconsistent" in markdown
@@ -777,3 +778,14 @@ def test_bench_runs_keep_each_measurement_at_its_best():
         (r["pages"], r["gbps"], r["torch_gbps"], r["us_per_call"], r["runs"]) for r in merged
     ] == [(1, 3.0, 7.0, 3.0, 3), (4, 5.0, 1.0, 1.0, 1)]
     assert merged[0]["bytes"] == 4096  # integers identify the row; they are not merged
+
+
+def test_nt_ratio_is_the_per_round_median_and_refused_when_impossible():
+    from hostkv_rs.tools.bench_report import nt_ratio
+
+    row = _bench_row(2.0, 4.0)
+    assert nt_ratio(row) is None  # no streaming-store yardstick (a CUDA run)
+    row["nt_ratio_rounds"] = {"min": 0.7, "median": 0.9, "rounds": 9}
+    assert nt_ratio(row) == 0.9
+    row["nt_ratio_rounds"] = {"min": 3.0, "median": 4.0, "rounds": 9}
+    assert nt_ratio(row) is None  # one thread cannot be 4x faster than one contiguous copy

@@ -314,11 +314,52 @@ class Context:
 
         return copy_cuda
 
+    def nt_fn(self, nbytes: int, direction: str, slots: int = 1):
+        """The same copy as `copy_fn` with streaming (non-temporal) stores on one thread
+        (`_core.stream_copy`), or None on CUDA: the yardstick for a copy that skips the
+        read-for-ownership pass ordinary stores pay."""
+        if self.device != "cpu":
+            return None
+        from hostkv_rs import _core
+
+        slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
+        host, dev = self.scratch(nbytes * slots)
+        src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+        src_np, dst_np = src_all.numpy(), dst_all.numpy()
+
+        def copy(i):
+            lo = (i % slots) * nbytes
+            _core.stream_copy(dst_np[lo : lo + nbytes], src_np[lo : lo + nbytes])
+
+        return copy
+
     def copy_yardstick(self) -> str:
         return "one-thread memmove" if self.device == "cpu" else "cudaMemcpy (torch copy_)"
 
 
-def _row(ctx, preset, layout, backend, op, pages, nbytes, secs, torch_secs, memcpy_secs, page_size):
+def _per_round(times: dict[str, list[float]], name: str) -> dict | None:
+    """The pool's speed over yardstick `name`'s, round by round (each round times every variant
+    back to back): min and median, or None without that yardstick."""
+    if name not in times or not times[name]:
+        return None
+    ratios = sorted(y / p for p, y in zip(times["pool"], times[name]) if p > 0)
+    return {"min": ratios[0], "median": median(ratios), "rounds": len(ratios)} if ratios else None
+
+
+def _row(
+    ctx,
+    preset,
+    layout,
+    backend,
+    op,
+    pages,
+    nbytes,
+    secs,
+    torch_secs,
+    memcpy_secs,
+    page_size,
+    times=None,
+):
     items = preset.plane_item_bytes()
     row = {
         "pool": preset.kind,
@@ -342,6 +383,14 @@ def _row(ctx, preset, layout, backend, op, pages, nbytes, secs, torch_secs, memc
         ),
         "copy_threads": pool_threads(ctx.device, op, nbytes),
     }
+    if times is not None:
+        rounds = _per_round(times, "copy")
+        if rounds is not None:
+            row["copy_ratio_rounds"] = rounds
+        nt = _per_round(times, "nt")
+        if nt is not None:
+            row["nt_gbps"] = _gbps(nbytes, median(times["nt"]))
+            row["nt_ratio_rounds"] = nt
     row["copy_consistent"] = copy_ratio(row) is not None
     return row
 
@@ -424,39 +473,36 @@ def measure_cell(ctx, preset, device_pool, host_pool, layout, backend, pages, rn
     h_b, d_b = place_indices(host_pool, backend, layout, "backup", host_idx, dev_idx, ctx.device)
     h_t, d_t = host_idx.cpu(), dev_idx.to(ctx.device)
     nbytes = tokens * row_bytes * L
-    times = ctx.timer.interleaved(
-        {
-            "pool": lambda _i: host_pool.backup_from_device_all_layer(
-                device_pool, h_b, d_b, backend
-            ),
-            "torch": lambda _i: torch_backup(dplanes, hplanes, layout, P, h_t, d_t),
-            "copy": ctx.copy_fn(nbytes, "d2h"),
-        },
-        m.repeats,
-        m.warmup,
-    )
+    fns = {
+        "pool": lambda _i: host_pool.backup_from_device_all_layer(device_pool, h_b, d_b, backend),
+        "torch": lambda _i: torch_backup(dplanes, hplanes, layout, P, h_t, d_t),
+        "copy": ctx.copy_fn(nbytes, "d2h"),
+    }
+    _with_nt(fns, ctx.nt_fn(nbytes, "d2h"))
+    times = ctx.timer.interleaved(fns, m.repeats, m.warmup)
     ctx.results.append(
-        _row(ctx, preset, layout, backend, "backup", pages, nbytes, *_medians(times), P)
+        _row(ctx, preset, layout, backend, "backup", pages, nbytes, *_medians(times), P, times)
     )
 
     # load, one layer per call, cycling through the layers
     h_l, d_l = place_indices(host_pool, backend, layout, "load", host_idx, dev_idx, ctx.device)
     nbytes = tokens * row_bytes
-    times = ctx.timer.interleaved(
-        {
-            "pool": lambda i: host_pool.load_to_device_per_layer(
-                device_pool, h_l, d_l, i % L, backend
-            ),
-            "torch": lambda i: torch_load(dplanes, hplanes, layout, P, h_t, d_t, i % L),
-            "copy": ctx.copy_fn(nbytes, "h2d", slots=L),
-        },
-        m.load_repeats,
-        m.warmup,
-    )
+    fns = {
+        "pool": lambda i: host_pool.load_to_device_per_layer(device_pool, h_l, d_l, i % L, backend),
+        "torch": lambda i: torch_load(dplanes, hplanes, layout, P, h_t, d_t, i % L),
+        "copy": ctx.copy_fn(nbytes, "h2d", slots=L),
+    }
+    _with_nt(fns, ctx.nt_fn(nbytes, "h2d", slots=L))
+    times = ctx.timer.interleaved(fns, m.load_repeats, m.warmup)
     ctx.results.append(
-        _row(ctx, preset, layout, backend, "load", pages, nbytes, *_medians(times), P)
+        _row(ctx, preset, layout, backend, "load", pages, nbytes, *_medians(times), P, times)
     )
     host_pool.free(host_idx)
+
+
+def _with_nt(fns: dict, nt) -> None:
+    if nt is not None:
+        fns["nt"] = nt
 
 
 def _medians(times: dict[str, list[float]]) -> tuple[float, float, float]:

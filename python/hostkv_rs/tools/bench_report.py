@@ -38,6 +38,23 @@ def copy_ratio(row: dict) -> float | None:
     return None if ratio > YARDSTICK_SLACK * max(int(row.get("copy_threads", 1)), 1) else ratio
 
 
+def nt_ratio(row: dict) -> float | None:
+    """The pool over the streaming-store copy, median of the per-round ratios, or None without
+    that yardstick or where it cannot be right (the same rule as `copy_ratio`)."""
+    rounds = row.get("nt_ratio_rounds")
+    if not rounds:
+        return None
+    ratio = rounds["median"]
+    return None if ratio > YARDSTICK_SLACK * max(int(row.get("copy_threads", 1)), 1) else ratio
+
+
+def _nt_text(row: dict) -> str:
+    if not row.get("nt_ratio_rounds"):
+        return "-"  # no streaming-store yardstick in this run (CUDA, or an older report)
+    ratio = nt_ratio(row)
+    return NA if ratio is None else f"{ratio:.2f}"
+
+
 def _ratio_text(row: dict, fmt: str) -> str:
     ratio = copy_ratio(row)
     return NA if ratio is None else format(ratio, fmt)
@@ -45,7 +62,11 @@ def _ratio_text(row: dict, fmt: str) -> str:
 
 def _any_na(report: dict) -> bool:
     rows = [*report.get("results", []), *report.get("foundation", [])]
-    return any("memcpy_gbps" in r and copy_ratio(r) is None for r in rows)
+    return any(
+        ("memcpy_gbps" in r and copy_ratio(r) is None)
+        or (r.get("nt_ratio_rounds") and nt_ratio(r) is None)
+        for r in rows
+    )
 
 
 def _pool_row(report: dict, op: str, item: int) -> dict | None:
@@ -66,7 +87,7 @@ def format_table(report: dict) -> str:
     head = (
         f"{'pool':<5} {'layout':<18} {'backend':<7} {'op':<6} {'item':>8} {'pages':>5} "
         f"{'bytes':>9} {'GB/s':>7} {'torch':>7} {'x torch':>7} {'memcpy':>7} {'x copy':>6} "
-        f"{'us/call':>9}"
+        f"{'x NT':>6} {'us/call':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in report["results"]:
@@ -74,7 +95,8 @@ def format_table(report: dict) -> str:
             f"{r['pool']:<5} {r['layout']:<18} {r['backend']:<7} {r['op']:<6} "
             f"{size_text(r['item_bytes']):>8} {r['pages']:>5} {size_text(r['bytes']):>9} "
             f"{r['gbps']:7.2f} {r['torch_gbps']:7.2f} {r['gbps'] / r['torch_gbps']:7.2f} "
-            f"{r['memcpy_gbps']:7.2f} {_ratio_text(r, '6.2f'):>6} {r['us_per_call']:9.1f}"
+            f"{r['memcpy_gbps']:7.2f} {_ratio_text(r, '6.2f'):>6} {_nt_text(r):>6} "
+            f"{r['us_per_call']:9.1f}"
         )
     if report.get("foundation"):
         lines += ["", "foundation (no pool in between):"]
@@ -107,7 +129,9 @@ def format_table(report: dict) -> str:
             "pre-touch (memcpy column: one thread filling already faulted memory). x torch / "
             "x copy: pool GB/s over plain torch indexing / one contiguous copy of the same bytes "
             f"({_yardstick(report)}; the pool may use several threads on 1 MiB and more, so "
-            "x copy above 1 is possible there)."
+            "x copy above 1 is possible there). x NT: the pool over one thread's copy of the same "
+            "bytes with streaming stores (CPU runs), the median of the per-round ratios (each "
+            "round times every variant back to back; the JSON rows carry min and median of both)."
         ),
     ]
     if _any_na(report):

@@ -55,6 +55,48 @@ fn runtime_info(py: Python<'_>) -> String {
     )
 }
 
+/// `dst[:] = src` with streaming (non-temporal) stores on this thread, without the GIL: the
+/// benchmarks' second copy yardstick (what a copy that skips the read-for-ownership costs).
+/// Both are C-contiguous byte buffers of one length (numpy arrays, memoryviews, `HostRegion`s),
+/// `dst` writable, the two not overlapping; the caller keeps both unchanged during the call.
+#[pyfunction]
+fn stream_copy(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    use pyo3::exceptions::PyValueError;
+    let d = pyo3::buffer::PyBuffer::<u8>::get(dst)?;
+    let s = pyo3::buffer::PyBuffer::<u8>::get(src)?;
+    if !d.is_c_contiguous() || !s.is_c_contiguous() {
+        return Err(PyValueError::new_err(
+            "stream_copy needs C-contiguous buffers",
+        ));
+    }
+    if d.readonly() {
+        return Err(PyValueError::new_err("stream_copy: dst is read-only"));
+    }
+    let (dp, sp, n) = (d.buf_ptr() as usize, s.buf_ptr() as usize, d.len_bytes());
+    if s.len_bytes() != n {
+        return Err(PyValueError::new_err(format!(
+            "stream_copy: dst has {n} bytes, src {}",
+            s.len_bytes()
+        )));
+    }
+    if n > 0 && dp < sp + n && sp < dp + n {
+        return Err(PyValueError::new_err("stream_copy: dst and src overlap"));
+    }
+    py.detach(|| {
+        // SAFETY: both buffers are held (exported) for this call, C-contiguous, `n` bytes long,
+        // `dst` writable, and they do not overlap (checked above); the caller keeps them
+        // unchanged meanwhile (the documented contract, as for `digest`).
+        let (src, dst) = unsafe {
+            (
+                std::slice::from_raw_parts(sp as *const u8, n),
+                std::slice::from_raw_parts_mut(dp as *mut u8, n),
+            )
+        };
+        crate::cpu::copy_streaming_fenced(src, dst);
+    });
+    Ok(())
+}
+
 /// XXH3-128 of the bytes of `buffers` (objects with the buffer protocol, C-contiguous: numpy
 /// arrays, memoryviews, `HostRegion`s) taken in order as one byte string, hashed without the
 /// GIL. The caller keeps the bytes unchanged during the call (the L3 tier hashes pages it is
@@ -102,6 +144,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<layer_map::PyLayerMap>()?;
     m.add_class::<spec::PyPoolSpec>()?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_copy, m)?)?;
     m.add_function(wrap_pyfunction!(extent::tensor_extent_layout, m)?)?;
     m.add_class::<unified::PyPageUnifiedLayout>()?;
     m.add_class::<binding::PyDeviceBinding>()?;
