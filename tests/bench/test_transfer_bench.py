@@ -9,7 +9,8 @@ case still works); measure with
 
 and compare two saved runs with `--benchmark-compare=0001 --benchmark-compare-fail=none`.
 
-Cases (group = kind/layout/backend/case; variants inside a group: pool, core, torch, copy):
+Cases (group = kind/layout/backend/case; variants inside a group: pool, core, torch, memmove,
+nt):
 
 * load-1page, load-64page: one load_to_device_per_layer call (8 layers, page size 64);
 * backup-8L, backup-61L: one backup_from_device_all_layer call of 8 pages;
@@ -17,12 +18,15 @@ Cases (group = kind/layout/backend/case; variants inside a group: pool, core, to
 
 `core` is the same call on the pool's Rust core (`HostPool.load/backup`) with the arguments the
 pool would pass, so pool - core is the Python glue; `torch` is what a Python pool would write
-(`host[h] = dev[d]` per layer and plane, on the pool's own buffer views); `copy` is one
-`dst.copy_(src)` of the same number of bytes.
+(`host[h] = dev[d]` per layer and plane, on the pool's own buffer views); the two yardsticks are
+one contiguous copy of the same number of bytes on one thread: `memmove` (glibc, ordinary stores)
+and `nt` (`_core.stream_copy`, streaming stores). Not torch's `copy_`, which spreads a copy over
+its OpenMP pool and stalls on a busy machine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import pytest
@@ -53,7 +57,7 @@ CASES = {
 # Llama-3.1-8B (8 KV heads x 128, bf16), MiMo-V2 asymmetric (4 x 192 / 4 x 128), DeepSeek MLA
 # (576 x bf16), and a DeepSeek V4 C4-sized page row.
 V4_ITEM = 37440
-VARIANTS = ("pool", "core", "torch", "copy")
+VARIANTS = ("pool", "core", "torch", "memmove", "nt")
 
 
 def _params():
@@ -207,9 +211,10 @@ def test_transfer(benchmark, kind, layout, backend, case, variant):
         fn = _torch_ops(host, dp, layout, h, d, page_size, op)
     else:
         n = benchmark.extra_info["bytes"]
-        src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-
-        def fn():
-            dst.copy_(src)
+        src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+        if variant == "memmove":
+            fn = functools.partial(ctypes.memmove, dst.data_ptr(), src.data_ptr(), n)
+        else:
+            fn = functools.partial(_core.stream_copy, dst.numpy(), src.numpy())
 
     benchmark(fn)
