@@ -135,6 +135,19 @@ if current.nbytes() >= 112 * 32 and bool((raw(current)[80 * 32 : 112 * 32] == 9)
 """
 
 
+def _child(code: str, extent: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (a crash there fails a test, not the run) with
+    HOSTKV_TENSOR_EXTENT=`extent`."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
+    )
+
+
 @pytest.mark.parametrize("extent", ["auto", "python"])
 @pytest.mark.parametrize(
     ("case", "rows", "refusal"),
@@ -176,15 +189,7 @@ def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(
     default, `extent.rs`) and the Python calls (`HOSTKV_TENSOR_EXTENT=python`). A swapped
     storage of the same size is checked again and written (the old one stays unchanged)."""
     script = _STALE_EXTENT.replace("CASE", case).replace("ROWS", rows)
-    env = {**os.environ, "HOSTKV_TENSOR_EXTENT": extent}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    done = _child(script, extent)
     assert done.returncode == 0, done.stderr[-4000:]
     if refusal is None:
         assert "ACCEPTED" in done.stdout and "UNCHANGED" in done.stdout, done.stdout
@@ -209,14 +214,8 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "dtype",
     ]
     code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HOSTKV_TENSOR_EXTENT": "python"},
-    )
+    done = _child(code, "python")
+    assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip() == "None"
     code = (
         "import torch\n"
@@ -229,14 +228,8 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "except ValueError as exc:\n"
         "    print('REFUSED', exc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HOSTKV_TENSOR_EXTENT": "fast"},
-    )
+    done = _child(code, "fast")
+    assert done.returncode == 0, done.stderr[-4000:]
     assert 'REFUSED HOSTKV_TENSOR_EXTENT must be one of auto, python, got "fast"' in done.stdout
 
 
@@ -313,14 +306,7 @@ def test_a_layer_whose_storage_turned_copy_on_write_is_checked_again(extent):
     """A copy-on-write clone shares the layer's allocation under a new deleter: the binding
     sees the storage's allocation change and asks torch for the address again (which gives the
     layer its own copy), so the clone keeps its bytes."""
-    done = subprocess.run(
-        [sys.executable, "-c", _COPY_ON_WRITE],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
-    )
+    done = _child(_COPY_ON_WRITE, extent)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-4000:]
 
 
@@ -350,13 +336,6 @@ def test_an_index_tensor_without_memory_is_refused_not_read(extent):
     """Inside torch.func.functionalize an index tensor is a torch.Tensor whose storage has no
     memory: refused by name (it used to be read at its offset from address 0, a crash; hence
     its own process)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _NO_MEMORY_INDEX],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
-    )
+    done = _child(_NO_MEMORY_INDEX, extent)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "REFUSED index tensor: the tensor's storage has no memory" in done.stdout, done.stdout

@@ -289,15 +289,22 @@ class Context:
             self._scratch.update(n=nbytes, host=host, dev=dev)
         return self._scratch["host"][:nbytes], self._scratch["dev"][:nbytes]
 
+    def _copy_buffers(self, nbytes: int, direction: str, slots: int):
+        """(source, destination, slots) of a copy yardstick: the scratch buffers for `slots`
+        copies of `nbytes` (capped where the footprint is far beyond any cache), oriented by
+        `direction`."""
+        slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
+        host, dev = self.scratch(nbytes * slots)
+        src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+        return src_all, dst_all, slots
+
     def copy_fn(self, nbytes: int, direction: str, slots: int = 1):
         """One contiguous copy of `nbytes` as `fn(i)`: memmove on this thread for a CPU run,
         cudaMemcpy (torch copy_ between pinned host memory and the GPU) for CUDA. Call i uses
         slot i % `slots` of the scratch buffers, so a yardstick for per-layer loads (which cycle
         through the layers) has the same memory footprint, and the same cache misses, as the loads
         themselves; the slot count is capped where the footprint is far beyond any cache anyway."""
-        slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
-        host, dev = self.scratch(nbytes * slots)
-        src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+        src_all, dst_all, slots = self._copy_buffers(nbytes, direction, slots)
         if self.device == "cpu":
             src_ptr, dst_ptr = src_all.data_ptr(), dst_all.data_ptr()
             memmove = ctypes.memmove
@@ -322,9 +329,7 @@ class Context:
             return None
         from hostkv_rs import _core
 
-        slots = max(1, min(slots, _YARDSTICK_FOOTPRINT // max(nbytes, 1)))
-        host, dev = self.scratch(nbytes * slots)
-        src_all, dst_all = (dev, host) if direction == "d2h" else (host, dev)
+        src_all, dst_all, slots = self._copy_buffers(nbytes, direction, slots)
         src_np, dst_np = src_all.numpy(), dst_all.numpy()
 
         def copy(i):

@@ -595,56 +595,58 @@ fn fast_index(
         return Ok(None);
     }
     let layout = if exact { extent::layout(py)? } else { None };
-    let (ptr, len) = match layout {
-        Some(layout) => {
-            // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked
-            // above), borrowed for this call, and the GIL is held.
-            let Some(dense) = (unsafe { layout.dense(value.as_ptr() as usize) }) else {
-                return Ok(None);
-            };
-            let len = dense.numel as usize;
-            let need = (dense.storage_offset as u128 + len as u128) * width.bytes() as u128;
-            if len > 0 && need > dense.storage_nbytes as u128 {
-                t.check_storage.bind(py).call1((value, "index tensor"))?;
-            }
-            let ptr =
-                dense.storage_offset as u128 * width.bytes() as u128 + dense.storage_data as u128;
-            (ptr as u64, len)
-        }
-        None => {
-            let len: usize = value.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
-            if len > 0 {
-                let offset: u64 = value
-                    .call_method0(pyo3::intern!(py, "storage_offset"))?
-                    .extract()?;
-                let storage = value.call_method0(pyo3::intern!(py, "untyped_storage"))?;
-                let nbytes: u64 = storage
-                    .call_method0(pyo3::intern!(py, "nbytes"))?
-                    .extract()?;
-                let need = (offset as u128 + len as u128) * width.bytes() as u128;
-                // A storage without memory (functionalized, fake: torch raises for its address)
-                // goes to the conversion path, which refuses it.
-                let has_data = storage
-                    .call_method0(pyo3::intern!(py, "data_ptr"))
-                    .and_then(|p| p.extract::<u64>())
-                    .is_ok_and(|p| p != 0);
-                if need > nbytes as u128 || !has_data {
-                    t.check_storage.bind(py).call1((value, "index tensor"))?;
-                }
-            }
-            let ptr: u64 = value
-                .call_method0(pyo3::intern!(py, "data_ptr"))?
-                .extract()?;
-            (ptr, len)
-        }
+    let dense = match layout {
+        // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked above),
+        // borrowed for this call, and the GIL is held.
+        Some(layout) => match unsafe { layout.dense(value.as_ptr() as usize) } {
+            Some(dense) => dense,
+            None => return Ok(None),
+        },
+        None => python_dense(py, value)?,
     };
+    let len = dense.numel as usize;
+    let need = (dense.storage_offset as u128 + len as u128) * width.bytes() as u128;
+    // A storage shorter than the view, or without memory (functionalized, fake): check_storage
+    // refuses it with its text.
+    if len > 0 && (need > dense.storage_nbytes as u128 || dense.storage_data == 0) {
+        t.check_storage.bind(py).call1((value, "index tensor"))?;
+    }
+    let ptr = dense.storage_data as u128 + dense.storage_offset as u128 * width.bytes() as u128;
     Ok(Some(IndexArray {
-        ptr,
+        ptr: ptr as u64,
         len,
         width,
         on_device,
         map: crate::request::IndexMap::Identity,
     }))
+}
+
+/// An index tensor's extent asked of torch through Python (the path without torch's field
+/// offsets): a storage whose address torch will not give (functionalized) reads as no data.
+fn python_dense(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<extent::Dense> {
+    let numel: u64 = value.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
+    if numel == 0 {
+        return Ok(extent::Dense {
+            numel,
+            storage_offset: 0,
+            storage_data: 0,
+            storage_nbytes: 0,
+        });
+    }
+    let storage = value.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+    Ok(extent::Dense {
+        numel,
+        storage_offset: value
+            .call_method0(pyo3::intern!(py, "storage_offset"))?
+            .extract()?,
+        storage_data: storage
+            .call_method0(pyo3::intern!(py, "data_ptr"))
+            .and_then(|p| p.extract::<u64>())
+            .unwrap_or(0),
+        storage_nbytes: storage
+            .call_method0(pyo3::intern!(py, "nbytes"))?
+            .extract()?,
+    })
 }
 
 /// The layers at `positions` of each plane's full layer list; a position one plane lacks is

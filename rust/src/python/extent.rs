@@ -65,8 +65,6 @@ pub(crate) struct Extent {
     object: usize,
     tensor_impl: usize,
     storage_impl: usize,
-    data: u64,
-    nbytes: u64,
     storage_offset: u64,
     numel: u64,
     dtype: u16,
@@ -335,16 +333,16 @@ impl TorchLayout {
             object: reported.object,
             tensor_impl,
             storage_impl,
-            data: reader.word(storage_impl + self.data)?,
-            nbytes: reader.word(storage_impl + self.nbytes)?,
             storage_offset: reader.word(tensor_impl + self.storage_offset)?,
             numel: reader.word(tensor_impl + self.numel)?,
             dtype: (dtype_word >> (((tensor_impl + self.dtype) % 8) * 8)) as u16,
             allocation,
         };
-        let agrees = extent.data != 0
-            && extent.data == reported.storage_data
-            && extent.nbytes == reported.storage_nbytes
+        // The allocation words run from the data pointer to the byte size.
+        let (data, nbytes) = (allocation[0], allocation[self.allocation_words() - 1]);
+        let agrees = data != 0
+            && data == reported.storage_data
+            && nbytes == reported.storage_nbytes
             && extent.storage_offset == reported.storage_offset
             && extent.numel == reported.numel;
         agrees.then_some(extent)
