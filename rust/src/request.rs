@@ -39,6 +39,12 @@ impl Layout {
         }
     }
 
+    /// Whether the layout splits a page's heads into groups (SGLang's `head_group_num`, which
+    /// every other layout ignores, whatever its value).
+    pub fn groups_heads(self) -> bool {
+        self == Self::PageUnified
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::LayerFirst => "layer_first",

@@ -125,6 +125,15 @@ def test_what_sglang_0_5_23_does_not_move_is_refused_with_its_texts():
         mhost.get_data_page(0)
 
 
+@pytest.mark.parametrize("groups", [3, 0, -1, None, "two"])
+def test_other_layouts_ignore_head_group_num(groups):
+    # SGLang stores head_group_num on every MHA pool but reads it only for page_unified.
+    dev = MHATokenToKVPool(16 * P, P, torch.bfloat16, head_num=H, head_dim=D, layer_num=L)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, P, "page_first", head_group_num=groups)
+    assert host.head_group_num == groups
+    assert tuple(host.kv_buffer.shape) == (2, host.size, L, H, D)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "text"),
     [

@@ -301,7 +301,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             [self.head_dim, self.v_head_dim],
             self.dtype.itemsize,
             head_num=self.head_num,
-            head_group_num=self.head_group_num if self.layout == "page_unified" else None,
+            head_group_num=self.head_group_num,
         )
 
     def init_kv_buffer(self):

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use super::args::int_in;
 use super::errors::to_py;
 use crate::pool::{PoolKind, PoolSpec};
+use crate::request::Layout;
 
 /// A host pool's geometry in SGLang's terms, and everything derived from it (`pool::PoolSpec`):
 /// buffer shapes, the (layout, io_backend) check with SGLang's texts, L3 page metadata and views.
@@ -53,7 +54,13 @@ impl PyPoolSpec {
         let head_num = or_one(head_num, "head_num")?;
         let dcp_size = or_one(dcp_size, "dcp_size")?;
         let dcp_rank = dcp_rank.map_or(Ok(0), |v| size(v, "dcp_rank"))?;
-        let head_groups = or_one(head_group_num, "head_group_num")?;
+        // Read only where the layout uses it: SGLang never looks at it for other layouts.
+        let head_groups = match head_group_num {
+            Some(v) if Layout::parse(layout).is_ok_and(Layout::groups_heads) => {
+                size(v, "head_group_num")?
+            }
+            _ => 1,
+        };
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
         let spec = PoolSpec::grouped(
             kind,
