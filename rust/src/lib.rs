@@ -1,5 +1,6 @@
 //! hostkv_rs core: host memory, layout arithmetic, transfer plans and the engines that run them.
 
+pub mod cgroup;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

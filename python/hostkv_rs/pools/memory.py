@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,111 +66,13 @@ class HostMemory:
     source: str
 
 
-def _read_value(path: str) -> int | None:
-    """A cgroup file holding one number; None when absent, unreadable or "max" (no limit)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            text = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _read_stat(path: str, key: str) -> int:
-    """One field of a cgroup `memory.stat` (0 when absent)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, UnicodeDecodeError, ValueError):
-        pass
-    return 0
-
-
-def _own_cgroups() -> tuple[str | None, str | None]:
-    """(cgroup v2 path, cgroup v1 memory-controller path) from /proc/self/cgroup."""
-    v2 = v1 = None
-    try:
-        with open(PROC_SELF_CGROUP, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None, None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _levels(mount: str, path: str) -> list[str]:
-    """The cgroup directories whose limits bind this process, leaf first: `path` under `mount`
-    and each parent up to the mount. A path not visible under the mount (a container's
-    cgroup namespace or private mount shows its own cgroup as the mount itself) is the mount."""
-    parts = [p for p in path.split("/") if p]
-    if ".." in parts:
-        return [mount]
-    leaf = os.path.join(mount, *parts)
-    if not os.path.isdir(leaf):
-        return [mount]
-    levels = []
-    while parts:
-        levels.append(os.path.join(mount, *parts))
-        parts.pop()
-    levels.append(mount)
-    return levels
-
-
-def _tightest(levels, limit_file: str, usage_file: str, inactive_key: str, version: str):
-    """The smallest `limit - usage` over the cgroup levels that set a limit. The usage counts
-    page cache the kernel reclaims before it refuses memory, so inactive file pages are left out
-    (the working set, as the kubelet measures it)."""
-    best = None
-    for level in levels:
-        limit = _read_value(os.path.join(level, limit_file))
-        usage = _read_value(os.path.join(level, usage_file))
-        if limit is None or usage is None:
-            continue
-        reclaimable = _read_stat(os.path.join(level, "memory.stat"), inactive_key)
-        used = max(usage - reclaimable, 0)
-        free = max(limit - used, 0)
-        if best is None or free < best.available:
-            usage_text = f"{usage_file} {gb(usage)} GB"
-            if reclaimable:
-                usage_text = f"({usage_text} less {gb(reclaimable)} GB inactive file cache)"
-            source = f"cgroup {version} limit {level}: {limit_file} {gb(limit)} GB - {usage_text}"
-            best = HostMemory(free, source)
-    return best
-
-
 def cgroup_memory_limit() -> HostMemory | None:
     """What the memory cgroup of this process still allows (cgroup v2 `memory.max -
     memory.current`, else v1 `memory.limit_in_bytes - memory.usage_in_bytes`, the tightest level
-    of the hierarchy), or None without a limit."""
-    v2_path, v1_path = _own_cgroups()
-    found = None
-    if v2_path is not None:
-        found = _tightest(
-            _levels(CGROUP_ROOT, v2_path), "memory.max", "memory.current", "inactive_file", "v2"
-        )
-    if found is None and v1_path is not None:
-        found = _tightest(
-            _levels(os.path.join(CGROUP_ROOT, "memory"), v1_path),
-            "memory.limit_in_bytes",
-            "memory.usage_in_bytes",
-            "total_inactive_file",
-            "v1",
-        )
-    return found
+    of the hierarchy, inactive file pages counted as free; read by the core), or None without a
+    limit."""
+    found = _core.cgroup_memory_limit(CGROUP_ROOT, PROC_SELF_CGROUP)
+    return None if found is None else HostMemory(*found)
 
 
 def available_host_memory() -> HostMemory:

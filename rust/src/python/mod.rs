@@ -129,6 +129,20 @@ fn digest(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u128> {
     }))
 }
 
+/// `(bytes, source)`: what this process's memory cgroup still allows (the tightest level of
+/// cgroup v2, else v1's memory controller), or None where no level sets a limit. `root` is the
+/// cgroup mount and `self_cgroup` the process's cgroup file (parameters so tests can point them
+/// at fake trees).
+#[pyfunction]
+fn cgroup_memory_limit(
+    py: Python<'_>,
+    root: std::path::PathBuf,
+    self_cgroup: std::path::PathBuf,
+) -> Option<(u64, String)> {
+    py.detach(|| crate::cgroup::memory_limit(&root, &self_cgroup))
+        .map(|limit| (limit.available, limit.source))
+}
+
 /// Raises TransferError if a kernel recorded a bad device-resident index since the last check.
 #[pyfunction]
 fn check_device_errors(py: Python<'_>) -> PyResult<()> {
@@ -162,5 +176,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(handed_back_layouts, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(cgroup_memory_limit, m)?)?;
     Ok(())
 }
