@@ -212,6 +212,8 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "data",
         "nbytes",
         "dtype",
+        "sizes",
+        "device",
     ]
     code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
     done = _child(code, "python")
@@ -280,6 +282,63 @@ def test_index_tensors_read_from_torch_objects_keep_their_offset_width_and_refus
     with pytest.raises(TypeError, match="index tensors must be dense"):
         host.load_to_device_per_layer(dev, h[:3], torch.tensor([1, 2, 3]).to_sparse(), 1, "kernel")
     assert (rows == 7).all(dim=1).nonzero().flatten().tolist() == written
+
+
+_INDEX_SHAPES = r"""
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first")
+h = host.alloc(16)
+wide = torch.arange(100)
+cases = {
+    "strided": wide[20:26:2],
+    "one element, odd stride": torch.as_strided(wide, (1,), (5,), 33),
+    "reversed": wide[40:43].flip(0),
+    "two-dimensional": wide[50:52].view(1, 2),
+    "seven-dimensional": wide[54:56].view(1, 1, 1, 1, 1, 1, 2),
+    "zero-stride": torch.as_strided(wide, (3,), (0,), 57),
+    "int16": torch.arange(60, 63, dtype=torch.int16),
+    "float": torch.arange(3.0),
+    "uint8": torch.arange(3, dtype=torch.uint8),
+    "bool": torch.ones(3, dtype=torch.bool),
+    "meta": torch.arange(3, device="meta"),
+    "empty": wide[:0],
+    "empty strided": wide[:0:3],
+    "grad view": torch.arange(64, 67),
+    "numpy": wide[20:23].numpy(),
+}
+for name, d in cases.items():
+    dev.k_buffer[1].view(torch.uint8).fill_(0)
+    host.kv_buffer.view(torch.uint8).fill_(9)
+    n = d.shape[-1] if hasattr(d, "shape") and len(d.shape) else 0
+    try:
+        host.load_to_device_per_layer(dev, h[:n], d, 1, "kernel")
+        rows = dev.k_buffer[1].reshape(dev.k_buffer[1].shape[0], -1).view(torch.uint8)
+        print(name, "MOVED", (rows == 9).all(dim=1).nonzero().flatten().tolist())
+    except Exception as exc:
+        print(name, "REFUSED", type(exc).__name__, exc)
+"""
+
+
+def test_index_tensors_torch_reads_and_python_agree_on_every_shape():
+    """The index fast path reads dtype, dimensions, strides and device from torch's objects;
+    every index the reads do not take (strided, several dimensions, zero stride, other dtypes,
+    meta) must end exactly as it does when Python is asked: the same rows, or the same
+    refusal."""
+    fast, slow = _child(_INDEX_SHAPES, "auto"), _child(_INDEX_SHAPES, "python")
+    assert fast.returncode == 0 and slow.returncode == 0, fast.stderr[-3000:] + slow.stderr[-3000:]
+    assert fast.stdout == slow.stdout
+    for line in (
+        "strided MOVED [20, 22, 24]",
+        "one element, odd stride MOVED [33]",
+        "reversed MOVED [40, 41, 42]",
+        "seven-dimensional MOVED [54, 55]",
+        "meta REFUSED ValueError index tensors on the meta device hold no values",
+        "float REFUSED TypeError index tensors must be integer tensors, got torch.float32",
+    ):
+        assert line in fast.stdout.splitlines(), fast.stdout
 
 
 _COPY_ON_WRITE = r"""

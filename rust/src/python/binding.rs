@@ -569,6 +569,21 @@ fn fast_index(
     if !exact && !value.is_instance(t.tensor.bind(py))? {
         return Ok(None);
     }
+    let layout = if exact { extent::layout(py)? } else { None };
+    // SAFETY: `value` is exactly a torch.Tensor (checked above), borrowed for this call, and
+    // the GIL is held.
+    if let Some(facts) = layout.and_then(|l| unsafe { l.index(value.as_ptr() as usize) }) {
+        // Anything else (another dtype, device-resident host indices) takes the path below,
+        // which hands it to the conversion with its refusals.
+        let width = match facts.scalar_type {
+            SCALAR_INT64 => Some(IndexWidth::I64),
+            SCALAR_INT32 => Some(IndexWidth::I32),
+            _ => None,
+        };
+        if let Some(width) = width.filter(|_| !(facts.on_device && host_side)) {
+            return dense_index(py, t, value, width, facts.on_device, facts.dense);
+        }
+    }
     let dtype = value.getattr(pyo3::intern!(py, "dtype"))?;
     let width = if dtype.is(t.int64.bind(py)) {
         IndexWidth::I64
@@ -594,7 +609,6 @@ fn fast_index(
     {
         return Ok(None);
     }
-    let layout = if exact { extent::layout(py)? } else { None };
     let dense = match layout {
         // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked above),
         // borrowed for this call, and the GIL is held.
@@ -604,6 +618,22 @@ fn fast_index(
         },
         None => python_dense(py, value)?,
     };
+    dense_index(py, t, value, width, on_device, dense)
+}
+
+// c10 ScalarType numbers of the index dtypes (as torch serialises dtypes).
+const SCALAR_INT64: u16 = 4;
+const SCALAR_INT32: u16 = 3;
+
+/// A checked dense index tensor as the core reads it.
+fn dense_index(
+    py: Python<'_>,
+    t: &Torch,
+    value: &Bound<'_, PyAny>,
+    width: IndexWidth,
+    on_device: bool,
+    dense: extent::Dense,
+) -> PyResult<Option<IndexArray>> {
     let len = dense.numel as usize;
     let need = (dense.storage_offset as u128 + len as u128) * width.bytes() as u128;
     // A storage shorter than the view, or without memory (functionalized, fake): check_storage

@@ -28,9 +28,16 @@
 //! methods that change these fields may release it, so a concurrent change is seen by this
 //! call or the next, and either way every read stays inside a live object.
 //!
-//! Index tensors are read once per call (`dense`) with no snapshot to compare: only for objects
-//! of exactly `torch.Tensor`, after Python said they are 1-D contiguous CPU or CUDA tensors, and
-//! only when they have a storage with data. A thread that `set_`s an index tensor while a
+//! Index tensors are read once per call with no snapshot to compare, only for objects of
+//! exactly `torch.Tensor` and only when they have a storage with data. Where the sizes record
+//! and the allocation's device were found too (`index`), nothing is asked of Python: the
+//! tensor must read as 1-D (a dimension count of 1, so its sizes are inline), contiguous
+//! (torch's rule for one dimension), int64 or int32, on the CPU or a CUDA device; anything
+//! else is asked of Python as before. The device word is found only where exactly one
+//! allocation word reads as the CPU in every probe and as Meta in a meta tensor's storage, so
+//! a lookalike field cannot be taken for it while the real one is there; a device type other
+//! than CPU or CUDA is never read as either. Otherwise (`dense`) Python first says that the
+//! tensor is a 1-D contiguous CPU or CUDA tensor. A thread that `set_`s an index tensor while a
 //! transfer reads it races with that transfer, as it would on the indices themselves.
 //! `HOSTKV_TENSOR_EXTENT=python` turns the reads off.
 
@@ -56,7 +63,23 @@ pub(crate) struct TorchLayout {
     pub(crate) nbytes: usize,
     /// The dtype (`caffe2::TypeMeta`, a 16-bit index) in the `TensorImpl`.
     pub(crate) dtype: usize,
+    /// The dimension count of the `TensorImpl`'s sizes-and-strides record; the sizes follow it
+    /// and the strides start `INLINE_DIMS` words after the sizes (c10 keeps up to five of each
+    /// inline). None where not found: index tensors are then asked through Python.
+    pub(crate) sizes: Option<usize>,
+    /// The device of the storage's allocation (`DataPtr`'s `Device`: type byte, index byte) in
+    /// the `StorageImpl`. None where not found, as `sizes`.
+    pub(crate) device: Option<usize>,
 }
+
+/// Dimensions c10's `SizesAndStrides` keeps inline (sizes, then strides, after the count).
+const INLINE_DIMS: usize = 5;
+
+/// c10 `DeviceType`s an index tensor's allocation is read for: the CPU and CUDA, and Meta
+/// (a calibration probe only: its pattern tells the device word from a lookalike).
+const DEVICE_CPU: u8 = 0;
+const DEVICE_CUDA: u8 = 1;
+const DEVICE_META: u8 = 14;
 
 /// One tensor's extent as read through a `TorchLayout`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,6 +244,8 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
                                     data,
                                     nbytes,
                                     dtype,
+                                    sizes: None,
+                                    device: None,
                                 });
                             }
                         }
@@ -307,10 +332,67 @@ fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
             Some(before) => before.into_iter().filter(|c| found.contains(c)).collect(),
         });
     }
-    Ok(match common.as_deref() {
-        Some([only]) => Some(*only),
-        _ => None,
-    })
+    let Some([only]) = common.as_deref() else {
+        return Ok(None);
+    };
+    let mut found = *only;
+    let shapes = [(9, 13), (7, 11), (3, 29)];
+    found.sizes = unique(
+        (8..IMPL_SEARCH - (INLINE_DIMS + 2) * 8)
+            .step_by(8)
+            .filter(|&at| {
+                probes.iter().zip(shapes).all(|((probe, _), (rows, cols))| {
+                    let impl_addr = reader.word(probe.as_ptr() as usize + found.tensor_impl);
+                    let dims = impl_addr
+                        .and_then(|a| reader.words::<{ INLINE_DIMS + 3 }>(a as usize + at));
+                    dims.is_some_and(|w| {
+                        w[0] == 2
+                            && w[1] == rows
+                            && w[2] == cols
+                            && w[1 + INLINE_DIMS] == cols
+                            && w[2 + INLINE_DIMS] == 1
+                    })
+                })
+            }),
+    );
+    found.device = device_offset(py, &reader, &found, &probes).unwrap_or(None);
+    Ok(Some(found))
+}
+
+/// The one item of `items`, or None where there are none or several.
+fn unique(mut items: impl Iterator<Item = usize>) -> Option<usize> {
+    let first = items.next()?;
+    items.next().is_none().then_some(first)
+}
+
+/// Where the storage's allocation device sits among its allocation words: the one word that
+/// reads as the CPU (type 0, index -1) in every CPU probe and as Meta in a meta tensor's storage.
+fn device_offset(
+    py: Python<'_>,
+    reader: &SafeReader,
+    found: &TorchLayout,
+    probes: &[(Bound<'_, PyAny>, u16)],
+) -> PyResult<Option<usize>> {
+    let torch = py.import("torch")?;
+    let kw = PyDict::new(py);
+    kw.set_item("device", "meta")?;
+    let meta = torch.call_method("empty", (8,), Some(&kw))?;
+    let word = |tensor: &Bound<'_, PyAny>, at: usize| -> Option<u64> {
+        let impl_addr = reader.word(tensor.as_ptr() as usize + found.tensor_impl)?;
+        let storage = reader.word(impl_addr as usize + found.storage)?;
+        reader.word(storage as usize + at)
+    };
+    let pattern = |kind: u8| u64::from(kind) | 0xFF00;
+    Ok(unique(
+        (1..found.allocation_words() - 1)
+            .map(|k| found.data + k * 8)
+            .filter(|&at| {
+                probes
+                    .iter()
+                    .all(|(p, _)| word(p, at).is_some_and(|w| w & 0xFFFF == pattern(DEVICE_CPU)))
+                    && word(&meta, at).is_some_and(|w| w & 0xFFFF == pattern(DEVICE_META))
+            }),
+    ))
 }
 
 impl TorchLayout {
@@ -424,12 +506,67 @@ impl TorchLayout {
     }
 }
 
+/// What an index tensor's objects say, read without Python: its dtype, whether its memory is
+/// on a CUDA device, and its extent.
+pub(crate) struct IndexFacts {
+    /// c10's `ScalarType` number (4: int64, 3: int32).
+    pub(crate) scalar_type: u16,
+    pub(crate) on_device: bool,
+    pub(crate) dense: Dense,
+}
+
+impl TorchLayout {
+    /// An index tensor's facts where it is a 1-D contiguous tensor whose memory is on the CPU
+    /// or a CUDA device and has data; None otherwise (or where the sizes or the device were
+    /// not found): the caller then asks Python, which refuses what must be refused with its
+    /// own text.
+    ///
+    /// # Safety
+    /// As [`dense`](Self::dense).
+    pub(crate) unsafe fn index(&self, object: usize) -> Option<IndexFacts> {
+        let (sizes, device) = (self.sizes?, self.device?);
+        let read = |addr: usize| -> u64 {
+            // SAFETY: as `dense`: each address lies inside the live tensor object, its
+            // `TensorImpl` or that impl's `StorageImpl`, at the found (aligned) offsets.
+            unsafe { std::ptr::read_volatile(addr as *const u64) }
+        };
+        let tensor_impl = read(object + self.tensor_impl) as usize;
+        if tensor_impl == 0 {
+            return None;
+        }
+        let storage = read(tensor_impl + self.storage) as usize;
+        if storage == 0 || read(tensor_impl + sizes) != 1 {
+            return None;
+        }
+        let size = read(tensor_impl + sizes + 8);
+        let stride = read(tensor_impl + sizes + 8 * (1 + INLINE_DIMS)) as i64;
+        // torch's contiguity of one dimension: a single element, or unit stride.
+        if size > 1 && stride != 1 {
+            return None;
+        }
+        let on_device = match read(storage + device) as u8 {
+            DEVICE_CPU => false,
+            DEVICE_CUDA => true,
+            _ => return None,
+        };
+        let dtype_at = tensor_impl + self.dtype;
+        let scalar_type = (read(dtype_at & !7) >> ((dtype_at % 8) * 8)) as u16;
+        // SAFETY: this function's contract is `dense`'s.
+        let dense = unsafe { self.dense(object) }?;
+        (dense.numel == size).then_some(IndexFacts {
+            scalar_type,
+            on_device,
+            dense,
+        })
+    }
+}
+
 /// `_core.tensor_extent_layout()`: the offsets this process reads tensors' extents at, or None
 /// where every check goes through Python (diagnostics and tests).
 #[pyfunction]
 pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'static str, usize)>>> {
     Ok(layout(py)?.map(|l| {
-        vec![
+        let mut fields = vec![
             ("tensor_impl", l.tensor_impl),
             ("storage", l.storage),
             ("storage_offset", l.storage_offset),
@@ -437,6 +574,10 @@ pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'sta
             ("data", l.data),
             ("nbytes", l.nbytes),
             ("dtype", l.dtype),
-        ]
+        ];
+        // Found separately: an index tensor is read without Python only where both are.
+        fields.extend(l.sizes.map(|at| ("sizes", at)));
+        fields.extend(l.device.map(|at| ("device", at)));
+        fields
     }))
 }
