@@ -874,6 +874,10 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """One per-layer load through the core, every argument checked before a byte moves. A
         target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
         binding = self._device_side
+        if binding is not None and is_draft is False and device_pool is self._captured_first:
+            # Every call's path (SGLang passes the pool it built this one from): no more Python.
+            binding.load(layer_id, host_indices, device_indices, io_backend, False)
+            return
         if binding is None or self._names_other_pool(device_pool):
             is_draft = truth("is_draft", is_draft)
             if binding is None:
