@@ -269,6 +269,27 @@ else
     tail -n 30 "$LOG/bench.log"
 fi
 
+# 5b. beside SGLang 0.5.23's default HiCache kernel (TMA, 4 CTAs), where its wheels were carried
+# in .whl/ (scripts/fetch_sglang_wheels.sh): rows appended to gpu_bench.md, log in bench.log
+if ! ls "$ROOT"/.whl/sglang-*.whl >/dev/null 2>&1; then
+    record sglang-tma SKIP "no .whl/sglang-*.whl carried (scripts/fetch_sglang_wheels.sh)"
+elif (($(allow 90) == 0)); then
+    record sglang-tma SKIP "time budget spent"
+else
+    echo "== beside SGLang's TMA kernel (log bench.log, rows in gpu_bench.md)"
+    SGL_SITE=$(mktemp -d /tmp/sglang-site.XXXXXX)
+    run_step "$(allow 45)" "$LOG/bench.log" $PY -m pip install -q --no-index --no-deps \
+        --no-compile --disable-pip-version-check --target "$SGL_SITE" "$ROOT"/.whl/*.whl
+    secs=$(allow 90)
+    # SGLang's folder after ours: hostkv_rs is still the installed wheel.
+    (cd /tmp && run_step "$secs" "$LOG/bench.log" env PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SGL_SITE" \
+        $PY "$ROOT/scripts/sglang_tma_bench.py" --budget $((secs > 40 ? secs - 30 : 10)) \
+        --out "$LOG/gpu_bench.md")
+    rc=$?
+    record sglang-tma "$(verdict $rc)" "$(grep -aE '^not run|^\| load page_first' "$LOG/gpu_bench.md" | tail -1 | cut -c1-150)"
+    tail -n 14 "$LOG/bench.log"
+fi
+
 # 6. the CPU suite, only when asked (GPU_CHECK_CPU=1): CI runs it; here it would not fit twice
 secs=$(allow 240)
 if [[ "${GPU_CHECK_CPU:-0}" != 1 ]]; then
