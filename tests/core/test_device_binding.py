@@ -214,6 +214,7 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "dtype",
         "sizes",
         "device",
+        "negative",
     ]
     code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
     done = _child(code, "python")
@@ -295,7 +296,8 @@ wide = torch.arange(100)
 cases = {
     "strided": wide[20:26:2],
     "one element, odd stride": torch.as_strided(wide, (1,), (5,), 33),
-    "reversed": wide[40:43].flip(0),
+    "flipped copy": wide[40:43].flip(0),
+    "negative view": torch._neg_view(torch.arange(-23, -20)),
     "two-dimensional": wide[50:52].view(1, 2),
     "seven-dimensional": wide[54:56].view(1, 1, 1, 1, 1, 1, 2),
     "zero-stride": torch.as_strided(wide, (3,), (0,), 57),
@@ -306,7 +308,7 @@ cases = {
     "meta": torch.arange(3, device="meta"),
     "empty": wide[:0],
     "empty strided": wide[:0:3],
-    "grad view": torch.arange(64, 67),
+    "fresh": torch.arange(64, 67),
     "numpy": wide[20:23].numpy(),
 }
 for name, d in cases.items():
@@ -333,7 +335,8 @@ def test_index_tensors_torch_reads_and_python_agree_on_every_shape():
     for line in (
         "strided MOVED [20, 22, 24]",
         "one element, odd stride MOVED [33]",
-        "reversed MOVED [40, 41, 42]",
+        "flipped copy MOVED [40, 41, 42]",
+        "negative view MOVED [21, 22, 23]",
         "seven-dimensional MOVED [54, 55]",
         "meta REFUSED ValueError index tensors on the meta device hold no values",
         "float REFUSED TypeError index tensors must be integer tensors, got torch.float32",

@@ -110,6 +110,7 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         and indices.dim() == 1
         and indices.is_contiguous()
         and not indices.is_meta
+        and not indices.is_neg()
         and (device is None or (indices.is_cpu and device.type == "cpu"))
     ):
         check_storage(indices, "index tensor")
@@ -117,6 +118,8 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     indices = as_tensor(indices)
     if indices.device.type == "meta":
         raise ValueError("index tensors on the meta device hold no values")
+    # A negative view (torch._neg_view) stores the values un-negated: read what it says.
+    indices = indices.resolve_neg()
     if indices.layout == torch.strided:
         check_storage(indices, "index tensor")
     if indices.layout != torch.strided:

@@ -606,8 +606,11 @@ fn fast_index(
     if !value
         .call_method0(pyo3::intern!(py, "is_contiguous"))?
         .is_truthy()?
+        || value
+            .call_method0(pyo3::intern!(py, "is_neg"))?
+            .is_truthy()?
     {
-        return Ok(None);
+        return Ok(None); // a negative view: as_index_array resolves it
     }
     let dense = match layout {
         // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked above),

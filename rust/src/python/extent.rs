@@ -29,16 +29,18 @@
 //! call or the next, and either way every read stays inside a live object.
 //!
 //! Index tensors are read once per call with no snapshot to compare, only for objects of
-//! exactly `torch.Tensor` and only when they have a storage with data. Where the sizes record
-//! and the allocation's device were found too (`index`), nothing is asked of Python: the
-//! tensor must read as 1-D (a dimension count of 1, so its sizes are inline), contiguous
-//! (torch's rule for one dimension), int64 or int32, on the CPU or a CUDA device; anything
-//! else is asked of Python as before. The device word is found only where exactly one
-//! allocation word reads as the CPU in every probe and as Meta in a meta tensor's storage, so
-//! a lookalike field cannot be taken for it while the real one is there; a device type other
-//! than CPU or CUDA is never read as either. Otherwise (`dense`) Python first says that the
-//! tensor is a 1-D contiguous CPU or CUDA tensor. A thread that `set_`s an index tensor while a
-//! transfer reads it races with that transfer, as it would on the indices themselves.
+//! exactly `torch.Tensor` and only when they have a storage with data. Where the sizes record,
+//! the allocation's device and the negative-view bit were found too (`index`), nothing is asked
+//! of Python: the tensor must read as 1-D (a dimension count of 1, so its sizes are inline),
+//! contiguous (torch's rule for one dimension), not a negative view, int64 or int32, on the CPU
+//! or a CUDA device; anything else is asked of Python as before. The device word is found only
+//! where exactly one allocation word reads as the CPU in every probe and as Meta in a meta
+//! tensor's storage, so a lookalike field cannot be taken for it while the real one is there; a
+//! device type other than CPU or CUDA is never read as either. Otherwise (`dense`) Python first
+//! says that the tensor is a 1-D contiguous CPU or CUDA tensor. A thread that `set_`s or resizes
+//! an index tensor while a transfer reads it (torch releases the GIL in those methods) races
+//! with that read, as it would on the indices themselves: the read may then see the storage
+//! being freed, so such a caller is outside what the reads vouch for.
 //! `HOSTKV_TENSOR_EXTENT=python` turns the reads off.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -70,6 +72,10 @@ pub(crate) struct TorchLayout {
     /// The device of the storage's allocation (`DataPtr`'s `Device`: type byte, index byte) in
     /// the `StorageImpl`. None where not found, as `sizes`.
     pub(crate) device: Option<usize>,
+    /// The word of the `TensorImpl`'s dispatch keys and the bit that marks a negative view
+    /// (`torch._neg_view`: the values read are the stored ones negated). None where not found,
+    /// as `sizes`.
+    pub(crate) negative: Option<(usize, u64)>,
 }
 
 /// Dimensions c10's `SizesAndStrides` keeps inline (sizes, then strides, after the count).
@@ -246,6 +252,7 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
                                     dtype,
                                     sizes: None,
                                     device: None,
+                                    negative: None,
                                 });
                             }
                         }
@@ -356,7 +363,42 @@ fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
             }),
     );
     found.device = device_offset(py, &reader, &found, &probes).unwrap_or(None);
+    found.negative = negative_bit(&reader, &found, &probes).unwrap_or(None);
     Ok(Some(found))
+}
+
+/// The one (word, bit) of the `TensorImpl` that is set in a negative view of each probe and
+/// clear in a plain view of it, the two words differing in that bit alone.
+fn negative_bit(
+    reader: &SafeReader,
+    found: &TorchLayout,
+    probes: &[(Bound<'_, PyAny>, u16)],
+) -> PyResult<Option<(usize, u64)>> {
+    let py = probes[0].0.py();
+    let torch = py.import("torch")?;
+    let mut pairs = Vec::new();
+    for (probe, _) in probes {
+        let plain = probe.call_method1("view", (probe.getattr("shape")?,))?;
+        let negative = torch.call_method1("_neg_view", (probe,))?;
+        let words = |t: &Bound<'_, PyAny>| {
+            let impl_addr = reader.word(t.as_ptr() as usize + found.tensor_impl)?;
+            reader.words::<{ IMPL_SEARCH / 8 }>(impl_addr as usize)
+        };
+        match (words(&plain), words(&negative)) {
+            (Some(a), Some(b)) => pairs.push((a, b)),
+            _ => return Ok(None),
+        }
+    }
+    let mut hits = (1..IMPL_SEARCH / 8).filter_map(|i| {
+        let bit = pairs[0].0[i] ^ pairs[0].1[i];
+        let marks = bit.count_ones() == 1
+            && pairs
+                .iter()
+                .all(|(plain, neg)| plain[i] & bit == 0 && plain[i] ^ neg[i] == bit);
+        marks.then_some((i * 8, bit))
+    });
+    let first = hits.next();
+    Ok(first.filter(|_| hits.next().is_none()))
 }
 
 /// The one item of `items`, or None where there are none or several.
@@ -524,7 +566,7 @@ impl TorchLayout {
     /// # Safety
     /// As [`dense`](Self::dense).
     pub(crate) unsafe fn index(&self, object: usize) -> Option<IndexFacts> {
-        let (sizes, device) = (self.sizes?, self.device?);
+        let (sizes, device, (keys, negative)) = (self.sizes?, self.device?, self.negative?);
         let read = |addr: usize| -> u64 {
             // SAFETY: as `dense`: each address lies inside the live tensor object, its
             // `TensorImpl` or that impl's `StorageImpl`, at the found (aligned) offsets.
@@ -535,12 +577,16 @@ impl TorchLayout {
             return None;
         }
         let storage = read(tensor_impl + self.storage) as usize;
-        if storage == 0 || read(tensor_impl + sizes) != 1 {
+        // A negative view's values are not its stored ones: Python resolves it.
+        if storage == 0
+            || read(tensor_impl + sizes) != 1
+            || read(tensor_impl + keys) & negative != 0
+        {
             return None;
         }
         let size = read(tensor_impl + sizes + 8);
         let stride = read(tensor_impl + sizes + 8 * (1 + INLINE_DIMS)) as i64;
-        // torch's contiguity of one dimension: a single element, or unit stride.
+        // torch's contiguity of one dimension: fewer than two elements, or unit stride.
         if size > 1 && stride != 1 {
             return None;
         }
@@ -578,6 +624,7 @@ pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'sta
         // Found separately: an index tensor is read without Python only where both are.
         fields.extend(l.sizes.map(|at| ("sizes", at)));
         fields.extend(l.device.map(|at| ("device", at)));
+        fields.extend(l.negative.map(|(at, _)| ("negative", at)));
         fields
     }))
 }
