@@ -874,8 +874,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """One per-layer load through the core, every argument checked before a byte moves. A
         target layer this pool does not hold returns first, whatever else is passed (SGLang)."""
         binding = self._device_side
-        if binding is not None and is_draft is False and device_pool is self._captured_first:
-            # Every call's path (SGLang passes the pool it built this one from): no more Python.
+        if (
+            binding is not None
+            and is_draft is False
+            and (device_pool is self._captured_first or not self._captured_pools)
+        ):
+            # Every SGLang call's path (the pool this one was built from, or 0.5.23's buffer-info
+            # form, which reads no pool it is handed): no further checks in Python.
             binding.load(layer_id, host_indices, device_indices, io_backend, False)
             return
         if binding is None or self._names_other_pool(device_pool):
