@@ -7,6 +7,7 @@ skip with the reason; the format and destroy-hook tests at the top need no store
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import json
@@ -63,6 +64,11 @@ def test_tags_tell_layouts_dtypes_geometries_and_shards_apart():
     assert page_format(pool, tp_rank=1, tp_size=2).tag != page_format(pool).tag
     assert page_format(pool, pp_rank=1, pp_size=2).tag != page_format(pool).tag
     assert page_format(pool, namespace="m").tag == "m/" + page_format(pool).tag
+    # head_group_num means something only to page_unified: elsewhere it never changes the tag
+    grouped = copy.copy(pool)
+    for ignored in (3, -1, "two"):
+        grouped.head_group_num = ignored
+        assert page_format(grouped).tag == page_format(pool).tag
     # MLA latents are the same on every TP rank (shared objects, as in SGLang); DCP ranks are not
     mla = make_mla("layer_first")[0]
     assert page_format(mla, tp_rank=1, tp_size=2).tag == page_format(mla).tag

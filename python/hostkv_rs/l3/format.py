@@ -132,7 +132,10 @@ def _kind_and_geometry(pool) -> tuple[str, list[str], bool]:
         v_head_dim = int(getattr(pool, "v_head_dim", None) or head_dim)
         kind = "mha" if v_head_dim == head_dim else "mha.asym"
         geometry = [f"H{int(pool.head_num)}", f"D{head_dim}", f"V{v_head_dim}"]
-        groups = int(getattr(pool, "head_group_num", 1) or 1)
+        # Only page_unified groups heads (its layout says how many); every other layout ignores
+        # head_group_num, so two such pools store the same bytes whatever value they were given.
+        unified = getattr(pool, "page_unified_layout", None)
+        groups = int(unified.head_group_num) if unified is not None else 1
         if groups != 1:
             geometry.append(f"G{groups}")
         return kind, geometry, True
