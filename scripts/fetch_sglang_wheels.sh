@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for the SGLang TMA comparison on a GPU machine without network access
-# (scripts/sglang_tma_bench.py, step 6 of scripts/gpu_check.sh): SGLang 0.5.23 and what its
+# (scripts/sglang_tma_bench.py, step 5b of scripts/gpu_check.sh): SGLang 0.5.23 and what its
 # HiCache kernel module imports that the GPU machine's image lacks, for CPython 3.12 on
 # manylinux x86-64, into .whl/ (git-ignored; about 45 MiB). Found by importing
 # `sglang.kernels.ops.kvcache.hicache` with only these on top of torch, numpy, pillow, anyio

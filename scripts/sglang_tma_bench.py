@@ -11,8 +11,9 @@ SGLang 0.5.23's `MHATokenToKVPoolHost` calls it, on our pool's own host views (`
 `k_data_ptrs`), so both move the same bytes between the same memory; after SGLang's call the
 moved rows are compared with the source, so a wrong call shows as "bytes differ", not as a
 number. Where SGLang's kernels cannot be imported or the TMA kernel is not used (no sm_90, no
-JIT toolchain, SGLANG_HICACHE_TMA_TRANSFER=0) one line says why and the exit status is 0: the
-comparison is what a GPU run can add, not something this machine must have.
+JIT toolchain, SGLANG_HICACHE_TMA_TRANSFER=0) one line says why and the exit status is 3: the
+comparison is what a GPU run can add, not something this machine must have. Rows are appended
+to --out as they are measured, so a run stopped at its time limit keeps them.
 
 On a machine without network access, SGLang and what its kernel module imports come as wheels
 (`bash scripts/fetch_sglang_wheels.sh` downloads them into .whl/; docs/cuda.md §5).
@@ -113,9 +114,12 @@ def cases(hc, tokens: int):
                 )
 
         def loaded(dp=dp, host=host, h=h, d=d):
-            got = [dp.k_buffer[layer][d].cpu() for layer in range(LAYERS)]
-            want = [host.k_data_refs[layer][h.cpu()] for layer in range(LAYERS)]
-            return all(same(a, b) for a, b in zip(got, want, strict=True))
+            pairs = ((dp.k_buffer, host.k_data_refs), (dp.v_buffer, host.v_data_refs))
+            return all(
+                same(device[layer][d].cpu(), hosted[layer][h.cpu()])
+                for device, hosted in pairs
+                for layer in range(LAYERS)
+            )
 
         yield f"load {layout}", ours, theirs, loaded
 
@@ -143,8 +147,10 @@ def cases(hc, tokens: int):
         )
 
     def backed_up(dp=dp, host=host, h=h, d=d):
+        pairs = ((dp.k_buffer, host.k_data_refs), (dp.v_buffer, host.v_data_refs))
         return all(
-            same(host.k_data_refs[layer][h.cpu()], dp.k_buffer[layer][d].cpu())
+            same(hosted[layer][h.cpu()], device[layer][d].cpu())
+            for device, hosted in pairs
             for layer in range(LAYERS)
         )
 
@@ -156,47 +162,49 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=60.0, help="seconds for the whole table")
     ap.add_argument("--out", help="append the table to this file")
     args = ap.parse_args(argv)
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 (written row by row)
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    emit("")
+    emit(
+        "Beside SGLang 0.5.23's TMA HiCache kernel (4 CTAs; 8 layers, 512 B rows, 128-token "
+        "pages; GB/s of KV bytes, CUDA events, median of 5 interleaved rounds):"
+    )
+    emit("")
     hc, why = sglang_kernels()
-    lines = [
-        "",
-        (
-            "Beside SGLang 0.5.23's TMA HiCache kernel (4 CTAs; 8 layers, 512 B rows, 128-token "
-            "pages; GB/s of KV bytes, CUDA events, median of 5 interleaved rounds):"
-        ),
-        "",
-    ]
     if hc is None:
-        lines.append(f"not run: {why}")
-    else:
-        lines += [
-            "| op | tokens per layer | ours GB/s | SGLang TMA GB/s | ours / SGLang | bytes |",
-            "|---|---|---|---|---|---|",
-        ]
-        deadline = time.monotonic() + args.budget
-        for tokens in TOKENS:
-            for name, ours, theirs, check in cases(hc, tokens):
-                if time.monotonic() > deadline:
-                    lines.append(f"| {name} | {tokens} | - | - | - | budget spent |")
-                    continue
-                nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2
-                theirs()  # JIT build and warm-up
-                torch.cuda.synchronize()
-                agree = "agree" if check() else "DIFFER"
-                ours()
-                t_ours, t_theirs = [], []
-                for _ in range(5):
-                    t_ours.append(cuda_seconds(ours))
-                    t_theirs.append(cuda_seconds(theirs))
-                a = nbytes / statistics.median(t_ours) / 1e9
-                b = nbytes / statistics.median(t_theirs) / 1e9
-                lines.append(f"| {name} | {tokens} | {a:.1f} | {b:.1f} | {a / b:.2f} | {agree} |")
-                print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as out:
-            out.write(text + "\n")
-    return 1 if "DIFFER" in text else 0
+        emit(f"not run: {why}")
+        return 3
+    emit("| op | tokens per layer | ours GB/s | SGLang TMA GB/s | ours / SGLang | bytes |")
+    emit("|---|---|---|---|---|---|")
+    deadline = time.monotonic() + args.budget
+    for tokens in TOKENS:
+        for name, ours, theirs, check in cases(hc, tokens):
+            if time.monotonic() > deadline:
+                emit(f"| {name} | {tokens} | - | - | - | budget spent |")
+                continue
+            nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2
+            theirs()  # JIT build and warm-up
+            torch.cuda.synchronize()
+            agree = "agree" if check() else "DIFFER"
+            ours()
+            t_ours, t_theirs = [], []
+            for _ in range(5):
+                t_ours.append(cuda_seconds(ours))
+                t_theirs.append(cuda_seconds(theirs))
+            a = nbytes / statistics.median(t_ours) / 1e9
+            b = nbytes / statistics.median(t_theirs) / 1e9
+            emit(f"| {name} | {tokens} | {a:.1f} | {b:.1f} | {a / b:.2f} | {agree} |")
+    if out:
+        out.close()
+    return 1 if any("DIFFER" in line for line in lines) else 0
 
 
 if __name__ == "__main__":
