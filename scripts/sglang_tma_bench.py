@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from gpu_bench import timer  # this script's folder is first on sys.path
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 64, 128
 TOKENS = (2048, 8192, 32768)
@@ -72,15 +73,6 @@ def indices(host, tokens: int):
     h = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
     d = torch.arange(PAGE, PAGE + tokens)
     return h.cuda(), d.cuda()
-
-
-def cuda_seconds(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -185,6 +177,7 @@ def main(argv=None) -> int:
     emit("| op | tokens per layer | ours GB/s | SGLang TMA GB/s | ours / SGLang | bytes |")
     emit("|---|---|---|---|---|---|")
     deadline = time.monotonic() + args.budget
+    cuda_seconds = timer("cuda")
     for tokens in TOKENS:
         for name, ours, theirs, check in cases(hc, tokens):
             if time.monotonic() > deadline:
