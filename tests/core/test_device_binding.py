@@ -236,6 +236,20 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
     assert 'REFUSED HOSTKV_TENSOR_EXTENT must be one of auto, python, got "fast"' in done.stdout
 
 
+def test_tensor_extent_offsets_are_found_whatever_the_default_device():
+    """The offsets are found on CPU probe tensors even where the process's default device is
+    another one (meta here; CUDA on a server that sets it): the same offsets as without it."""
+    code = (
+        "import torch\n"
+        "torch.set_default_device('meta')\n"
+        "from hostkv_rs import _core\n"
+        "print(_core.tensor_extent_layout())\n"
+    )
+    done = _child(code, "auto")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == str(_core.tensor_extent_layout())
+
+
 def test_a_device_pool_handed_to_a_call_without_the_layer_is_refused_by_the_core():
     _dev, host = _pools()
     h = host.alloc(16)

@@ -624,7 +624,8 @@ fn fast_index(
     dense_index(py, t, value, width, on_device, dense)
 }
 
-// c10 ScalarType numbers of the index dtypes (as torch serialises dtypes).
+// c10 ScalarType numbers of the index dtypes: a TensorImpl holds its dtype as a TypeMeta index,
+// which equals the ScalarType number for every scalar type.
 const SCALAR_INT64: u16 = 4;
 const SCALAR_INT32: u16 = 3;
 

@@ -304,9 +304,12 @@ fn probes(py: Python<'_>) -> PyResult<Vec<(Bound<'_, PyAny>, u16)>> {
             .call_method1("view", (rows, cols))
     }
     let dtype = |name: &str| torch.getattr(name);
+    // On the CPU by name: a process whose default device is CUDA (`torch.set_default_device`)
+    // would otherwise probe device tensors, whose allocation words differ.
     let empty = |n: usize, name: &str| {
         let kw = PyDict::new(py);
         kw.set_item("dtype", dtype(name)?)?;
+        kw.set_item("device", "cpu")?;
         torch.call_method("empty", (n,), Some(&kw))
     };
     let kw = PyDict::new(py);
@@ -316,7 +319,8 @@ fn probes(py: Python<'_>) -> PyResult<Vec<(Bound<'_, PyAny>, u16)>> {
         (PyByteArray::new(py, &[0u8; 8008]),),
         Some(&kw),
     )?;
-    // c10::ScalarType: Short 2, Long 4, Double 7 (the numbers torch serialises dtypes by).
+    // c10::ScalarType numbers (Short 2, Long 4, Double 7), which a TensorImpl's dtype holds as
+    // its TypeMeta index.
     Ok(vec![
         (view(empty(4096, "float64")?, 37, 9, 13)?, 7),
         (view(empty(2050, "int16")?, 101, 7, 11)?, 2),
@@ -505,6 +509,15 @@ impl TorchLayout {
     }
 }
 
+/// One word of a live torch object.
+///
+/// # Safety
+/// `addr` is 8-byte aligned and lies inside a live object.
+unsafe fn read_word(addr: usize) -> u64 {
+    // SAFETY: per this function's contract.
+    unsafe { std::ptr::read_volatile(addr as *const u64) }
+}
+
 /// What a dense tensor's objects say about its memory: the element count and offset, and its
 /// storage's data pointer and byte size.
 pub(crate) struct Dense {
@@ -524,19 +537,38 @@ impl TorchLayout {
     /// reference to it for the duration of the call (the tensor owns its `TensorImpl`, which
     /// owns its storage).
     pub(crate) unsafe fn dense(&self, object: usize) -> Option<Dense> {
-        let read = |addr: usize| -> u64 {
-            // SAFETY: per this function's contract each address lies inside the live tensor
-            // object, its `TensorImpl` or that impl's `StorageImpl`, all 8-byte aligned.
-            unsafe { std::ptr::read_volatile(addr as *const u64) }
-        };
-        let tensor_impl = read(object + self.tensor_impl) as usize;
+        // SAFETY: per this function's contract the object is live and exactly a tensor.
+        let (tensor_impl, storage) = unsafe { self.impls(object) }?;
+        // SAFETY: both pointers were just read from the live tensor.
+        unsafe { self.dense_of(tensor_impl, storage) }
+    }
+
+    /// The tensor's `TensorImpl` and `StorageImpl` addresses, None where either is null.
+    ///
+    /// # Safety
+    /// As [`dense`](Self::dense).
+    unsafe fn impls(&self, object: usize) -> Option<(usize, usize)> {
+        // SAFETY: per the contract both addresses lie inside the live tensor object or its
+        // `TensorImpl`, at found (aligned) offsets.
+        let tensor_impl = unsafe { read_word(object + self.tensor_impl) } as usize;
         if tensor_impl == 0 {
             return None;
         }
-        let storage = read(tensor_impl + self.storage) as usize;
-        if storage == 0 {
-            return None;
-        }
+        // SAFETY: the impl is the live tensor's own (non-null, just read).
+        let storage = unsafe { read_word(tensor_impl + self.storage) } as usize;
+        (storage != 0).then_some((tensor_impl, storage))
+    }
+
+    /// `dense` past the pointer reads.
+    ///
+    /// # Safety
+    /// `tensor_impl` and `storage` were read by `impls` from a tensor that, per `dense`'s
+    /// contract, is still alive.
+    unsafe fn dense_of(&self, tensor_impl: usize, storage: usize) -> Option<Dense> {
+        let read = |addr: usize| -> u64 {
+            // SAFETY: each address lies inside the live `TensorImpl` or its `StorageImpl`.
+            unsafe { read_word(addr) }
+        };
         let dense = Dense {
             numel: read(tensor_impl + self.numel),
             storage_offset: read(tensor_impl + self.storage_offset),
@@ -570,18 +602,12 @@ impl TorchLayout {
         let read = |addr: usize| -> u64 {
             // SAFETY: as `dense`: each address lies inside the live tensor object, its
             // `TensorImpl` or that impl's `StorageImpl`, at the found (aligned) offsets.
-            unsafe { std::ptr::read_volatile(addr as *const u64) }
+            unsafe { read_word(addr) }
         };
-        let tensor_impl = read(object + self.tensor_impl) as usize;
-        if tensor_impl == 0 {
-            return None;
-        }
-        let storage = read(tensor_impl + self.storage) as usize;
+        // SAFETY: this function's contract is `dense`'s.
+        let (tensor_impl, storage) = unsafe { self.impls(object) }?;
         // A negative view's values are not its stored ones: Python resolves it.
-        if storage == 0
-            || read(tensor_impl + sizes) != 1
-            || read(tensor_impl + keys) & negative != 0
-        {
+        if read(tensor_impl + sizes) != 1 || read(tensor_impl + keys) & negative != 0 {
             return None;
         }
         let size = read(tensor_impl + sizes + 8);
@@ -597,8 +623,8 @@ impl TorchLayout {
         };
         let dtype_at = tensor_impl + self.dtype;
         let scalar_type = (read(dtype_at & !7) >> ((dtype_at % 8) * 8)) as u16;
-        // SAFETY: this function's contract is `dense`'s.
-        let dense = unsafe { self.dense(object) }?;
+        // SAFETY: the pointers were read from the live tensor above.
+        let dense = unsafe { self.dense_of(tensor_impl, storage) }?;
         (dense.numel == size).then_some(IndexFacts {
             scalar_type,
             on_device,
