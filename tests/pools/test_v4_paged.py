@@ -184,13 +184,33 @@ def test_bad_geometry_is_refused(kwargs, text):
     assert str(e.value) == text
 
 
-def test_device_buffer_that_is_not_whole_rows_is_refused():
-    dev = [torch.zeros((4, 10), dtype=torch.uint8), torch.zeros((4, 9), dtype=torch.uint8)]
-    with pytest.raises(ValueError, match="device buffer 1 must be contiguous rows"):
-        DeepSeekV4PagedHostPool("c4_kv", dev, 10, 2, 4)
-    strided = torch.zeros((4, 20), dtype=torch.uint8)[:, :10]
-    with pytest.raises(ValueError, match="device buffer 0 must be contiguous rows"):
-        DeepSeekV4PagedHostPool("c4_kv", [strided], 10, 2, 4)
+@pytest.mark.parametrize("case", ["short_row", "strided", "one_byte"])
+def test_device_buffer_that_is_not_whole_rows_is_built_then_refused_by_transfers(case):
+    """SGLang builds a V4 pool over any device buffers (its unit tests use one-byte ones): ours is
+    built too, with SGLang's staging buffer, and every transfer then refuses those buffers by
+    name, changing nothing on either side."""
+    buffers = {
+        "short_row": [
+            torch.zeros((4, 10), dtype=torch.uint8),
+            torch.zeros((4, 9), dtype=torch.uint8),
+        ],
+        "strided": [torch.zeros((4, 20), dtype=torch.uint8)[:, :10]],
+        "one_byte": [torch.zeros(1, dtype=torch.uint8) for _ in range(2)],
+    }[case]
+    refused = {"short_row": 1, "strided": 0, "one_byte": 0}[case]
+    layout = "page_first" if case == "one_byte" else "layer_first"
+    pool = DeepSeekV4PagedHostPool("c4_kv", buffers, 10, 2, 4, layout=layout)
+    if layout == "page_first":
+        assert pool.staging_buffer.shape == (2, len(buffers), 10)
+    host_before = pool._flat.clone()
+    device_before = [b.clone() for b in buffers]
+    text = f"c4_kv transfer: c4_kv: device buffer {refused} must be contiguous rows of 10 bytes"
+    with pytest.raises(ValueError, match=text):
+        pool.backup_from_device_all_layer(None, torch.arange(4, 8), torch.arange(4), "kernel")
+    with pytest.raises(ValueError, match=text):
+        pool.load_to_device_per_layer(None, torch.arange(4, 8), torch.arange(4), 0, "kernel")
+    assert torch.equal(pool._flat, host_before)
+    assert all(torch.equal(b, d) for b, d in zip(buffers, device_before, strict=True))
 
 
 def test_device_buffers_of_any_dtype_count_in_bytes():

@@ -84,6 +84,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     pool_name = "DeepSeekV4PagedHostPool"
     page_aligned_only = False
     _destroyed = False
+    _device_refusal: str | None = None
 
     @classmethod
     def _unsupported_reason(cls, args, kwargs) -> str | None:
@@ -156,7 +157,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         new_pool_lock(self)
         self.device_buffers = device_buffers
         self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
-        self._device_rows = self._device_row_counts(device_buffers, item_bytes, "device buffer")
+        self._device_rows, self._device_refusal = self._device_row_counts(
+            device_buffers, item_bytes, "device buffer"
+        )
 
         requested_bytes = self.layer_num * num_host_pages * item_bytes
         # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
@@ -260,11 +263,19 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # (page rows, or the C4 token rows over the same bytes) with the device buffers seen as
         # rows of that core's size, checked on first use; each call then passes only the layer
         # and the indices, which the core maps to rows while it reads them.
+        # Device buffers that are not whole rows get no binding: the first transfer refuses them.
         page_rows = ("page_rows", slot_page_size)
-        self._page_binding = self._binding(self._pool, [IB], page_rows)
+        self._page_binding = None
         self._token_bindings = None
         self._ascend_binding = None
-        if layout == "layer_first" and slot_page_size == _C4_PAGE_TOKENS and IB == _C4_ROW_BYTES:
+        if self._device_refusal is None:
+            self._page_binding = self._binding(self._pool, [IB], page_rows)
+        if (
+            self._device_refusal is None
+            and layout == "layer_first"
+            and slot_page_size == _C4_PAGE_TOKENS
+            and IB == _C4_ROW_BYTES
+        ):
             # The same pool, read as rows of one value and rows of one scale (the core derives
             # those rows from the C4 maps).
             self._token_bindings = (
@@ -275,10 +286,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- construction helpers -------------------------------------------------------------
 
-    def _device_row_counts(self, buffers, row_bytes: int, what: str) -> list[int]:
-        """Rows of `row_bytes` in each device buffer; every buffer must be a dense tensor of
-        whole rows on the pool's device."""
-        rows = []
+    def _device_row_counts(
+        self, buffers, row_bytes: int, what: str
+    ) -> tuple[list[int], str | None]:
+        """Rows of `row_bytes` in each device buffer, and why the buffers cannot be moved as rows
+        (None where they can). Each buffer must be a tensor with storage on the pool's device;
+        one that is not contiguous whole rows is taken, as SGLang takes it (its unit tests build
+        pools over one-byte buffers), and refused by the first transfer."""
+        rows, refusal = [], None
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
@@ -288,14 +303,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 )
             nbytes = buf.numel() * buf.element_size()
             check_storage(buf, f"{self.pool_name}: {what} {i}")
-            if not buf.is_contiguous() or nbytes % row_bytes != 0:
-                raise ValueError(
+            if refusal is None and (not buf.is_contiguous() or nbytes % row_bytes != 0):
+                refusal = (
                     f"{self.pool_name}: {what} {i} must be contiguous rows of "
                     f"{row_bytes} bytes, got shape {tuple(buf.shape)} "
                     f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
                 )
             rows.append(nbytes // row_bytes)
-        return rows
+        return rows, refusal
 
     def _bytes(self):
         """The page rows' memory, as the core takes it."""
@@ -402,7 +417,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
             )
         # Checked here for clear messages; the binding bounds each transfer by these rows.
-        self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+        _, refusal = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+        if refusal is not None:
+            raise ValueError(refusal)
 
         L, Nh, SIB = self.layer_num, self.num_host_pages, scale_item_bytes
         nbytes = L * Nh * SIB
@@ -435,7 +452,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.scale_device_buffers = buffers
         self.scale_item_bytes = SIB
         self.scale_kv_buffer = host
-        if region is not None and self._region is not None:
+        if region is not None and self._region is not None and self._device_refusal is None:
             # kernel_ascend moves the KV rows and the scale rows of a page together: one core of
             # two planes (the scale rows, (Nh, L, 1, SIB) outside layer_first, have the KV
             # rows' offsets with one-row pages), so one check covers both before a byte moves.
@@ -502,6 +519,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if pair is None:
             return None
         host, dev = pair
+        if self._device_refusal is not None:
+            raise ValueError(f"{self.pool_name} transfer: {self._device_refusal}")
         if self.page_aligned_only and host.numel() % self.slot_page_size != 0:
             raise self._unaligned(host, dev)
         if self.gpu_device.type not in ("cpu", "cuda"):
@@ -568,6 +587,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if pair is None:
             return
         host, dev = pair
+        if self._device_refusal is not None:
+            raise ValueError(f"{self.pool_name} transfer: {self._device_refusal}")
         if self.page_aligned_only:
             raise self._unaligned(host, dev)
         if self.gpu_device.type not in ("cpu", "cuda"):
