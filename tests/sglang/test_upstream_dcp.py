@@ -38,15 +38,20 @@ FREE_FUNCTION = getattr(_layout_mod, "maybe_dcp_kernel_indices", None)
 L3_TRANSLATED = H.at_least(0, 5, 23)
 
 
-def _dcp_pool(side, rank, *, dcp=DCP, layout="layer_first", dtype=torch.float16, device_size=1024):
+def _dcp_pool(
+    side, rank, *, dcp=DCP, layout="layer_first", dtype=torch.float16, device_size=1024, dev=None
+):
     """The side's MLA host pool of rank `rank` over a 1024-token fp16 device pool (rank 8 + rope
-    4, 2 layers, physical page 64), with the widened page the radix tree uses."""
+    4, 2 layers, physical page 64; or over `dev`), with the widened page the radix tree uses."""
     H.publish(page_size=PHYSICAL, hicache_mem_layout=layout)
-    dev = H.mla_device(
-        size=device_size, page=PHYSICAL, dtype=dtype, kv_lora_rank=8, rope=4, layers=2
-    )
+    if dev is None:
+        dev = _dcp_device(dtype=dtype, size=device_size)
     extra = {"dcp_size": dcp, "dcp_rank": rank} if dcp > 1 else {}
     return U.kv_host(side, "MLATokenToKVPoolHost", dev, layout=layout, page=PHYSICAL * dcp, **extra)
+
+
+def _dcp_device(*, dtype=torch.float16, size=1024):
+    return H.mla_device(size=size, page=PHYSICAL, dtype=dtype, kv_lora_rank=8, rope=4, layers=2)
 
 
 def _translate(side, indices, rank, dcp=DCP):
@@ -103,6 +108,52 @@ def test_host_and_device_slots_stay_paired_after_the_host_sort(side, gen):
     for rank in range(DCP):
         assert torch.equal(host_sorted % DCP == rank, device_matched % DCP == rank)
         assert _translate(side, host_sorted, rank).numel() == host.numel() // DCP
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_our_transfers_move_the_rows_the_translation_names(side, gen, layout):
+    """Not an upstream scenario: the pool's own backup and per-layer load under DCP move exactly
+    the physical rows the owner rule (and this release's translation function) names for each
+    rank, host and device alike, and no other row. SGLang's pools move them through its CUDA
+    kernels, which a CPU run cannot call, so only ours run it."""
+    if not side.ours:
+        pytest.skip("SGLang's MLA transfers need its CUDA kernels")
+    host_idx, dev_idx = _wide_pages([2, 0]), _wide_pages([0, 1])
+    backend = "kernel" if layout == "page_first" else "direct"
+    for rank in (0, 3, DCP - 1):
+        host_rows = host_idx[host_idx % DCP == rank] // DCP
+        dev_rows = dev_idx[dev_idx % DCP == rank] // DCP
+        if FREE_FUNCTION is not None:
+            assert torch.equal(FREE_FUNCTION(host_idx, DCP, rank), host_rows)
+            assert torch.equal(FREE_FUNCTION(dev_idx, DCP, rank), dev_rows)
+        dev = _dcp_device()
+        pool = _dcp_pool(side, rank, layout=layout, dev=dev)
+        for layer in dev.kv_buffer:
+            layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
+        before = pool.kv_buffer.clone()
+        pool.backup_from_device_all_layer(dev, host_idx, dev_idx, backend)
+        expected = before.clone()
+        for layer, device_layer in enumerate(dev.kv_buffer):
+            rows = device_layer[dev_rows].view(-1, 1, device_layer.shape[-1])
+            if layout == "layer_first":
+                expected[layer, host_rows] = rows
+            else:
+                expected[host_rows, layer] = rows
+        assert torch.equal(pool.kv_buffer, expected), (layout, rank)
+
+        device_before = [layer.clone() for layer in dev.kv_buffer]
+        for layer in dev.kv_buffer:
+            layer.zero_()
+        for layer_id in range(dev.layer_num):
+            pool.load_to_device_per_layer(dev, host_idx, dev_idx, layer_id, backend)
+        for layer, (now, was) in enumerate(zip(dev.kv_buffer, device_before, strict=True)):
+            want = torch.zeros_like(was)
+            want[dev_rows] = was[dev_rows]
+            assert torch.equal(now, want), (layout, rank, layer)
+
+        with pytest.raises(AssertionError, match="runs of whole widened pages"):
+            pool.backup_from_device_all_layer(dev, host_idx[:-1], dev_idx[:-1], backend)
+        assert torch.equal(pool.kv_buffer, expected)
 
 
 # --------------------------------------------------------------------------- sizing
