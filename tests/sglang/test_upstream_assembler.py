@@ -20,6 +20,7 @@ here (their MLA pools accept those rows; the site builder refuses the draft).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from types import SimpleNamespace
 from unittest import mock
@@ -177,7 +178,12 @@ def _dsa(*, kv_cache_dim=PACKED, layers=2, dtype=H.FP8):
     )
 
 
-_STACK_TAKES_KV_POOL = "kv_pool" in H._params(asm.build_hybrid_mamba_stack)
+# 0.5.19+: built from the kv_pool alone (0.5.18 also wants the server args, which it reads).
+_STACK_PARAMS = inspect.signature(asm.build_hybrid_mamba_stack).parameters
+_STACK_TAKES_KV_POOL = "kv_pool" in _STACK_PARAMS and (
+    "server_args" not in _STACK_PARAMS
+    or _STACK_PARAMS["server_args"].default is not inspect.Parameter.empty
+)
 
 
 def _mamba_stack(kv_pool, *, use_mla, drafts=(), patches=()):
@@ -214,7 +220,11 @@ _STACK_WHY = (
     else "its hybrid Mamba stack builds the MLA host pool without the device pool's row width "
     "(kv_cache_dim 12, not 16)"
 )
-_STACK = _STACK_TAKES_KV_POOL and H.at_least(0, 5, 20)
+# 0.5.22+: the MLA host pool gets the device pool's resolved row width (0.5.20-0.5.21 build it
+# with the nominal kv_lora_rank + qk_rope_head_dim, which both sides then reproduce).
+_STACK = _STACK_TAKES_KV_POOL and "override_kv_cache_dim = kv_pool.kv_cache_dim" in (
+    inspect.getsource(asm)
+)
 
 
 @U.requires(_STACK, _STACK_WHY)

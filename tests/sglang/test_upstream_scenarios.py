@@ -27,10 +27,14 @@ import pytest
 import sgl_harness as H
 import sgl_upstream as U
 import torch
+from sglang.srt.mem_cache import pool_host as _pool_host
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.pool_host import base as ph_base
 from sglang.srt.mem_cache.pool_host import common as ph_common
+
+# The pool group's home: `pool_host` from 0.5.19, `memory_pool_host` in 0.5.18.
+HostPoolGroup = getattr(_pool_host, "HostPoolGroup", None) or H.mph.HostPoolGroup
+PoolEntry = getattr(_pool_host, "PoolEntry", None) or H.mph.PoolEntry
 
 side = U.side  # the shared two-sided fixture
 
@@ -213,6 +217,8 @@ def test_logical_pool_lazy_release(side):
 
 # TestHostMemoryBudget (SGLang's base functions; install() must leave them as they are)
 
+_SPLITS = hasattr(ph_base, "ranks_per_host")
+_SPLITS_WHY = "its host budget is not split across co-located ranks (no ranks_per_host)"
 _AVAILABLE = ph_base.HICACHE_HOST_MEMORY_RESERVE_BYTES + 64 * 1024**3
 
 
@@ -229,6 +235,7 @@ def _budget(ranks: int) -> int:
         return ph_base.host_memory_budget_bytes()
 
 
+@U.requires(_SPLITS, _SPLITS_WHY)
 def test_budget_is_split_across_co_located_ranks(side):
     """Restates upstream test_mem_pool_host.py::TestHostMemoryBudget::test_budget_is_split_across_co_located_ranks"""
     solo = _budget(1)
@@ -236,12 +243,14 @@ def test_budget_is_split_across_co_located_ranks(side):
     assert _budget(4) == solo // 4
 
 
+@U.requires(_SPLITS, _SPLITS_WHY)
 def test_reserve_is_taken_before_the_split(side):
     """Restates upstream test_mem_pool_host.py::TestHostMemoryBudget::test_reserve_is_taken_before_the_split"""
     assert _budget(8) * 8 <= _AVAILABLE - ph_base.HICACHE_HOST_MEMORY_RESERVE_BYTES
     assert _budget(8) == 8 * 1024**3
 
 
+@U.requires(_SPLITS, _SPLITS_WHY)
 def test_ranks_per_host_divides_world_size_by_nodes(side):
     """Restates upstream test_mem_pool_host.py::TestHostMemoryBudget::test_ranks_per_host_divides_world_size_by_nodes"""
     H.publish(nnodes=2)
@@ -259,6 +268,8 @@ def test_ranks_per_host_divides_world_size_by_nodes(side):
 
 
 # TestHostPoolGroup (over logical pools)
+_RESOLVES = hasattr(HostPoolGroup, "resolve_host_transfers")
+_RESOLVES_WHY = "its pool group has no resolve_host_transfers"
 
 
 def _logical_group(side, **sizes):
@@ -277,6 +288,7 @@ def _logical_group(side, **sizes):
     )
 
 
+@U.requires(_RESOLVES, _RESOLVES_WHY)
 def test_group_resolves_and_releases_a_multi_pool_allocation(side):
     """Restates upstream test_mem_pool_host.py::TestHostPoolGroup::test_resolve_and_release_multi_pool_allocation"""
     group = _logical_group(side, kv=4, swa=2)
@@ -299,6 +311,7 @@ def test_group_resolves_and_releases_a_multi_pool_allocation(side):
     assert group.available_size(PoolName.SWA) == 2
 
 
+@U.requires(_RESOLVES, _RESOLVES_WHY)
 @pytest.mark.parametrize(
     "sizes",
     [
@@ -507,6 +520,10 @@ def test_factory_picks_sglangs_mxfp8_pool(side):
 # ---------------------------------------------------------- test_hicache_host_register.py
 # (SGLang's registration helpers; the pool scenarios patch ALLOC_MEMORY_FUNCS or use __new__)
 
+_CHUNKED = hasattr(
+    H.module_or_none("sglang.srt.environ").envs, "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
+)
+_CHUNKED_WHY = "it registers host memory in one piece (no SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB)"
 _GIB = 1024**3
 _BASE = 0x10000000
 
@@ -552,6 +569,7 @@ def _one_gib_chunks(runtime):
     return chunk, mock.patch.object(torch.cuda, "cudart", return_value=runtime)
 
 
+@U.requires(_CHUNKED, _CHUNKED_WHY)
 def test_unregister_releases_each_chunk_once(side):
     """Restates upstream test_hicache_host_register.py::TestHiCacheHostRegister::test_unregister_releases_every_registered_chunk_once"""
     buffer, runtime = _Buffer(_BASE, 2 * _GIB + 17), _Runtime()
@@ -564,6 +582,7 @@ def test_unregister_releases_each_chunk_once(side):
     assert runtime.unregistered == [_BASE + 2 * _GIB, _BASE + _GIB, _BASE]
 
 
+@U.requires(_CHUNKED, _CHUNKED_WHY)
 def test_failed_registration_rolls_back_earlier_chunks(side):
     """Restates upstream test_hicache_host_register.py::TestHiCacheHostRegister::test_registration_failure_rolls_back_prior_chunks"""
     buffer, runtime = _Buffer(_BASE, 2 * _GIB + 17), _Runtime(fail_at=2)
@@ -574,6 +593,7 @@ def test_failed_registration_rolls_back_earlier_chunks(side):
     assert runtime.unregistered == [_BASE]
 
 
+@U.requires(_CHUNKED, _CHUNKED_WHY)
 def test_no_copy_granularity_registers_once(side):
     """Restates upstream test_hicache_host_register.py::TestHiCacheHostRegister::test_missing_copy_granularity_preserves_single_registration"""
     runtime = _Runtime()
@@ -583,6 +603,7 @@ def test_no_copy_granularity_registers_once(side):
     assert runtime.registered == [(_BASE, 2 * _GIB + 17, 0)]
 
 
+@U.requires(_CHUNKED, _CHUNKED_WHY)
 def test_registration_chunks_end_on_page_copy_boundaries(side):
     """Restates upstream test_hicache_host_register.py::TestHiCacheHostRegister::test_registration_boundaries_honor_page_copy_granularity"""
     mib = 1024**2
