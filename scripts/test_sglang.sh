@@ -2,7 +2,7 @@
 # hostkv_rs against REAL SGLang releases: for each release, build (or reuse) its CPU venv with
 # scripts/sglang_venv.sh and run tests/sglang in it.
 #
-#   bash scripts/test_sglang.sh                    # 0.5.19 0.5.22 0.5.23
+#   bash scripts/test_sglang.sh                    # 0.5.18 ... 0.5.23, every release
 #   HOSTKV_SGLANG_RELEASES="0.5.23" bash scripts/test_sglang.sh -x -k roundtrip
 #
 # Extra arguments go to pytest. The venvs share the system torch and see the installed hostkv_rs
@@ -11,14 +11,14 @@
 # source tree after scripts/dev_build.sh).
 #
 # Environment
-#   HOSTKV_SGLANG_RELEASES   releases to test (default "0.5.19 0.5.22 0.5.23")
+#   HOSTKV_SGLANG_RELEASES   releases to test (default "0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23")
 #   HOSTKV_SGLANG_VENVS      venv cache root (see scripts/sglang_venv.sh)
 #   HOSTKV_SGLANG_TIMEOUT    seconds per release before it counts as failed (default 900)
 # Exit status: 0 when every release passed, 1 otherwise (2: bad usage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-RELEASES=${HOSTKV_SGLANG_RELEASES:-0.5.19 0.5.22 0.5.23}
+RELEASES=${HOSTKV_SGLANG_RELEASES:-0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23}
 TIMEOUT=${HOSTKV_SGLANG_TIMEOUT:-900}
 
 # pytest runs from tests/: make the caller's relative PYTHONPATH entries absolute first.
