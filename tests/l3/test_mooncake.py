@@ -684,6 +684,65 @@ def test_large_batches_are_split_and_stay_exact(clients):
         b.detach()
 
 
+def test_load_runs_cover_the_batch_in_order_and_end_in_one_page(monkeypatch):
+    from hostkv_rs.l3 import mooncake
+
+    monkeypatch.setattr(mooncake, "OVERLAP_BYTES", 4 << 20)
+    runs = mooncake.MooncakeTier._groups
+    idx = list(range(100, 132))
+    # 32 pages of 1 MiB: runs of 4 pages, the last one split in halves down to one page
+    got = runs(idx, 1 << 20)
+    assert [x for run in got for x in run] == idx
+    assert [len(run) for run in got] == [4] * 7 + [2, 1, 1]
+    # pages larger than a run: one page a run
+    assert [len(run) for run in runs(idx[:5], 16 << 20)] == [1] * 5
+    # a batch under SPLIT_BYTES is one store call
+    assert runs(idx[:3], 1 << 20) == [idx[:3]]
+
+
+@needs_mooncake
+def test_pages_hashed_out_of_step_with_the_store_save_and_load_whole(make_tier, monkeypatch):
+    """The save puts whatever run of pages is already hashed, the load splits its batch: with
+    hashes of uneven speed and runs of one or two pages, every page still lands whole, once,
+    behind its own proof."""
+    import random
+
+    from hostkv_rs.l3 import mooncake, proof
+
+    page = POOLS["mha-page_first"]()
+    monkeypatch.setattr(mooncake, "OVERLAP_BYTES", 2 * page_format(page).object_bytes)
+    monkeypatch.setattr(mooncake, "SPLIT_BYTES", 1)
+    real, rng = proof.page_digest, random.Random(7)
+
+    def uneven(memory, pages):
+        time.sleep(rng.choice([0, 0, 0.002, 0.01]))
+        return real(memory, pages)
+
+    monkeypatch.setattr(proof, "page_digest", uneven)
+    src, dst = page, POOLS["mha-page_first"]()
+    a, b = make_tier("a"), make_tier("b")
+    fill(src, 5)
+    fill(dst, 6)
+    a.attach(src)
+    b.attach(dst)
+    runs = []
+    put_group = a._put_group
+    monkeypatch.setattr(
+        a,
+        "_put_group",
+        lambda op, group, results: runs.append(list(group)) or put_group(op, group, results),
+    )
+    pages = [1, 3, 4, 0, 2]
+    keys = fresh_keys(len(pages))
+    assert statuses(a.save(keys, slots(src, pages))) == ["stored"] * len(pages)
+    assert [i for run in runs for i in run] == list(range(len(pages)))
+    assert all(1 <= len(run) <= 2 for run in runs)
+    assert statuses(b.load(keys, slots(dst, [5, 6, 7, 2, 0]))) == ["loaded"] * len(pages)
+    for s, d in zip(pages, [5, 6, 7, 2, 0]):
+        assert page_bytes(dst, d) == page_bytes(src, s)
+    assert b.mismatches == {}
+
+
 @needs_mooncake
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "deepseek-v3"])
 def test_demo_l3_mooncake_round_trips_and_verifies_every_byte(capsys, preset):

@@ -83,9 +83,11 @@ DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 DEFAULT_BATCH_BYTES = 256 << 20
 # Pages per store call at most: bounds the registered header buffer (64 bytes a page).
 MAX_BATCH_PAGES = 1024
-# A batch is moved in groups of about this many bytes so that one group hashes while the store
-# moves the next (save: hash ahead of the put; load: hash behind the get).
+# The most bytes one store call of a batch moves while other pages hash (save: hashed ahead of
+# the put; load: hashed behind the get).
 OVERLAP_BYTES = 32 << 20
+# A load smaller than this is one store call: its hash costs less than another round trip.
+SPLIT_BYTES = 8 << 20
 
 
 def code_name(code: int) -> str:
@@ -514,19 +516,23 @@ class MooncakeTier:
 
     @staticmethod
     def _groups(idx: list[int], object_bytes: int) -> list[list[int]]:
-        """`idx` in runs of about OVERLAP_BYTES (at least a page each) for the hashing of one run
-        to overlap the store moving another. Each run is one more store call (a master round
-        trip or two), so a batch under twice that is halved only when hashing it takes longer
-        than such a call (8 MiB: a millisecond or more), and a small one stays whole."""
-        total = len(idx) * object_bytes
-        if total >= 2 * OVERLAP_BYTES:
-            target = OVERLAP_BYTES
-        elif total >= 8 << 20:
-            target = -(-total // 2)
-        else:
+        """`idx` in runs for a load: each run's pages hash while the store moves the next run,
+        so only the last run's hash is left with nothing to hide behind. Runs are about
+        OVERLAP_BYTES, and the last such run is split in halves down to one page, so what a load
+        waits for after its last get is about one page's hash, not a whole run's. Each run is
+        one more store call (a master round trip or two), so a batch under SPLIT_BYTES stays
+        whole."""
+        if len(idx) * object_bytes < SPLIT_BYTES:
             return [list(idx)]
-        per = max(1, target // object_bytes)
-        return [idx[k : k + per] for k in range(0, len(idx), per)]
+        per = max(1, OVERLAP_BYTES // object_bytes)
+        runs = [idx[k : k + per] for k in range(0, len(idx), per)]
+        last = runs.pop()
+        while len(last) > 1:
+            half = len(last) // 2
+            runs.append(last[:half])
+            last = last[half:]
+        runs.append(last)
+        return runs
 
     def _log_once(self, kind: str, message: str, *args) -> None:
         """A warning the first time this tier meets `kind`, debug after (the counters count)."""
@@ -747,19 +753,29 @@ class MooncakeTier:
             self._put_raw(op, todo, results)
             return
         fmt = op.fmt
-        groups = self._groups(todo, fmt.object_bytes)
-        digests = self._hash(op, groups[0])
-        unavailable = None
-        for g, group in enumerate(groups):
-            # the next group hashes on the pool's threads while this one is put
-            ahead = self._hash(op, groups[g + 1]) if g + 1 < len(groups) else []
-            for i, digest in zip(group, digests):
-                at = (i - op.first) * proof.HEADER_BYTES
-                proof.encode(
-                    self._headers.view, at, fmt.page_bytes, self._identity, digest.result()
-                )
-            digests = ahead
-            unavailable = self._put_group(op, group, results) or unavailable
+        # Every page's hash is queued at once, in page order; each put takes the run of pages
+        # already hashed (at least the next one, at most OVERLAP_BYTES). The first put waits for
+        # one page's hash only, and the runs grow by themselves when hashing outpaces the store.
+        digests = self._hash(op, todo)
+        most = max(1, OVERLAP_BYTES // fmt.object_bytes)
+        unavailable, k = None, 0
+        try:
+            while k < len(todo):
+                digests[k].result()
+                end = k + 1
+                while end < len(todo) and end - k < most and digests[end].done():
+                    end += 1
+                group = todo[k:end]
+                for i, digest in zip(group, digests[k:end]):
+                    at = (i - op.first) * proof.HEADER_BYTES
+                    proof.encode(
+                        self._headers.view, at, fmt.page_bytes, self._identity, digest.result()
+                    )
+                unavailable = self._put_group(op, group, results) or unavailable
+                k = end
+        finally:
+            for digest in digests[k:]:
+                digest.cancel()
         if unavailable is not None:
             raise self._unavailable("batch_put_from_multi_buffers", unavailable, results)
 
