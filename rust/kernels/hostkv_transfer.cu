@@ -264,6 +264,12 @@ __device__ __forceinline__ void hkv_copy_segment(const unsigned char* src, unsig
         done = len & ~3u;
         hkv_copy_vectors(reinterpret_cast<const unsigned int*>(src),
                          reinterpret_cast<unsigned int*>(dst), len >> 2, lane);
+    } else if ((align & 1u) == 0) {
+        // bf16/fp16 rows at an odd multiple of 2 bytes (a page_head head of 1 x 2-byte dim,
+        // a 66-byte item): half the transactions of a byte loop.
+        done = len & ~1u;
+        hkv_copy_vectors(reinterpret_cast<const unsigned short*>(src),
+                         reinterpret_cast<unsigned short*>(dst), len >> 1, lane);
     }
     for (hkv_u32 b = done + lane; b < len; b += HKV_WARP) {
         hkv_store(dst + b, hkv_load(src + b));

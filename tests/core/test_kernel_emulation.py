@@ -143,7 +143,10 @@ def test_layouts_match_plan_and_oracle(layout, items, backup, quota, monkeypatch
     check(case, quota, monkeypatch)
 
 
-@pytest.mark.parametrize("items,heads", [((12,), 3), ((656,), 8), ((3,), 3), ((64, 32), 4)])
+# Heads of 4, 82, 1, 22 and 2 bytes: the 4-, 2- and 1-byte copy paths as well as the wide ones.
+@pytest.mark.parametrize(
+    "items,heads", [((12,), 3), ((656,), 8), ((3,), 3), ((66,), 3), ((6,), 3), ((64, 32), 4)]
+)
 @pytest.mark.parametrize("backup", [True, False], ids=["backup", "load"])
 @pytest.mark.parametrize("quota", [1, 2, 7])
 def test_page_head_matches_plan_and_oracle(items, heads, backup, quota, monkeypatch):
