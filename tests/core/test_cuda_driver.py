@@ -1091,6 +1091,32 @@ def test_registration_uses_the_named_device_not_gpu_0(mock_dir):
     )
 
 
+def test_a_pool_pins_for_the_gpu_its_device_pool_names(mock_dir):
+    # Rank 1 of a server builds its host pool from a thread with no current context and torch
+    # not yet initialised: the pool registers for its device pool's GPU, never GPU 0.
+    run_scenario(
+        mock_dir,
+        """
+        import torch
+        from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+        from hostkv_rs.pools import memory
+        assert memory.registration_device("cuda:1") == 1
+        assert memory.registration_device(torch.device("cuda", 3)) == 3
+        assert memory.registration_device("cpu") is None
+        assert memory.registration_device("not a device") is None
+        assert m.mock_current_ctx() == 0
+        dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+        dev.device = "cuda:1"
+        host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first", pin_memory=True)
+        assert all(r.pinned for r in host._host_regions)
+        assert m.mock_registration_device(0) == 1
+        assert m.mock_ctx_created(0) == 0, "a context was created on GPU 0"
+        host.destroy()
+        """,
+        MOCK_DEVICES=2,
+    )
+
+
 def test_a_global_capture_on_another_stream_is_never_invalidated(mock_dir):
     # torch captures CUDA graphs in global mode: while one runs, a "potentially unsafe" call
     # (allocation, pinning, event queries and waits) from a thread outside relaxed mode fails and

@@ -945,6 +945,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         its CUDA registration whole copy units; the kv_buffer SGLang has (a tuple when there
         are two allocations)."""
         buffers, owners = [], []
+        device = getattr(getattr(self, "device_pool", None), "device", None)
         for index, shape in enumerate(spec.allocation_shapes):
             buffer, owner = _memory.alloc_pool_memory(
                 self.allocator,
@@ -952,6 +953,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
                 shape,
                 self.pin_memory,
                 spec.registration_unit(index),
+                device,
             )
             buffers.append(buffer)
             owners.append(owner)

@@ -181,18 +181,29 @@ def _pinnable(pin_memory: bool, nbytes: int) -> bool:
     return False
 
 
-def registration_device() -> int | None:
-    """The GPU a pool's memory is pinned for: torch's current device, the one SGLang's
-    `cudaHostRegister` runs on (None before torch initialises CUDA: the core then uses the
-    thread's current context, else GPU 0)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def registration_device(device=None) -> int | None:
+    """The GPU a pool's memory is pinned for: the GPU its device pool names (`cuda:N`), so each
+    rank of a multi-GPU server pins for its own GPU whatever thread builds the pool; else torch's
+    current device, the one SGLang's `cudaHostRegister` runs on (None before torch initialises
+    CUDA: the core then uses the thread's current context, else GPU 0)."""
+    try:
+        named = torch.device(device) if device is not None else None
+    except (TypeError, RuntimeError, ValueError):
+        named = None
+    if named is not None and named.type == "cuda" and named.index is not None:
+        return named.index
+    # is_initialized() first: it asks the driver nothing (is_available() may call cuInit).
+    if torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return None
 
 
-def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: int = 0):
-    """Allocate `nbytes` of pre-touched host memory in Rust, registered with CUDA when asked and
-    possible. Returns the `_core.HostRegion`; it lives as long as any tensor viewing it."""
+def alloc_host_region(
+    nbytes: int, pin_memory: bool, registration_granularity: int = 0, device=None
+):
+    """Allocate `nbytes` of pre-touched host memory in Rust, registered with CUDA (for
+    `device`'s GPU, see `registration_device`) when asked and possible. Returns the
+    `_core.HostRegion`; it lives as long as any tensor viewing it."""
     size, mode = _hugepage_settings()
     region = _core.HostRegion(
         nbytes,
@@ -200,19 +211,21 @@ def alloc_host_region(nbytes: int, pin_memory: bool, registration_granularity: i
         hugepage_mode=mode if mode != "off" else "prefer",
         numa_node=_numa_node(),
     )
-    _register(region, pin_memory, registration_granularity)
+    _register(region, pin_memory, registration_granularity, device=device)
     return region
 
 
-def _register(region, pin_memory: bool, granularity: int, pinned_already: bool = False) -> None:
+def _register(
+    region, pin_memory: bool, granularity: int, pinned_already: bool = False, device=None
+) -> None:
     """Register `region` with CUDA when asked and possible (see `_pinnable`), in chunks that do
-    not split a copy unit of `granularity` bytes (0: none), on torch's current device; memory
-    pinned already (by its own allocator) is not registered a second time."""
+    not split a copy unit of `granularity` bytes (0: none), for `registration_device(device)`;
+    memory pinned already (by its own allocator) is not registered a second time."""
     if not _pinnable(pin_memory, region.nbytes) or pinned_already:
         return
     if granularity < 0:
         raise ValueError(f"registration_granularity_bytes must be positive, got {granularity}")
-    region.register_cuda(granularity, register_chunk_limit_bytes(), registration_device())
+    region.register_cuda(granularity, register_chunk_limit_bytes(), registration_device(device))
 
 
 def is_storage_allocator(allocator) -> bool:
@@ -221,7 +234,9 @@ def is_storage_allocator(allocator) -> bool:
     return allocator is not None and not isinstance(allocator, HostTensorAllocator)
 
 
-def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, granularity: int):
+def alloc_pool_memory(
+    allocator, dtype: torch.dtype, shape, pin_memory: bool, granularity: int, device=None
+):
     """A pool's host memory of `shape` and `dtype`: (the tensor the pool views, the
     `_core.HostRegion` that owns or adopts it). The default allocator gives a Rust region and a
     view of it. A storage allocator's own `allocate(dims, dtype, "cpu")` gives the tensor, which
@@ -230,11 +245,11 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     0: none), so transfers find the registration, both io backends move the bytes, and
     `destroy()` unpins after the transfers queued on it; memory its allocator already pinned
     is not registered a second time (the core then does not know it, and the direct backend
-    refuses it)."""
+    refuses it). `device` is the device pool's device: its GPU is the one registered for."""
     dims = tuple(int(d) for d in shape)
     if not is_storage_allocator(allocator):
         nbytes = torch.Size(dims).numel() * dtype.itemsize
-        region = alloc_host_region(nbytes, pin_memory, granularity)
+        region = alloc_host_region(nbytes, pin_memory, granularity, device)
         return region_view(region, dtype, dims), region
     tensor = allocator.allocate(dims, dtype, "cpu")
     name = type(allocator).__name__
@@ -248,7 +263,7 @@ def alloc_pool_memory(allocator, dtype: torch.dtype, shape, pin_memory: bool, gr
     if not tensor.is_contiguous():
         raise ValueError(f"{name}.allocate returned a non-contiguous tensor")
     region = _core.HostRegion.adopt(tensor)
-    _register(region, pin_memory, granularity, pinned_already=tensor.is_pinned())
+    _register(region, pin_memory, granularity, pinned_already=tensor.is_pinned(), device=device)
     return tensor, region
 
 

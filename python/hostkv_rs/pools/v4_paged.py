@@ -214,6 +214,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 self._spec.shape(0),
                 pin_memory,
                 self._spec.registration_unit(0),
+                self.gpu_device,
             )
         # The core's pool over the page rows (an empty one for a pool of no pages).
         self._pool = _core.HostPool(self._spec, [self._bytes()])
@@ -441,7 +442,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             # Scale rows have the page rows' geometry with their own row size.
             scales = _core.PoolSpec("v4_paged", self.layout, L, Nh, self.slot_page_size, [SIB], 1)
             _, region = _memory.alloc_pool_memory(
-                self.allocator, torch.uint8, (nbytes,), self.pin_memory, scales.registration_unit(0)
+                self.allocator,
+                torch.uint8,
+                (nbytes,),
+                self.pin_memory,
+                scales.registration_unit(0),
+                getattr(self, "gpu_device", None),
             )
 
         if self.layout == "layer_first":
