@@ -141,8 +141,8 @@ fi
 {
     echo "# nvidia-smi"
     timeout -k 5 "$(cap 20)" nvidia-smi 2>&1 || echo "(nvidia-smi not available)"
-    echo "# nvidia-smi -q (first 80 lines)"
-    timeout -k 5 "$(cap 20)" nvidia-smi -q 2>&1 | head -80
+    echo "# nvidia-smi -q"
+    timeout -k 5 "$(cap 20)" nvidia-smi -q 2>&1
     echo "# dmesg: NVRM / Xid"
     (timeout -k 5 5 dmesg 2>&1 || echo "(dmesg not readable)") | grep -E 'NVRM|Xid|not readable' | tail -20
     echo "# ldd --version"

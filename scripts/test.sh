@@ -49,6 +49,10 @@ if [[ -n ${NVCC_BIN:-} && -x $NVCC_BIN ]]; then
   NVCC=$NVCC_BIN bash scripts/gen_ptx.sh --check
   echo "== CUDA driver ABI against NVIDIA's cuda.h / cudaTypedefs.h (no GPU needed)"
   CUDA_INCLUDE=$(cd "$(dirname "$NVCC_BIN")/../include" && pwd) bash scripts/check_cuda_abi.sh
+elif [[ -n ${CI:-} ]]; then
+  # CI reaches PyPI: a run that cannot install nvcc would pass without its PTX and ABI checks.
+  echo "   FAILED: no nvcc from PyPI, so the PTX and the driver ABI cannot be checked" >&2
+  exit 1
 else
   echo "   skipped: no nvcc (the PTX and the driver ABI are not re-checked in this run)"
 fi

@@ -50,8 +50,23 @@ SAME_ABI(OursErr, PFN_cuGetErrorString_v6000);
 SAME_ABI(OursErr, PFN_cuGetErrorName_v6000);
 SAME_ABI(OursExchangeCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010);
 
-// The kernels are launched through cudarc's cuLibrary* / cuKernelGetFunction / cuLaunchKernel on
-// a CUkernel cast to CUfunction: the handle types must be pointers of one size.
+// The kernels are loaded and launched through cudarc's generated bindings (module.rs, launch.rs),
+// which spell these types exactly; NVIDIA's must be the same types, not only call-compatible.
+#define SAME_TYPE(ours, theirs) \
+    static_assert(std::is_same<ours, theirs>::value, #ours " is not " #theirs)
+using OursLibraryLoadData = CUresult (*)(CUlibrary*, const void*, CUjit_option*, void**,
+                                         unsigned int, CUlibraryOption*, void**, unsigned int);
+using OursLibraryGetKernel = CUresult (*)(CUkernel*, CUlibrary, const char*);
+using OursKernelGetFunction = CUresult (*)(CUfunction*, CUkernel);
+using OursLaunchKernel = CUresult (*)(CUfunction, unsigned int, unsigned int, unsigned int,
+                                      unsigned int, unsigned int, unsigned int, unsigned int,
+                                      CUstream, void**, void**);
+SAME_TYPE(OursLibraryLoadData, PFN_cuLibraryLoadData_v12000);
+SAME_TYPE(OursLibraryGetKernel, PFN_cuLibraryGetKernel_v12000);
+SAME_TYPE(OursKernelGetFunction, PFN_cuKernelGetFunction_v12000);
+SAME_TYPE(OursLaunchKernel, PFN_cuLaunchKernel_v4000);
+
+// A CUkernel is launched cast to CUfunction: the handle types must be pointers of one size.
 static_assert(sizeof(CUkernel) == sizeof(CUfunction) && sizeof(CUlibrary) == sizeof(void*), "");
 static_assert(sizeof(CUresult) == sizeof(int) && sizeof(CUstreamCaptureMode) == sizeof(int), "");
 static_assert(sizeof(CUdeviceptr) == 8 && sizeof(CUstream) == sizeof(void*), "");
