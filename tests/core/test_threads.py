@@ -111,17 +111,30 @@ def test_recheck_after_a_storage_swap_from_two_threads(switch):
 
 @pytest.mark.parametrize(
     ("pool", "layout"),
-    [("mha", "layer_first"), ("mha", "page_first"), ("mla", "page_first_direct")],
+    [
+        ("mha", "layer_first"),
+        ("mha", "page_first"),
+        ("mha", "page_head"),
+        ("mha", "page_unified"),
+        ("asym", "page_first"),
+        ("asym", "page_first_direct"),
+        ("mla", "page_first_direct"),
+    ],
 )
 def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout):
-    # Two transfer threads on slots of their own, one flat-page thread, one alloc/free thread and
-    # one busy pure-Python thread; every byte each transfer thread moved is checked.
+    # Two transfer threads on slots of their own, one flat-page thread (where the pool has flat
+    # pages: page_unified and asymmetric pools refuse them, as SGLang's do), one alloc/free
+    # thread and one busy pure-Python thread; every byte each transfer thread moved is checked.
     _run(
         f"""
+        from hostkv_rs import get_mha_host_pool_cls
         P, L = 16, 4
-        if {pool!r} == "mha":
-            dev = MHATokenToKVPool(512, P, torch.bfloat16, head_num=2, head_dim=8, layer_num=L)
-            host = MHATokenToKVPoolHost(dev, 2.0, 0, P, {layout!r})
+        if {pool!r} in ("mha", "asym"):
+            v_dim = 4 if {pool!r} == "asym" else None
+            dev = MHATokenToKVPool(512, P, torch.bfloat16, head_num=2, head_dim=8, layer_num=L,
+                                   v_head_dim=v_dim)
+            host = get_mha_host_pool_cls(dev)(dev, 2.0, 0, P, {layout!r})
+            assert (type(host).__name__ == "AsymmetricMHATokenToKVPoolHost") == (v_dim is not None)
             planes = [dev.k_buffer, dev.v_buffer]
         else:
             dev = MLATokenToKVPool(512, P, torch.bfloat16, kv_lora_rank=12, qk_rope_head_dim=4,
@@ -180,7 +193,9 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
         spin = threading.Thread(target=busy)
         spin.start()
         try:
-            run_threads([mover(32, 1), mover(160, 2), flat_pages, alloc_free])
+            flat = {layout!r} != "page_unified" and {pool!r} != "asym"
+            pages = [flat_pages] if flat else []
+            run_threads([mover(32, 1), mover(160, 2), *pages, alloc_free])
         finally:
             stop.set()
             spin.join()
