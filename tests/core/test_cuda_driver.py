@@ -1117,6 +1117,44 @@ def test_a_pool_pins_for_the_gpu_its_device_pool_names(mock_dir):
     )
 
 
+def test_a_storage_allocators_memory_is_pinned_by_the_pool_once(mock_dir):
+    # What a pool does with a storage backend's allocator (SGLang's shm, Mooncake, ...) and
+    # pin_memory: memory the allocator left pageable is registered by the core, for the device
+    # pool's GPU, and unpinned at destroy; memory it pinned itself is never registered again.
+    run_scenario(
+        mock_dir,
+        """
+        import torch
+        from hostkv_rs.pools import memory
+
+        class Pageable:
+            def allocate(self, dims, dtype, device):
+                assert device == "cpu"
+                return torch.zeros(dims, dtype=dtype)
+
+        class PinnedTensor(torch.Tensor):
+            def is_pinned(self, *args, **kwargs):
+                return True
+
+        class PinsItself(Pageable):
+            def allocate(self, dims, dtype, device):
+                return torch.Tensor._make_subclass(PinnedTensor, super().allocate(dims, dtype, device))
+
+        tensor, region = memory.alloc_pool_memory(
+            Pageable(), torch.bfloat16, (4, 256), True, 512, device="cuda:1")
+        assert region.hugepage_tier == "adopted" and region.address == tensor.data_ptr()
+        assert region.pinned and m.mock_registrations() == 1
+        assert m.mock_registration_device(0) == 1
+        tensor2, region2 = memory.alloc_pool_memory(
+            PinsItself(), torch.bfloat16, (4, 256), True, 512, device="cuda:1")
+        assert not region2.pinned and m.mock_registrations() == 1, "registered twice"
+        region.unregister_cuda()
+        assert not region.pinned and m.mock_registrations() == 0
+        """,
+        MOCK_DEVICES=2,
+    )
+
+
 def test_a_global_capture_on_another_stream_is_never_invalidated(mock_dir):
     # torch captures CUDA graphs in global mode: while one runs, a "potentially unsafe" call
     # (allocation, pinning, event queries and waits) from a thread outside relaxed mode fails and
