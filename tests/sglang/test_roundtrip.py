@@ -241,6 +241,33 @@ def test_hybrid_controller(kind, page, installed, publish, gen):
             )
 
 
+@pytest.mark.skipif(not H.at_least(0, 5, 23), reason="page_unified: SGLang 0.5.23+")
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_page_unified_through_sglangs_engine_and_controller(kind, page, installed, publish, gen):
+    """page_unified moves on the kernel backend only (0.5.23's controller refuses direct):
+    SGLang's construction path builds ours for it, and SGLang's L2 transfer engine and hybrid
+    controller move whole pages through it byte-exact."""
+    for dtype in ("bf16", "fp8"):
+        dev, host = _built(kind, dtype, page, "page_unified", "kernel", publish)
+        assert host.layout == "page_unified"
+        _engine_round_trip(host, dev, "page_unified", "kernel", gen, dev.layer_num)
+        dev = _device(kind, dtype, page)
+        publish(page_size=page, hicache_mem_layout="page_unified", hicache_io_backend="kernel")
+        group, controller, allocator = H.kv_only_stack(dev, use_mla=(kind == "mla"))
+        assert type(controller).__module__.startswith("sglang.")
+        assert H.is_ours(group.anchor_entry.host_pool)
+        _controller_round_trip(
+            controller,
+            allocator,
+            H.device_planes(dev),
+            gen,
+            layout=f"page_unified/{dtype}",
+            io_backend="kernel",
+            page=page,
+        )
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("n_drafts", [1, 2])
 def test_hybrid_controller_mtp_drafts(kind, n_drafts, installed, publish, gen):
