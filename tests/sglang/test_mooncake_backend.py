@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import os
 import threading
 import uuid
@@ -35,11 +36,11 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 PAGE = 16
 
 
-def _mha(layout, *, heads=2, v_head_dim=None, page=PAGE):
+def _mha(layout, *, heads=2, v_head_dim=None, page=PAGE, **kwargs):
     from hostkv_rs import MHATokenToKVPool, get_mha_host_pool_cls
 
     dev = MHATokenToKVPool(4 * page, page, torch.bfloat16, heads, 8, 3, v_head_dim=v_head_dim)
-    return get_mha_host_pool_cls(dev)(dev, 2.0, 0, page, layout)
+    return get_mha_host_pool_cls(dev)(dev, 2.0, 0, page, layout, **kwargs)
 
 
 def _mla(layout, **kwargs):
@@ -249,6 +250,42 @@ def test_sglangs_mooncake_backend_round_trips_our_pools(backends, case):
             assert (
                 inner.store.get_size(key) == src.layer_num * src.page_size * src.token_stride_size
             )
+    finally:
+        _unregister(backend, src)
+        _unregister(backend, dst)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_sglangs_mooncake_backend_over_pools_in_mooncakes_own_memory(backends, layout):
+    """`--hicache-storage-backend mooncake`: each pool's planes are Mooncake's host allocator's
+    memory, SGLang's backend registers exactly those buffers, once each, and moves pages
+    through them byte-exact."""
+    src = _mha(layout, allocator_type="mooncake")
+    dst = _mha(layout, allocator_type="mooncake")
+    for pool in (src, dst):
+        assert type(pool.allocator).__name__ == "MooncakeHostTensorAllocator"
+        assert pool.kv_buffer.data_ptr() == pool.allocator.ptr
+        assert [r.hugepage_tier for r in _regions(pool)] == ["adopted"]
+    backend = backends({})
+    inner = getattr(backend, "_backend", backend)
+    # SGLang registers each plane (K, V) of the one allocation: together they are exactly the
+    # allocator's memory, no byte of it twice.
+    spans = sorted(
+        (b.data_ptr(), b.numel() * b.element_size()) for b in inner._iter_host_pool_buffers(src)
+    )
+    start, end = src.allocator.ptr, src.allocator.ptr + src.kv_buffer.nbytes
+    assert spans[0][0] == start and sum(n for _, n in spans) == end - start, spans
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans)), spans
+    _randomize(src, 3)
+    _randomize(dst, 4)
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    try:
+        backend.register_mem_pool_host(src)
+        assert backend.batch_set_v1(keys, _slots(src, [1, 3, 4])) == [True] * 3
+        backend.register_mem_pool_host(dst)
+        assert backend.batch_get_v1(keys, _slots(dst, [5, 0, 2])) == [True] * 3
+        for s, d in zip([1, 3, 4], [5, 0, 2]):
+            assert _page_bytes(dst, d) == _page_bytes(src, s), (layout, s, d)
     finally:
         _unregister(backend, src)
         _unregister(backend, dst)
