@@ -241,6 +241,80 @@ def test_hybrid_controller(kind, page, installed, publish, gen):
             )
 
 
+@pytest.mark.parametrize(
+    "kind,layout,io_backend",
+    [
+        ("mha", "page_first", "kernel"),
+        ("asym", "page_first", "kernel"),
+        ("mla", "page_first_direct", "direct"),
+    ],
+)
+def test_backups_and_loads_from_two_threads_through_sglangs_engine(
+    kind, layout, io_backend, installed, publish, gen
+):
+    """SGLang writes back and loads on different threads (and is moving loads onto a loader
+    thread, its PR #38472): here one thread backs pages up and another loads other pages, each
+    through SGLang's own L2 transfer engine, over one pool SGLang built, at once and many times,
+    with the GIL changing hands between almost every bytecode. No hang, and every byte right."""
+    import sys
+
+    page, rounds = 16, 150
+    dev, host = _built(kind, "bf16", page, layout, io_backend, publish)
+    tensors = H.device_planes(dev)
+    H.fill_random(tensors, gen)
+    saved = H.snapshot(tensors)
+    backup_src, load_src, load_dst, check_dst = (
+        H.page_slots(list(p), page) for p in ((1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12))
+    )
+    h_backup, h_load = host.alloc(3 * page), host.alloc(3 * page)
+    H.l2.L2TransferEngine(io_backend).submit_device_to_host(
+        [H.l2.L2Transfer(host, dev, h_load, load_src)]
+    )
+    errors = []
+
+    def backups():
+        engine = H.l2.L2TransferEngine(io_backend)
+        for _ in range(rounds):
+            engine.submit_device_to_host([H.l2.L2Transfer(host, dev, h_backup, backup_src)])
+
+    def loads():
+        engine = H.l2.L2TransferEngine(io_backend)
+        for _ in range(rounds):
+            H.submit_h2d(engine, [H.l2.L2Transfer(host, dev, h_load, load_dst)], dev.layer_num)
+
+    def guarded(fn):
+        def body():
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(repr(exc))
+
+        return body
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=guarded(f), daemon=True) for f in (backups, loads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        sys.setswitchinterval(before)
+    assert not any(t.is_alive() for t in threads), "a backup or load thread hung"
+    assert not errors, errors
+    now = [H.byte_rows(t) for t in tensors]
+    for i, (rows, was) in enumerate(zip(now, saved, strict=True)):
+        assert torch.equal(rows[load_dst], was[load_src]), f"tensor {i}: loaded rows"
+        keep = torch.ones(rows.shape[0], dtype=torch.bool)
+        keep[load_dst] = False
+        assert torch.equal(rows[keep], was[keep]), f"tensor {i}: other rows changed"
+    engine = H.l2.L2TransferEngine(io_backend)
+    H.submit_h2d(engine, [H.l2.L2Transfer(host, dev, h_backup, check_dst)], dev.layer_num)
+    for i, (t, was) in enumerate(zip(tensors, saved, strict=True)):
+        assert torch.equal(H.byte_rows(t)[check_dst], was[backup_src]), f"tensor {i}: backups"
+
+
 @pytest.mark.skipif(not H.at_least(0, 5, 23), reason="page_unified: SGLang 0.5.23+")
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("page", [1, 16])
