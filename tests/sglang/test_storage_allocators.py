@@ -253,7 +253,12 @@ _KNOWS_TENSORCAST = "tensorcast" in inspect.getsource(H.ph_common.get_allocator_
 def _tensorcast_missing() -> str | None:
     missing = _module_missing("tensorcast")
     if missing is not None:
-        return f"TensorCast is not installed here ({missing}; pip install tensorcast)"
+        # Not installed by the test command: PyPI has no tensorcast distribution this machine
+        # can install (`pip download tensorcast`: "No matching distribution", 2026-12-06).
+        return (
+            f"TensorCast is not installed here ({missing}); PyPI offers no tensorcast build for "
+            "this platform, and SGLang needs a TensorCast daemon on a CUDA backend besides"
+        )
     return None
 
 
