@@ -990,6 +990,69 @@ def test_four_threads_and_a_busy_one_share_the_driver_without_deadlock_or_lost_b
     )
 
 
+def test_four_threads_share_one_pool_without_deadlock_or_lost_bytes(mock_dir):
+    # One registered pool, as a server has one per device pool: four threads back up and load
+    # their own rows of it at once (kernel and direct, each thread its own stream), next to a
+    # busy pure-Python thread, under a tiny switch interval; the pool and device bytes must
+    # equal the CPU engine's twin afterwards.
+    run_scenario(
+        mock_dir,
+        """
+        import faulthandler
+        faulthandler.dump_traceback_later(200, exit=True)
+        sys.setswitchinterval(1e-5)
+        pool = Pool("layer_first", [16], layers=3, rows=64, page=4, dev_rows=32)
+        ptrs = [d.ctypes.data for d in pool.dev]
+        ptrs_cpu = [d.ctypes.data for d in pool.dev_cpu]
+        stop = threading.Event()
+        errors = []
+
+        def busy():
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        def worker(k):
+            try:
+                s = m.mock_stream_create(0)
+                rng = np.random.default_rng(k)
+                hi = (np.arange(8) + 8 * k + 16).astype(np.int64)
+                di = (np.arange(8) + 8 * k).astype(np.int64)
+                h, d = arr(hi), arr(di)
+                for r in range(60):
+                    backend = ("kernel", "direct")[r % 2]
+                    if r % 3 == 0:
+                        for dev, twin in zip(pool.dev, pool.dev_cpu):
+                            fresh = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+                            dev[di] = fresh
+                            twin[di] = fresh
+                        pool.core_cpu.backup(backend, ptrs_cpu, 32, h, d, "cpu", 0)
+                        pool.core.backup(backend, ptrs, 32, h, d, "cuda", s)
+                    else:
+                        layer = r % 3
+                        pool.core_cpu.load(backend, layer, [ptrs_cpu[layer]], 32, h, d, "cpu", 0)
+                        pool.core.load(backend, layer, [ptrs[layer]], 32, h, d, "cuda", s)
+                    m.mock_sync_all()
+            except BaseException as exc:
+                errors.append(f"thread {k}: {exc!r}")
+
+        spin = threading.Thread(target=busy)
+        spin.start()
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        spin.join()
+        assert not errors, errors
+        m.mock_sync_all()
+        pool.check("after four threads")
+        _core.check_device_errors()
+        """,
+    )
+
+
 def test_adopted_memory_is_registered_by_the_core_moved_by_direct_and_freed_by_its_owner(mock_dir):
     # A storage backend's segment (SGLang's shm or Mooncake allocator): the core registers it,
     # the direct backend finds that registration (it refuses memory CUDA does not know), the
