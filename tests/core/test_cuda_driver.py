@@ -129,6 +129,33 @@ def indices(n, bound, dtype, seed):
 def labelled(a, device=0):
     m.mock_label(a.ctypes.data, max(a.nbytes, 1), device)
     return a
+
+def four_workers_beside_a_busy_thread(worker):
+    """worker(k) for k in 0..3 on threads of their own, next to a pure-Python thread that never
+    releases the GIL on its own; raises with every worker's exception."""
+    stop, errors = threading.Event(), []
+
+    def busy():
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    def guarded(k):
+        try:
+            worker(k)
+        except BaseException as exc:
+            errors.append(f"thread {k}: {exc!r}")
+
+    spin = threading.Thread(target=busy)
+    spin.start()
+    workers = [threading.Thread(target=guarded, args=(k,)) for k in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    stop.set()
+    spin.join()
+    assert not errors, errors
 '''
 
 
@@ -948,43 +975,24 @@ def test_four_threads_and_a_busy_one_share_the_driver_without_deadlock_or_lost_b
         import faulthandler
         faulthandler.dump_traceback_later(200, exit=True)
         sys.setswitchinterval(1e-5)
-        stop = threading.Event()
-        errors = []
-
-        def busy():
-            n = 0
-            while not stop.is_set():
-                n += 1
 
         def worker(k):
-            try:
-                s = m.mock_stream_create(0)
-                for r in range(40):
-                    layout, backend = [("layer_first", "kernel"), ("page_first", "kernel"),
-                                       ("layer_first", "direct"),
-                                       ("page_first_direct", "direct")][(k + r) % 4]
-                    backup = (r % 2 == 0)
-                    pool = Pool(layout, [16, 8] if backend == "kernel" else [16], backup=backup,
-                                seed=1000 * k + r)
-                    n = pool.page * 2
-                    hi = (np.arange(n) + pool.page * (r % 4)).astype(np.int64)
-                    di = (np.arange(n) + pool.page).astype(np.int64)
-                    pool.run(backend, hi, di, s, layer=1)
-                    m.mock_sync_all()
-                    pool.check(f"thread {k} round {r} {layout}/{backend}")
-            except BaseException as exc:
-                errors.append(f"thread {k}: {exc!r}")
+            s = m.mock_stream_create(0)
+            for r in range(40):
+                layout, backend = [("layer_first", "kernel"), ("page_first", "kernel"),
+                                   ("layer_first", "direct"),
+                                   ("page_first_direct", "direct")][(k + r) % 4]
+                backup = (r % 2 == 0)
+                pool = Pool(layout, [16, 8] if backend == "kernel" else [16], backup=backup,
+                            seed=1000 * k + r)
+                n = pool.page * 2
+                hi = (np.arange(n) + pool.page * (r % 4)).astype(np.int64)
+                di = (np.arange(n) + pool.page).astype(np.int64)
+                pool.run(backend, hi, di, s, layer=1)
+                m.mock_sync_all()
+                pool.check(f"thread {k} round {r} {layout}/{backend}")
 
-        spin = threading.Thread(target=busy)
-        spin.start()
-        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-        stop.set()
-        spin.join()
-        assert not errors, errors
+        four_workers_beside_a_busy_thread(worker)
         _core.check_device_errors()
         """,
     )
@@ -1004,48 +1012,29 @@ def test_four_threads_share_one_pool_without_deadlock_or_lost_bytes(mock_dir):
         pool = Pool("layer_first", [16], layers=3, rows=64, page=4, dev_rows=32)
         ptrs = [d.ctypes.data for d in pool.dev]
         ptrs_cpu = [d.ctypes.data for d in pool.dev_cpu]
-        stop = threading.Event()
-        errors = []
-
-        def busy():
-            n = 0
-            while not stop.is_set():
-                n += 1
 
         def worker(k):
-            try:
-                s = m.mock_stream_create(0)
-                rng = np.random.default_rng(k)
-                hi = (np.arange(8) + 8 * k + 16).astype(np.int64)
-                di = (np.arange(8) + 8 * k).astype(np.int64)
-                h, d = arr(hi), arr(di)
-                for r in range(60):
-                    backend = ("kernel", "direct")[r % 2]
-                    if r % 3 == 0:
-                        for dev, twin in zip(pool.dev, pool.dev_cpu):
-                            fresh = rng.integers(0, 256, (8, 16), dtype=np.uint8)
-                            dev[di] = fresh
-                            twin[di] = fresh
-                        pool.core_cpu.backup(backend, ptrs_cpu, 32, h, d, "cpu", 0)
-                        pool.core.backup(backend, ptrs, 32, h, d, "cuda", s)
-                    else:
-                        layer = r % 3
-                        pool.core_cpu.load(backend, layer, [ptrs_cpu[layer]], 32, h, d, "cpu", 0)
-                        pool.core.load(backend, layer, [ptrs[layer]], 32, h, d, "cuda", s)
-                    m.mock_sync_all()
-            except BaseException as exc:
-                errors.append(f"thread {k}: {exc!r}")
+            s = m.mock_stream_create(0)
+            rng = np.random.default_rng(k)
+            hi = (np.arange(8) + 8 * k + 16).astype(np.int64)
+            di = (np.arange(8) + 8 * k).astype(np.int64)
+            h, d = arr(hi), arr(di)
+            for r in range(60):
+                backend = ("kernel", "direct")[r % 2]
+                if r % 3 == 0:
+                    for dev, twin in zip(pool.dev, pool.dev_cpu):
+                        fresh = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+                        dev[di] = fresh
+                        twin[di] = fresh
+                    pool.core_cpu.backup(backend, ptrs_cpu, 32, h, d, "cpu", 0)
+                    pool.core.backup(backend, ptrs, 32, h, d, "cuda", s)
+                else:
+                    layer = r % 3
+                    pool.core_cpu.load(backend, layer, [ptrs_cpu[layer]], 32, h, d, "cpu", 0)
+                    pool.core.load(backend, layer, [ptrs[layer]], 32, h, d, "cuda", s)
+                m.mock_sync_all()
 
-        spin = threading.Thread(target=busy)
-        spin.start()
-        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-        stop.set()
-        spin.join()
-        assert not errors, errors
+        four_workers_beside_a_busy_thread(worker)
         m.mock_sync_all()
         pool.check("after four threads")
         _core.check_device_errors()

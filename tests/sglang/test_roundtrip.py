@@ -225,20 +225,25 @@ def test_hybrid_controller(kind, page, installed, publish, gen):
     pairs = {"mha": H.MHA_PAIRS, "asym": H.ASYM_PAIRS, "mla": H.MLA_PAIRS}[kind]
     for layout, io_backend in pairs:
         for dtype in ("bf16", "fp8"):
-            dev = _device(kind, dtype, page)
-            publish(page_size=page, hicache_mem_layout=layout, hicache_io_backend=io_backend)
-            group, controller, allocator = H.kv_only_stack(dev, use_mla=(kind == "mla"))
-            assert type(controller).__module__.startswith("sglang.")
-            assert H.is_ours(group.anchor_entry.host_pool)
-            _controller_round_trip(
-                controller,
-                allocator,
-                H.device_planes(dev),
-                gen,
-                layout=f"{layout}/{dtype}",
-                io_backend=io_backend,
-                page=page,
-            )
+            _stack_round_trip(kind, dtype, page, layout, io_backend, publish, gen)
+
+
+def _stack_round_trip(kind, dtype, page, layout, io_backend, publish, gen):
+    """A round trip through SGLang's hybrid controller of a KV-only stack SGLang builds."""
+    dev = _device(kind, dtype, page)
+    publish(page_size=page, hicache_mem_layout=layout, hicache_io_backend=io_backend)
+    group, controller, allocator = H.kv_only_stack(dev, use_mla=(kind == "mla"))
+    assert type(controller).__module__.startswith("sglang.")
+    assert H.is_ours(group.anchor_entry.host_pool)
+    _controller_round_trip(
+        controller,
+        allocator,
+        H.device_planes(dev),
+        gen,
+        layout=f"{layout}/{dtype}",
+        io_backend=io_backend,
+        page=page,
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,20 +331,7 @@ def test_page_unified_through_sglangs_engine_and_controller(kind, page, installe
         dev, host = _built(kind, dtype, page, "page_unified", "kernel", publish)
         assert host.layout == "page_unified"
         _engine_round_trip(host, dev, "page_unified", "kernel", gen, dev.layer_num)
-        dev = _device(kind, dtype, page)
-        publish(page_size=page, hicache_mem_layout="page_unified", hicache_io_backend="kernel")
-        group, controller, allocator = H.kv_only_stack(dev, use_mla=(kind == "mla"))
-        assert type(controller).__module__.startswith("sglang.")
-        assert H.is_ours(group.anchor_entry.host_pool)
-        _controller_round_trip(
-            controller,
-            allocator,
-            H.device_planes(dev),
-            gen,
-            layout=f"page_unified/{dtype}",
-            io_backend="kernel",
-            page=page,
-        )
+        _stack_round_trip(kind, dtype, page, "page_unified", "kernel", publish, gen)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
