@@ -201,3 +201,62 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
             spin.join()
         """
     )
+
+
+@pytest.mark.parametrize(
+    ("layout", "backend"), [("layer_first", "kernel"), ("page_first_direct", "direct")]
+)
+def test_v4_page_rows_from_four_threads(layout, backend):
+    # DeepSeek V4 page rows: two transfer threads on pages of their own, one alloc/free thread
+    # and one busy pure-Python thread, on one pool; every byte each transfer thread moved is
+    # checked.
+    _run(
+        f"""
+        from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+        L, P, ITEM, DEV_PAGES = 3, 4, 656, 16
+        dev = [torch.zeros(DEV_PAGES, ITEM, dtype=torch.uint8) for _ in range(L)]
+        host = DeepSeekV4PagedHostPool("c4_kv", dev, ITEM, 16, P, layout={layout!r})
+        ROUNDS = 300
+        stop = threading.Event()
+
+        def mover(first_page, seed):
+            h = host.alloc(2 * P)
+            pages = [first_page, first_page + 1]
+            d = torch.cat([torch.arange(p * P, (p + 1) * P) for p in pages])
+            def body():
+                g = torch.Generator().manual_seed(seed)
+                for r in range(ROUNDS):
+                    want = []
+                    for layer in range(L):
+                        rows = torch.randint(0, 256, (2, ITEM), generator=g, dtype=torch.uint8)
+                        dev[layer][pages] = rows
+                        want.append(rows)
+                    host.backup_from_device_all_layer(None, h, d, {backend!r})
+                    for layer in range(L):
+                        dev[layer][pages] = 0
+                    for layer in range(L):
+                        host.load_to_device_per_layer(None, h, d, layer, {backend!r})
+                    for layer in range(L):
+                        assert torch.equal(dev[layer][pages], want[layer]), (r, layer)
+            return body
+
+        def alloc_free():
+            for _ in range(ROUNDS * 4):
+                got = host.alloc(P)
+                if got is not None:
+                    host.free(got)
+
+        def busy():
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        spin = threading.Thread(target=busy)
+        spin.start()
+        try:
+            run_threads([mover(2, 1), mover(9, 2), alloc_free])
+        finally:
+            stop.set()
+            spin.join()
+        """
+    )
