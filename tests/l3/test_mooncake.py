@@ -741,6 +741,11 @@ def test_pages_hashed_out_of_step_with_the_store_save_and_load_whole(make_tier, 
     for s, d in zip(pages, [5, 6, 7, 2, 0]):
         assert page_bytes(dst, d) == page_bytes(src, s)
     assert b.mismatches == {}
+    # a batch under SPLIT_BYTES is one store call, whatever the hashes' pace
+    monkeypatch.setattr(mooncake, "SPLIT_BYTES", 8 << 20)
+    runs.clear()
+    assert statuses(a.save(fresh_keys(3), slots(src, [1, 3, 4]))) == ["stored"] * 3
+    assert [len(run) for run in runs] == [3]
 
 
 @needs_mooncake

@@ -35,6 +35,7 @@ page's own buffers, e.g. MHA layer_first: 2 x layers of them). Safe by construct
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
 import ipaddress
 import logging
@@ -86,7 +87,7 @@ MAX_BATCH_PAGES = 1024
 # The most bytes one store call of a batch moves while other pages hash (save: hashed ahead of
 # the put; load: hashed behind the get).
 OVERLAP_BYTES = 32 << 20
-# A load smaller than this is one store call: its hash costs less than another round trip.
+# A batch smaller than this is one store call: its hash costs less than another round trip.
 SPLIT_BYTES = 8 << 20
 
 
@@ -756,8 +757,12 @@ class MooncakeTier:
         # Every page's hash is queued at once, in page order; each put takes the run of pages
         # already hashed (at least the next one, at most OVERLAP_BYTES). The first put waits for
         # one page's hash only, and the runs grow by themselves when hashing outpaces the store.
+        # A batch under SPLIT_BYTES waits for all its hashes and is one store call.
         digests = self._hash(op, todo)
         most = max(1, OVERLAP_BYTES // fmt.object_bytes)
+        if len(todo) * fmt.object_bytes < SPLIT_BYTES:
+            concurrent.futures.wait(digests)
+            most = len(todo)
         unavailable, k = None, 0
         try:
             while k < len(todo):
