@@ -945,7 +945,11 @@ class HostKVCache(SlotFreeList, abc.ABC):
         its CUDA registration whole copy units; the kv_buffer SGLang has (a tuple when there
         are two allocations)."""
         buffers, owners = [], []
-        device = getattr(getattr(self, "device_pool", None), "device", None)
+        # The GPU the memory is pinned for: the device layers' (a CUDA tensor's device carries
+        # the index SGLang's bare "cuda" string lacks), else the device pool's device string.
+        layers = getattr(self, "_layers_device", None)
+        named = getattr(getattr(self, "device_pool", None), "device", None)
+        device = layers if getattr(layers, "type", None) == "cuda" else named
         for index, shape in enumerate(spec.allocation_shapes):
             buffer, owner = _memory.alloc_pool_memory(
                 self.allocator,

@@ -27,6 +27,13 @@ def first_device(planes: Sequence[Sequence]) -> torch.device:
     return torch.device("cpu")
 
 
+def layers_device(side: dict):
+    """The device of a pool's device layers, which names the GPU index even where SGLang's
+    device string is a bare "cuda" (None for a pool given only geometry)."""
+    planes = side.get("planes")
+    return first_device(planes) if planes else side.get("device")
+
+
 def layer_key(layer_id) -> int:
     """A layer id as an int. SGLang compares it with ints (`0 <= layer_id < n`), so a value that
     is not an integer fails there too; a bool is refused rather than read as 0 or 1."""

@@ -13,7 +13,13 @@ from hostkv_rs import _core
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import device_side_of, positive_int, required, truth
 from hostkv_rs.pools.base import HostKVCache
-from hostkv_rs.pools.device_side import device_pool_extent, first_device, owned_range, ptr_table
+from hostkv_rs.pools.device_side import (
+    device_pool_extent,
+    first_device,
+    layers_device,
+    owned_range,
+    ptr_table,
+)
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang import handover as _handover
 from hostkv_rs.sglang.sources import (
@@ -109,6 +115,7 @@ class MHATokenToKVPoolHost(HostKVCache):
                 side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
                 device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
         self.head_group_num = head_group_num
+        self._layers_device = layers_device(side)
         super().__init__(
             dtype=self.dtype,
             device_capacity_tokens=device_capacity_tokens,

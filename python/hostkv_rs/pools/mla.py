@@ -16,6 +16,7 @@ from hostkv_rs.pools.device_side import (
     device_pool_extent,
     first_device,
     layer_key,
+    layers_device,
     owned_range,
     ptr_table,
     sharded_host_layer_num,
@@ -129,6 +130,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 # SGLang's dummy init reads `host_capacity_tokens or size`.
                 device_capacity_tokens = source.size
         self._is_dummy = truth("is_dummy", is_dummy)
+        self._layers_device = layers_device(side)
         super().__init__(
             dtype=self.dtype,
             device_capacity_tokens=device_capacity_tokens,
