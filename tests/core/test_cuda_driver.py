@@ -1029,10 +1029,16 @@ def test_four_threads_share_one_pool_without_deadlock_or_lost_bytes(mock_dir):
                     pool.core_cpu.backup(backend, ptrs_cpu, 32, h, d, "cpu", 0)
                     pool.core.backup(backend, ptrs, 32, h, d, "cuda", s)
                 else:
-                    layer = r % 3
+                    layer = (r // 3) % 3
                     pool.core_cpu.load(backend, layer, [ptrs_cpu[layer]], 32, h, d, "cpu", 0)
                     pool.core.load(backend, layer, [ptrs[layer]], 32, h, d, "cuda", s)
                 m.mock_sync_all()
+                # this thread's rows, every round: its host rows of every layer, its device rows
+                got = np.frombuffer(pool.region, dtype=np.uint8).reshape(3, 64, 16)[:, hi]
+                want = np.frombuffer(pool.twin, dtype=np.uint8).reshape(3, 64, 16)[:, hi]
+                assert np.array_equal(got, want), f"thread {k} round {r}: host rows"
+                for l, (dev, twin) in enumerate(zip(pool.dev, pool.dev_cpu)):
+                    assert np.array_equal(dev[di], twin[di]), f"thread {k} round {r}: layer {l}"
 
         four_workers_beside_a_busy_thread(worker)
         m.mock_sync_all()

@@ -702,23 +702,29 @@ def test_load_runs_cover_the_batch_in_order_and_end_in_one_page(monkeypatch):
 
 @needs_mooncake
 def test_pages_hashed_out_of_step_with_the_store_save_and_load_whole(make_tier, monkeypatch):
-    """The save puts whatever run of pages is already hashed, the load splits its batch: with
-    hashes of uneven speed and runs of one or two pages, every page still lands whole, once,
-    behind its own proof."""
-    import random
+    """The save puts whatever run of pages is already hashed, the load splits its batch. Here
+    three hashing threads finish the first page last: the first put waits for it, then takes
+    runs of the pages already hashed (two a run at most here); every page still lands whole,
+    once, in order, behind its own proof, and a small batch stays one store call."""
+    import concurrent.futures
+    import threading
 
     from hostkv_rs.l3 import mooncake, proof
 
     page = POOLS["mha-page_first"]()
     monkeypatch.setattr(mooncake, "OVERLAP_BYTES", 2 * page_format(page).object_bytes)
     monkeypatch.setattr(mooncake, "SPLIT_BYTES", 1)
-    real, rng = proof.page_digest, random.Random(7)
+    real, first = proof.page_digest, threading.Event()
 
-    def uneven(memory, pages):
-        time.sleep(rng.choice([0, 0, 0.002, 0.01]))
+    def first_page_last(memory, pages):
+        if not first.is_set():
+            first.set()
+            time.sleep(0.2)  # the other threads hash every later page meanwhile
         return real(memory, pages)
 
-    monkeypatch.setattr(proof, "page_digest", uneven)
+    hashers = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+    monkeypatch.setattr(proof, "page_digest", first_page_last)
+    monkeypatch.setattr(proof, "hasher", lambda: hashers)
     src, dst = page, POOLS["mha-page_first"]()
     a, b = make_tier("a"), make_tier("b")
     fill(src, 5)
@@ -734,18 +740,22 @@ def test_pages_hashed_out_of_step_with_the_store_save_and_load_whole(make_tier, 
     )
     pages = [1, 3, 4, 0, 2]
     keys = fresh_keys(len(pages))
-    assert statuses(a.save(keys, slots(src, pages))) == ["stored"] * len(pages)
-    assert [i for run in runs for i in run] == list(range(len(pages)))
-    assert all(1 <= len(run) <= 2 for run in runs)
-    assert statuses(b.load(keys, slots(dst, [5, 6, 7, 2, 0]))) == ["loaded"] * len(pages)
-    for s, d in zip(pages, [5, 6, 7, 2, 0]):
-        assert page_bytes(dst, d) == page_bytes(src, s)
-    assert b.mismatches == {}
-    # a batch under SPLIT_BYTES is one store call, whatever the hashes' pace
-    monkeypatch.setattr(mooncake, "SPLIT_BYTES", 8 << 20)
-    runs.clear()
-    assert statuses(a.save(fresh_keys(3), slots(src, [1, 3, 4]))) == ["stored"] * 3
-    assert [len(run) for run in runs] == [3]
+    try:
+        assert statuses(a.save(keys, slots(src, pages))) == ["stored"] * len(pages)
+        assert runs == [[0, 1], [2, 3], [4]], runs
+        got = b.load(keys, slots(dst, [5, 6, 7, 2, 0]))
+        assert statuses(got) == ["loaded"] * len(pages)
+        for s, d in zip(pages, [5, 6, 7, 2, 0]):
+            assert page_bytes(dst, d) == page_bytes(src, s)
+        assert b.mismatches == {}
+        # a batch under SPLIT_BYTES is one store call, whatever the hashes' pace
+        monkeypatch.setattr(mooncake, "SPLIT_BYTES", 8 << 20)
+        runs.clear()
+        first.clear()
+        assert statuses(a.save(fresh_keys(3), slots(src, [1, 3, 4]))) == ["stored"] * 3
+        assert [len(run) for run in runs] == [3]
+    finally:
+        hashers.shutdown()
 
 
 @needs_mooncake
