@@ -40,6 +40,29 @@ def run_threads(targets):
     for t in threads:
         t.join()
     assert not errors, errors
+
+def run_beside_a_busy_thread(targets):
+    # run_threads, next to a pure-Python thread that never releases the GIL on its own
+    stop = threading.Event()
+    def busy():
+        n = 0
+        while not stop.is_set():
+            n += 1
+    spin = threading.Thread(target=busy)
+    spin.start()
+    try:
+        run_threads(targets)
+    finally:
+        stop.set()
+        spin.join()
+
+def alloc_free(host, tokens, rounds):
+    def body():
+        for _ in range(rounds):
+            got = host.alloc(tokens)
+            if got is not None:
+                host.free(got)
+    return body
 """
 
 
@@ -143,7 +166,6 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
             planes = [dev.kv_buffer]
         backend = "direct" if {layout!r} == "page_first_direct" else "kernel"
         ROUNDS = 400
-        stop = threading.Event()
 
         def mover(first_row, seed):
             h = host.alloc(2 * P)
@@ -179,26 +201,11 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
                 back = host.get_data_page(int(h[0]), flat=True)
                 assert torch.equal(back.view(torch.uint8), page.view(torch.uint8)), r
 
-        def alloc_free():
-            for _ in range(ROUNDS * 4):
-                got = host.alloc(P)
-                if got is not None:
-                    host.free(got)
-
-        def busy():
-            n = 0
-            while not stop.is_set():
-                n += 1
-
-        spin = threading.Thread(target=busy)
-        spin.start()
-        try:
-            flat = {layout!r} != "page_unified" and {pool!r} != "asym"
-            pages = [flat_pages] if flat else []
-            run_threads([mover(32, 1), mover(160, 2), *pages, alloc_free])
-        finally:
-            stop.set()
-            spin.join()
+        flat = {layout!r} != "page_unified" and {pool!r} != "asym"
+        pages = [flat_pages] if flat else []
+        run_beside_a_busy_thread(
+            [mover(32, 1), mover(160, 2), *pages, alloc_free(host, P, ROUNDS * 4)]
+        )
         """
     )
 
@@ -217,7 +224,6 @@ def test_v4_page_rows_from_four_threads(layout, backend):
         dev = [torch.zeros(DEV_PAGES, ITEM, dtype=torch.uint8) for _ in range(L)]
         host = DeepSeekV4PagedHostPool("c4_kv", dev, ITEM, 16, P, layout={layout!r})
         ROUNDS = 300
-        stop = threading.Event()
 
         def mover(first_page, seed):
             h = host.alloc(2 * P)
@@ -240,23 +246,6 @@ def test_v4_page_rows_from_four_threads(layout, backend):
                         assert torch.equal(dev[layer][pages], want[layer]), (r, layer)
             return body
 
-        def alloc_free():
-            for _ in range(ROUNDS * 4):
-                got = host.alloc(P)
-                if got is not None:
-                    host.free(got)
-
-        def busy():
-            n = 0
-            while not stop.is_set():
-                n += 1
-
-        spin = threading.Thread(target=busy)
-        spin.start()
-        try:
-            run_threads([mover(2, 1), mover(9, 2), alloc_free])
-        finally:
-            stop.set()
-            spin.join()
+        run_beside_a_busy_thread([mover(2, 1), mover(9, 2), alloc_free(host, P, ROUNDS * 4)])
         """
     )
