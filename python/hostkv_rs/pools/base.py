@@ -945,9 +945,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
         its CUDA registration whole copy units; the kv_buffer SGLang has (a tuple when there
         are two allocations)."""
         buffers, owners = [], []
-        # The GPU the memory is pinned for: the device layers' (a CUDA tensor's device carries
-        # the index SGLang's bare "cuda" string lacks), else the device pool's device string.
-        layers = getattr(self, "_layers_device", None)
+        # The GPU the memory is pinned for: the transfers' device when it is a GPU (its index
+        # is the one SGLang's bare "cuda" string lacks), else the device pool's device string.
+        layers = getattr(self, "_transfer_device", None)
         named = getattr(getattr(self, "device_pool", None), "device", None)
         device = layers if getattr(layers, "type", None) == "cuda" else named
         for index, shape in enumerate(spec.allocation_shapes):

@@ -27,11 +27,11 @@ def first_device(planes: Sequence[Sequence]) -> torch.device:
     return torch.device("cpu")
 
 
-def layers_device(side: dict):
-    """The device of a pool's device layers, which names the GPU index even where SGLang's
-    device string is a bare "cuda" (None for a pool given only geometry)."""
-    planes = side.get("planes")
-    return first_device(planes) if planes else side.get("device")
+def layers_device(side: dict) -> torch.device:
+    """The device a pool's transfers run on: its device layers' (a CUDA tensor's device names
+    the GPU index SGLang's bare "cuda" string lacks), or the device pool's for a pool given only
+    geometry."""
+    return side.get("device") or first_device(side.get("planes") or ())
 
 
 def layer_key(layer_id) -> int:

@@ -15,7 +15,6 @@ from hostkv_rs.pools.args import device_side_of, positive_int, required, truth
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
-    first_device,
     layers_device,
     owned_range,
     ptr_table,
@@ -115,7 +114,7 @@ class MHATokenToKVPoolHost(HostKVCache):
                 side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
                 device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
         self.head_group_num = head_group_num
-        self._layers_device = layers_device(side)
+        self._transfer_device = layers_device(side)
         super().__init__(
             dtype=self.dtype,
             device_capacity_tokens=device_capacity_tokens,
@@ -132,7 +131,6 @@ class MHATokenToKVPoolHost(HostKVCache):
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,
         )
-        self._transfer_device = side.get("device") or first_device(side["planes"])
         self.device_k_buffers, self.device_v_buffers = side["all_layers"]
         self.device_k_data_ptrs, self.device_v_data_ptrs = side["ptr_tables"]
         self.element_dim = self.head_num * self.head_dim

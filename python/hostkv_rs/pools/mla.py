@@ -14,7 +14,6 @@ from hostkv_rs.pools.args import as_int, device_side_of, positive_int, required,
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
-    first_device,
     layer_key,
     layers_device,
     owned_range,
@@ -130,7 +129,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
                 # SGLang's dummy init reads `host_capacity_tokens or size`.
                 device_capacity_tokens = source.size
         self._is_dummy = truth("is_dummy", is_dummy)
-        self._layers_device = layers_device(side)
+        self._transfer_device = layers_device(side)
         super().__init__(
             dtype=self.dtype,
             device_capacity_tokens=device_capacity_tokens,
@@ -155,7 +154,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         if self._is_dummy:
             self._init_dummy()
             return
-        self._transfer_device = side.get("device") or first_device(side["planes"])
         self.device_kv_buffers = side["all_layers"]
         self.device_data_ptrs = side["ptr_table"]
         # Per-layer views (page_first_direct / page_unified: dim 0 is the page, so these are
