@@ -299,8 +299,17 @@ class DeviceBinding:
         device_indices: Any,
         io_backend: object,
         is_draft: bool = False,
+        *,
+        plan_only: bool = False,
     ) -> bool: ...
-    def backup(self, host_indices: Any, device_indices: Any, io_backend: object) -> None: ...
+    def backup(
+        self,
+        host_indices: Any,
+        device_indices: Any,
+        io_backend: object,
+        *,
+        plan_only: bool = False,
+    ) -> None: ...
     def lookup(self, layer_id: int, is_draft: bool = False) -> int | None: ...
     @property
     def targets(self) -> list[tuple[int, int]]: ...

@@ -97,6 +97,37 @@ impl CopyEngine for Cuda {
     }
 }
 
+/// Checks and plans a call exactly as the engine for its memory would, and moves nothing: what a
+/// call costs the caller's thread before its first byte moves (on a GPU, the part a copy
+/// engine or kernel cannot hide). The CPU engine's plan is built whole; a CUDA call is planned
+/// on the device, so its host-side part is the validation.
+pub struct PlanOnly(DeviceMemory);
+
+impl CopyEngine for PlanOnly {
+    fn memory(&self) -> DeviceMemory {
+        self.0
+    }
+
+    fn run(&self, req: &TransferRequest, _stream: u64, _unlock: &dyn Unlock) -> Result<()> {
+        let host_indices = !(req.host_idx().on_device || req.dev_idx().on_device);
+        if self.0 == DeviceMemory::Host && host_indices {
+            plan::build(req).map(drop)
+        } else {
+            plan::validate(req).map(drop)
+        }
+    }
+}
+
+/// The plan-only stand-in for `engine`.
+pub fn plan_only(engine: &dyn CopyEngine) -> &'static dyn CopyEngine {
+    static HOST: PlanOnly = PlanOnly(DeviceMemory::Host);
+    static CUDA: PlanOnly = PlanOnly(DeviceMemory::Cuda);
+    match engine.memory() {
+        DeviceMemory::Host => &HOST,
+        DeviceMemory::Cuda => &CUDA,
+    }
+}
+
 /// The engine for CPU device tensors.
 pub fn for_cpu(choice: CpuEngine) -> &'static dyn CopyEngine {
     match choice {

@@ -36,6 +36,35 @@ def test_repeated_loads_follow_a_tensor_whose_storage_was_swapped():
     assert torch.equal(replacement.view(torch.uint8)[16:32], host.k_buffer[1][h].view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
+def test_a_plan_only_call_checks_everything_and_moves_nothing(layout):
+    dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, layout)
+    binding = host._device_side
+    h, d = host.alloc(16), torch.arange(16, 32)
+    host.kv_buffer.view(torch.uint8).fill_(7)
+    for t in (*dev.k_buffer, *dev.v_buffer):
+        t.view(torch.uint8).fill_(1)
+    host_before = host.kv_buffer.clone()
+    device_before = [t.clone() for t in (*dev.k_buffer, *dev.v_buffer)]
+    assert binding.load(1, h, d, "kernel", plan_only=True) is True
+    binding.backup(h, d, "kernel", plan_only=True)
+    assert torch.equal(host.kv_buffer, host_before)
+    for t, before in zip((*dev.k_buffer, *dev.v_buffer), device_before):
+        assert torch.equal(t, before)
+    # Refused exactly as the call itself is, before anything moves.
+    bad = torch.arange(200, 216)
+    for plan_only in (True, False):
+        with pytest.raises(_core.TransferError, match=r"device index .*out of range"):
+            binding.load(1, h, bad, "kernel", plan_only=plan_only)
+        with pytest.raises(_core.TransferError, match=r"device index .*out of range"):
+            binding.backup(h, bad, "kernel", plan_only=plan_only)
+    assert torch.equal(host.kv_buffer, host_before)
+    # The same call without plan_only moves the bytes.
+    binding.load(1, h, d, "kernel")
+    assert bool((dev.k_buffer[1][16:32].view(torch.uint8) == 7).all())
+
+
 def test_a_reshaped_tensor_is_checked_again():
     dev, host = _pools()
     h = host.alloc(16)

@@ -1,13 +1,15 @@
 """What a HiCache load or backup costs the scheduler thread, side by side: SGLang's own host pool
 with its copy kernels replaced by no-ops (only its Python-side preparation runs: attribute and
 buffer lookups, argument lists) against hostkv_rs's whole call (validation, plan and the copy on
-the CPU engine). Run in an SGLang release venv, from tests/:
+the CPU engine) and against the same call through the core with `plan_only` (index reads, every
+check and the whole plan, no byte moved: the part of a call a GPU's copy cannot hide). Run in an
+SGLang release venv, from tests/:
 
     CUDA_VISIBLE_DEVICES="" PYTHONPATH=../python:sglang <venv>/bin/python sglang/bench_scheduler.py
 
 Per (io backend, layout) and pages per batch (64 tokens a page; MHA, 61 layers, 1 x 128 bf16 so
 the bytes stay small on this VM): a per-layer load of every layer and one all-layer backup, each
-timed as wall clock and as this thread's CPU time, best of 5, the two pools alternating.
+timed as wall clock and as this thread's CPU time, best of 5, the three variants alternating.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def main() -> None:
         f"SGLang {importlib.metadata.version('sglang')}; MHA {LAYERS} layers, {HEADS}x{HEAD_DIM} bf16, page {PAGE}"
     )
     print(
-        "| io backend | layout | pages | op | SGLang prep (wall / thread CPU) | hostkv_rs whole call |"
+        "| io backend | layout | pages | op | SGLang prep (wall / thread CPU) "
+        "| hostkv_rs whole call | hostkv_rs check + plan |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for backend, layout in PAIRS:
         for pages in PAGES:
             size = (max(PAGES) + 2) * PAGE
@@ -66,18 +69,31 @@ def main() -> None:
             theirs.alloc(pages * PAGE)
             d = torch.arange(PAGE, PAGE + pages * PAGE)
 
+            binding = ours._device_side
+
             def load(pool, dev=dev, h=h, d=d, backend=backend):
                 for layer in range(LAYERS):
                     pool.load_to_device_per_layer(dev, h, d, layer, backend)
 
+            def plan_load(_, h=h, d=d, backend=backend, binding=binding):
+                for layer in range(LAYERS):
+                    binding.load(layer, h, d, backend, plan_only=True)
+
             def backup(pool, dev=dev, h=h, d=d, backend=backend):
                 pool.backup_from_device_all_layer(dev, h, d, backend)
 
-            for op, fn in (("load (per layer)", load), ("backup, all layers", backup)):
-                best = {"theirs": (1e9, 1e9), "ours": (1e9, 1e9)}
+            def plan_backup(_, h=h, d=d, backend=backend, binding=binding):
+                binding.backup(h, d, backend, plan_only=True)
+
+            for op, fn, plan in (
+                ("load (per layer)", load, plan_load),
+                ("backup, all layers", backup, plan_backup),
+            ):
+                variants = (("theirs", theirs, fn), ("ours", ours, fn), ("plan", ours, plan))
+                best = {who: (1e9, 1e9) for who, _, _ in variants}
                 for _ in range(5):
-                    for who, pool in (("theirs", theirs), ("ours", ours)):
-                        w, c = timed(lambda pool=pool, fn=fn: fn(pool))
+                    for who, pool, run in variants:
+                        w, c = timed(lambda pool=pool, run=run: run(pool))
                         best[who] = (min(best[who][0], w), min(best[who][1], c))
                 per = LAYERS if fn is load else 1
                 cell = {
@@ -86,7 +102,7 @@ def main() -> None:
                 }
                 print(
                     f"| {backend} | {layout} | {pages} | {op} | {cell['theirs']} | "
-                    f"{cell['ours']} |",
+                    f"{cell['ours']} | {cell['plan']} |",
                     flush=True,
                 )
 

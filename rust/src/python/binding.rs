@@ -416,7 +416,15 @@ impl PyDeviceBinding {
 
     /// The engine for the checked device and, for CUDA, the stream to queue on (torch's current
     /// stream of that device, read per call as SGLang does).
-    fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Queue> {
+    fn engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>, plan_only: bool) -> PyResult<Queue> {
+        let mut queue = self.real_engine(py, cuda)?;
+        if plan_only {
+            queue.engine = engine::plan_only(queue.engine);
+        }
+        Ok(queue)
+    }
+
+    fn real_engine(&self, py: Python<'_>, cuda: &Option<Py<PyAny>>) -> PyResult<Queue> {
         match cuda {
             Some(device) => {
                 let torch_stream = py
@@ -797,7 +805,9 @@ impl PyDeviceBinding {
     /// Host layer `layer_id` (a controller id) -> its device layer. False, with nothing read,
     /// for a target layer this pool does not hold (SGLang returns without copying); a draft id
     /// outside the packed drafts is refused.
-    #[pyo3(signature = (layer_id, host_indices, device_indices, io_backend, is_draft = false))]
+    /// `plan_only`: check and plan the call as it would run, and move nothing.
+    #[pyo3(signature = (layer_id, host_indices, device_indices, io_backend, is_draft = false, *, plan_only = false))]
+    #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
         py: Python<'_>,
@@ -806,6 +816,7 @@ impl PyDeviceBinding {
         device_indices: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
         is_draft: bool,
+        plan_only: bool,
     ) -> PyResult<bool> {
         let Some((host_layer, position)) = self.lookup_entry(py, layer_id, is_draft)? else {
             return Ok(false);
@@ -813,7 +824,7 @@ impl PyDeviceBinding {
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
         let (ptrs, rows, cuda) = self.device_ptrs(py, &[position])?;
-        let engine = self.engine(py, &cuda)?;
+        let engine = self.engine(py, &cuda, plan_only)?;
         self.run(
             py,
             core.get(),
@@ -831,12 +842,14 @@ impl PyDeviceBinding {
     /// Every held device layer -> host: one core call when every host layer has a device
     /// layer, else one per held layer (they share the indices, so the first call's validation,
     /// which precedes its first byte, covers them all).
+    #[pyo3(signature = (host_indices, device_indices, io_backend, *, plan_only = false))]
     fn backup(
         &self,
         py: Python<'_>,
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
+        plan_only: bool,
     ) -> PyResult<()> {
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
@@ -860,7 +873,7 @@ impl PyDeviceBinding {
         }
         let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
         let (ptrs, rows, cuda) = self.device_ptrs(py, &positions)?;
-        let engine = self.engine(py, &cuda)?;
+        let engine = self.engine(py, &cuda, plan_only)?;
         if self.layers.complete() {
             return self.run(
                 py,
