@@ -10,6 +10,7 @@ pub mod error;
 pub mod fork;
 pub mod host_mem;
 pub mod index_map;
+pub mod index_scan;
 pub mod layer_map;
 pub mod layout;
 pub mod plan;
