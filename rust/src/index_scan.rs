@@ -98,6 +98,61 @@ mod tests {
         }
     }
 
+    /// The element-wise rules the planner names culprits by, for comparison.
+    fn naive_pages_hold(host: &[i64], dev: &[i64], p: usize, dev_rows: u64) -> bool {
+        (0..host.len() / p).all(|k| {
+            let (h0, d0) = (host[k * p], dev[k * p]);
+            h0 as u64 % p as u64 == 0
+                && (d0 as u64)
+                    .checked_add(p as u64)
+                    .is_some_and(|e| e <= dev_rows)
+                && (0..p)
+                    .all(|j| host[k * p + j] == h0 + j as i64 && dev[k * p + j] == d0 + j as i64)
+        })
+    }
+
+    #[test]
+    fn scans_agree_with_the_element_wise_rules_on_random_arrays() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) % n
+        };
+        for _ in 0..2000 {
+            let p = [1usize, 2, 4, 16, 64][next(5) as usize];
+            let pages = next(6) as usize;
+            let mut host = Vec::new();
+            let mut dev = Vec::new();
+            for _ in 0..pages {
+                let (h0, d0) = ((next(40) * p as u64) as i64, next(40 * p as u64) as i64);
+                host.extend((0..p as i64).map(|j| h0 + j));
+                dev.extend((0..p as i64).map(|j| d0 + j));
+            }
+            // Break one element now and then: off by one, negative, or huge.
+            if !host.is_empty() && next(2) == 0 {
+                let (side, at) = (next(2), next(host.len() as u64) as usize);
+                let v = [1i64, -1, i64::MIN, 1 << 62][next(4) as usize];
+                let target = if side == 0 { &mut host } else { &mut dev };
+                target[at] = target[at].wrapping_add(v);
+            }
+            let rows = next(45 * p as u64);
+            assert_eq!(
+                pages_hold(&host, &dev, p, rows),
+                naive_pages_hold(&host, &dev, p, rows),
+                "p={p} rows={rows} host={host:?} dev={dev:?}"
+            );
+            let bound = next(50 * p as u64);
+            let naive = host.iter().any(|&v| v < 0 || v as u64 >= bound);
+            assert_eq!(
+                any_outside(&host, bound),
+                naive,
+                "bound={bound} values={host:?}"
+            );
+        }
+    }
+
     #[test]
     fn pages_hold_checks_alignment_runs_and_the_device_end() {
         let host: Vec<i64> = (64..192).collect();
