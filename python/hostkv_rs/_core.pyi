@@ -45,8 +45,8 @@ C4_SCALES_PER_ROW: Final[int]
 
 class TransferError(ValueError, RuntimeError):
     """Bad transfer arguments; nothing was written. Structured refusals carry `kind` and, as
-    they apply, `side`, `position`, `value`, `bound`, `host_len`, `device_len`, `len`,
-    `page_size`, `page`, `layer`."""
+    they apply, `side`, `position`, `value`, `bound`, `min`, `max`, `host_len`, `device_len`,
+    `len`, `page_size`, `page`, `layer`."""
 
     kind: str
     side: str

@@ -53,6 +53,17 @@ pub enum PlanError {
         value: i64,
         bound: u64,
     },
+    /// Token-granular (C4) indices: the caller's token numbers, not the rows they map to.
+    #[error(
+        "token-granular transfer: {side} token indices must lie in [0, {bound}), got min={min}, \
+         max={max}"
+    )]
+    TokenOutOfRange {
+        side: Side,
+        min: i64,
+        max: i64,
+        bound: u64,
+    },
     /// SGLang's kernels' text.
     #[error("Source and destination indices must have the same length")]
     LengthMismatch { host: usize, device: usize },

@@ -262,6 +262,12 @@ impl<'a> IndexView<'a> {
     /// `i >= len`.
     #[inline(always)]
     pub fn get(&self, i: usize) -> i64 {
+        self.map.apply(self.raw(i))
+    }
+
+    /// Position `i`'s raw element, before the map. Panics when `i >= len`.
+    #[inline(always)]
+    pub fn raw(&self, i: usize) -> i64 {
         assert!(i < self.len, "index position {i} past {}", self.len);
         let k = self.map.raw_position(i);
         // `len` positions read raw elements below `raw_len` (`IndexMap::count`); checked again
@@ -271,15 +277,14 @@ impl<'a> IndexView<'a> {
             "raw index element {k} past {}",
             self.raw_len
         );
-        let raw = match self.width {
+        match self.width {
             // SAFETY: `k < raw_len`, and the view's `raw_len` elements are readable for `'a` (a
             // borrowed slice in `from_bytes`, the caller's promise in `from_array`); unaligned
             // reads need no alignment.
             IndexWidth::I32 => unsafe { (self.addr as *const i32).add(k).read_unaligned() as i64 },
             // SAFETY: as above, for 8-byte elements.
             IndexWidth::I64 => unsafe { (self.addr as *const i64).add(k).read_unaligned() },
-        };
-        self.map.apply(raw)
+        }
     }
 
     /// The elements as one slice when they are read as stored (int64, no map, aligned): the
@@ -303,6 +308,9 @@ impl<'a> IndexView<'a> {
 
 /// The first value of `view` outside `[0, bound)`, as the error the pools raise.
 fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
+    if view.map.rem_mul != 0 {
+        check_tokens(side, view, bound)?;
+    }
     if let Some(values) = view.plain_i64() {
         // A negative value reads as past any bound; the loop below then names the first culprit.
         if !index_scan::any_outside(values, bound) {
@@ -328,6 +336,29 @@ fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
             }
             .into());
         }
+    }
+    Ok(())
+}
+
+/// Token indices read through a C4 map (a remainder term): each page of `div` tokens maps to
+/// `mul` rows, so the tokens of `bound` rows are `[0, bound / mul * div)`. A refusal names the
+/// caller's tokens, which is all the caller knows; the row check that follows stays the bound.
+fn check_tokens(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
+    let map = view.map;
+    let tokens = bound / map.mul.max(1) as u64 * map.div.max(1) as u64;
+    let (mut min, mut max) = (i64::MAX, i64::MIN);
+    for i in 0..view.len() {
+        let t = view.raw(i);
+        (min, max) = (min.min(t), max.max(t));
+    }
+    if !view.is_empty() && (min < 0 || max as u64 >= tokens) {
+        return Err(PlanError::TokenOutOfRange {
+            side,
+            min,
+            max,
+            bound: tokens,
+        }
+        .into());
     }
     Ok(())
 }
@@ -994,6 +1025,40 @@ mod tests {
 
     trait CloneParts {
         fn clone_parts(&self) -> Parts;
+    }
+
+    #[test]
+    fn c4_token_refusals_name_the_callers_tokens() {
+        use crate::pool::c4;
+        let view_of =
+            |tokens: &[i64]| -> Vec<u8> { tokens.iter().flat_map(|t| t.to_ne_bytes()).collect() };
+        let rows = 3 * c4::VALUES_PER_ROW; // three pages of value rows: tokens [0, 192)
+        for (tokens, text) in [
+            (
+                vec![5, 192],
+                Some("host token indices must lie in [0, 192), got min=5, max=192"),
+            ),
+            (
+                vec![-1, 2],
+                Some("host token indices must lie in [0, 192), got min=-1, max=2"),
+            ),
+            (vec![0, 191], None),
+        ] {
+            let bytes = view_of(&tokens);
+            let view = IndexView::from_bytes(&bytes, IndexWidth::I64)
+                .with_map(IndexMap::C4Value)
+                .unwrap();
+            let got = check_range(Side::Host, &view, rows);
+            match text {
+                Some(t) => {
+                    assert_eq!(
+                        got.unwrap_err().to_string(),
+                        format!("token-granular transfer: {t}")
+                    )
+                }
+                None => got.unwrap(),
+            }
+        }
     }
 
     impl CloneParts for Parts {

@@ -157,7 +157,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         new_pool_lock(self)
         self.device_buffers = device_buffers
         self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
-        self._device_rows, self._device_refusal = self._device_row_counts(
+        self._device_refusal = self._device_rows_refusal(
             device_buffers, item_bytes, "device buffer"
         )
 
@@ -287,14 +287,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- construction helpers -------------------------------------------------------------
 
-    def _device_row_counts(
-        self, buffers, row_bytes: int, what: str
-    ) -> tuple[list[int], str | None]:
-        """Rows of `row_bytes` in each device buffer, and why the buffers cannot be moved as rows
-        (None where they can). Each buffer must be a tensor with storage on the pool's device;
-        one that is not contiguous whole rows is taken, as SGLang takes it (its unit tests build
-        pools over one-byte buffers), and refused by the first transfer."""
-        rows, refusal = [], None
+    def _device_rows_refusal(self, buffers, row_bytes: int, what: str) -> str | None:
+        """Why the device buffers cannot be moved as rows of `row_bytes` (None where they can).
+        Each buffer must be a tensor with storage on the pool's device; one that is not
+        contiguous whole rows is taken, as SGLang takes it (its unit tests build pools over
+        one-byte buffers), and refused by the first transfer."""
+        refusal = None
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
@@ -310,8 +308,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"{row_bytes} bytes, got shape {tuple(buf.shape)} "
                     f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
                 )
-            rows.append(nbytes // row_bytes)
-        return rows, refusal
+        return refusal
 
     def _bytes(self):
         """The page rows' memory, as the core takes it."""
@@ -418,7 +415,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name}: scale_item_bytes must be positive, got {scale_item_bytes}"
             )
         # Checked here for clear messages; the binding bounds each transfer by these rows.
-        _, refusal = self._device_row_counts(buffers, scale_item_bytes, "scale device buffer")
+        refusal = self._device_rows_refusal(buffers, scale_item_bytes, "scale device buffer")
         if refusal is not None:
             raise ValueError(refusal)
 
@@ -496,18 +493,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return self.gpu_device
         return torch.device("cpu")
 
-    def _check_token_range(self, host: torch.Tensor, dev: torch.Tensor, dev_rows: int):
-        P = self.slot_page_size
-        for name, idx, limit in (("host", host, self.num_host_pages), ("device", dev, dev_rows)):
-            if idx.is_cuda:
-                continue  # device-resident indices are bounds-checked by the kernel
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= limit * P:
-                raise ValueError(
-                    f"{self.pool_name} token-granular transfer: {name} token indices must lie "
-                    f"in [0, {limit * P}), got min={lo}, max={hi}"
-                )
-
     def _unaligned(self, host, dev) -> ValueError:
         return ValueError(
             f"{self.pool_name} expects page-aligned indices: got {host.numel()} host and "
@@ -566,7 +551,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         target = self._index_device(io_backend)
         host = as_index_array(host, target)
         dev = as_index_array(dev, target)
-        self._check_token_range(host, dev, min(self._device_rows[layer] for layer in layers))
         # The two segments of a C4 token are rows of two finer geometries over the same bytes
         # (576-byte values, 8-byte scales); the core maps each token to its row in each.
         values, scales = self._token_bindings

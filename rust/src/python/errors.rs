@@ -118,6 +118,7 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
     let kind = match e {
         T::Negative { .. } => "negative",
         T::OutOfRange { .. } => "out_of_range",
+        T::TokenOutOfRange { .. } => "token_out_of_range",
         T::LengthMismatch { .. } => "length_mismatch",
         T::PartialPage { .. } => "partial_page",
         T::LayerOutOfRange { .. } => "layer_out_of_range",
@@ -155,6 +156,17 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
             set("side", side(s)?)?;
             set("position", int(position as i128)?)?;
             set("value", int(v as i128)?)?;
+            set("bound", int(bound as i128)?)?;
+        }
+        T::TokenOutOfRange {
+            side: s,
+            min,
+            max,
+            bound,
+        } => {
+            set("side", side(s)?)?;
+            set("min", int(min as i128)?)?;
+            set("max", int(max as i128)?)?;
             set("bound", int(bound as i128)?)?;
         }
         T::LengthMismatch { host, device } => {
