@@ -10,6 +10,7 @@ import pytest
 import torch
 from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _env
 from hostkv_rs.pools import memory as _memory
+from hostkv_rs.sglang import budgets as _budgets
 
 PACKAGE = pathlib.Path(_env.__file__).parent
 
@@ -108,12 +109,12 @@ def test_a_bad_node_count_is_not_swallowed_by_ranks_per_host(monkeypatch):
 
     monkeypatch.setattr(torch, "distributed", Dist)
     monkeypatch.setenv("NNODES", "2")
-    assert _memory.ranks_per_host() == 4
+    assert _budgets.ranks_per_host() == 4
     monkeypatch.setenv("SGLANG_NNODES", "4")  # SGLang's name wins
-    assert _memory.ranks_per_host() == 2
+    assert _budgets.ranks_per_host() == 2
     monkeypatch.setenv("SGLANG_NNODES", "four")
     with pytest.raises(ValueError, match="SGLANG_NNODES='four'"):
-        _memory.ranks_per_host()
+        _budgets.ranks_per_host()
 
 
 _READS = re.compile(r"os\.environ\s*\[|os\.environ\.get|os\.getenv|environ\.get\(|getenv\(")

@@ -24,6 +24,7 @@ from hostkv_rs import (
 from hostkv_rs.pools import base
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.slots import SLOT_TABLE_BYTES
+from hostkv_rs.sglang import budgets as _budgets
 
 GiB = 1024**3
 
@@ -93,7 +94,7 @@ def test_cgroup_v2_limit_is_max_minus_current(tmp_path, monkeypatch):
     assert "memory.max" in limit.source and "memory.current" in limit.source
     _machine(monkeypatch, 100 * GiB)
     assert _memory.available_host_memory() == limit
-    assert _memory.host_memory_budget_bytes() == 12 * GiB
+    assert _budgets.host_memory_budget_bytes() == 12 * GiB
     # The machine's memory is the smaller one: it is used, and said.
     _machine(monkeypatch, 20 * GiB)
     assert _memory.available_host_memory().available == 20 * GiB
@@ -150,7 +151,7 @@ def test_cgroup_v1_limit_is_limit_minus_usage(tmp_path, monkeypatch):
     assert "cgroup v1" in limit.source and str(directory) in limit.source
     assert "memory.limit_in_bytes" in limit.source and "memory.usage_in_bytes" in limit.source
     _machine(monkeypatch, 64 * GiB)
-    assert _memory.host_memory_budget_bytes() == 2 * GiB
+    assert _budgets.host_memory_budget_bytes() == 2 * GiB
 
 
 def test_cgroup_v1_unlimited_leaves_the_machine(tmp_path, monkeypatch):

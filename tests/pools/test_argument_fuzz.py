@@ -28,6 +28,7 @@ from hostkv_rs import (
     MLATokenToKVPoolHost,
 )
 from hostkv_rs.pools import memory as _memory
+from hostkv_rs.sglang import budgets as _budgets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,7 +154,7 @@ def _bounded_memory():
     """Patches that keep a fuzzed size from allocating much: a 32 MB budget, 64 MB available."""
     stack = ExitStack()
     stack.enter_context(
-        mock.patch.object(_memory, "host_memory_budget_bytes", lambda *a, **k: 32 << 20)
+        mock.patch.object(_budgets, "host_memory_budget_bytes", lambda *a, **k: 32 << 20)
     )
     stack.enter_context(
         mock.patch.object(

@@ -17,6 +17,7 @@ from hostkv_rs import (
     MLATokenToKVPoolHost,
 )
 from hostkv_rs.pools import memory as _memory
+from hostkv_rs.sglang import budgets as _budgets
 from reference import LAYERS, make_mha, make_mla
 
 GB = 1e9
@@ -40,7 +41,7 @@ def test_ratio_sizing_adds_one_page_unconditionally():
 
 
 def test_host_size_is_decimal_gb_with_floor_division(monkeypatch):
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: 1 << 40)
     dp = MHATokenToKVPool(64, 16, torch.bfloat16, 3, 7, LAYERS)
     size_per_token = 2 * LAYERS * 3 * 7 * 2  # 420 bytes
     host = MHATokenToKVPoolHost(dp, 123.0, 0.001, 16, "layer_first")  # 1e6 bytes
@@ -91,7 +92,7 @@ def test_success_log(caplog):
 def test_memory_check_text(monkeypatch):
     dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
     requested = 144 * (2 * LAYERS * 2 * 8 * 2)  # 144 tokens x 320 bytes = 46080
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: requested - 1)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: requested - 1)
     allocations = []
     real_alloc = _memory.alloc_host_region
     monkeypatch.setattr(
@@ -113,9 +114,9 @@ def test_memory_check_text(monkeypatch):
 def test_memory_check_uses_the_budget_exactly(monkeypatch):
     dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
     requested = 144 * 16 * 2 * LAYERS
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: requested)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: requested)
     MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")  # exactly fits
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 5)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: 5)
     with pytest.raises(ValueError, match="Not enough host memory available"):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
 
@@ -127,9 +128,9 @@ def test_budget_formula(monkeypatch, tmp_path):
     monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: VM)
     # The machine running the tests may sit in a memory cgroup (core/test_faults.py covers those).
     monkeypatch.setattr(_memory, "PROC_SELF_CGROUP", str(tmp_path / "none"))
-    assert _memory.host_memory_budget_bytes() == 40 * 1024**3
-    monkeypatch.setattr(_memory, "ranks_per_host", lambda: 4)
-    assert _memory.host_memory_budget_bytes() == 10 * 1024**3
+    assert _budgets.host_memory_budget_bytes() == 40 * 1024**3
+    monkeypatch.setattr(_budgets, "ranks_per_host", lambda: 4)
+    assert _budgets.host_memory_budget_bytes() == 10 * 1024**3
 
 
 def test_mla_dcp_and_mtp_arguments_are_accepted():

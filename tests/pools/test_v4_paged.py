@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import TransferError
-from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
+from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -153,7 +153,7 @@ def test_unsupported_layout_is_refused():
 
 
 def test_memory_check_message(monkeypatch):
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 1_500_000_000)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: 1_500_000_000)
     dev = [torch.zeros((2, 1000), dtype=torch.uint8) for _ in range(3)]
     with pytest.raises(ValueError) as e:
         DeepSeekV4PagedHostPool("c128_kv", dev, 1000, 1_000_000, 4)
@@ -162,7 +162,7 @@ def test_memory_check_message(monkeypatch):
         "Requesting 3.00 GB but only have 1.50 GB free."
     )
     # exactly at the budget is allowed (requested = L * Nh * item_bytes)
-    monkeypatch.setattr(_memory, "host_memory_budget_bytes", lambda: 3 * 4 * 1000)
+    monkeypatch.setattr(_budgets, "host_memory_budget_bytes", lambda: 3 * 4 * 1000)
     pool = DeepSeekV4PagedHostPool("c128_kv", dev, 1000, 4, 4)
     assert pool.size == 16
 

@@ -10,7 +10,6 @@ The allocator and helpers only read `size`, `page_size`, `lock`, `device` and th
 from __future__ import annotations
 
 import abc
-import inspect
 import logging
 import os
 import threading
@@ -37,12 +36,11 @@ from hostkv_rs.pools.device_side import (
 )
 from hostkv_rs.pools.indices import check_storage
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
 from hostkv_rs.sglang import sources as _sources
 
 logger = logging.getLogger(__name__)
-
-HICACHE_HOST_MEMORY_RESERVE_BYTES = _memory.HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 # Storage backends whose own allocator owns the host memory in SGLang. With SGLang installed the
 # release's `get_allocator_from_storage` makes it and the pool adopts its memory; without SGLang
@@ -106,88 +104,31 @@ def _check_slot_device(device) -> None:
         raise ValueError(f"device={device!r} cannot hold the pool's slot state: {exc}") from None
 
 
-def sync_fixed_hicache_size(size: int, host_size) -> int:
-    """MIN-reduce a fixed-size (`--hicache-size`) token capacity over SGLang's PP group, so every
-    pipeline stage exposes the same host capacity. A no-op outside a distributed SGLang run."""
-    if host_size <= 0:
-        return size
-    try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return size
-        from sglang.srt.distributed.parallel_state import get_pp_group
-
-        pp_group = get_pp_group()
-    except (ImportError, AssertionError):
-        return size
-    if pp_group.world_size <= 1:
-        return size
-    # A size past int64 cannot fit any host; the memory check refuses it after the reduce.
-    tensor = torch.tensor(min(size, 2**63 - 1), dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=pp_group.cpu_group)
-    synced = int(tensor.item())
-    if synced == 2**63 - 1:
-        synced = size
-    if synced != size:
-        logger.info("Sync fixed-size HiCache host token capacity from %d to %d.", size, synced)
-    return synced
-
-
-def ranks_per_host() -> int:
-    """Ranks of this job on this machine (SGLang's `base.ranks_per_host`)."""
-    return _memory.ranks_per_host()
-
-
 def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
-    """Host RAM this rank may claim for a HiCache pool: (available - 10 GiB) // ranks_per_host(),
-    booked against a budget scope when one is active (SGLang 0.5.21+). Kept under SGLang's name
-    in this module, so code that patches `base.host_memory_budget_bytes` (as SGLang's tests do)
-    steers the check; it defers to `_memory` so patching that module works as well."""
-    budget = _memory.host_memory_budget_bytes
-    if _takes_arguments(budget):
-        return budget(requested_bytes, auto_size=auto_size)
-    return budget()  # a hook patched with SGLang <= 0.5.20's signature
+    """Host RAM this rank may claim for a HiCache pool (`hostkv_rs.sglang.budgets`). Kept under
+    SGLang's name in this module, so code that patches `base.host_memory_budget_bytes` (as
+    SGLang's tests do) steers the check; it defers to the budgets module's function at call
+    time, so patching that one works as well."""
+    return _budgets.call_budget(
+        _budgets.host_memory_budget_bytes, requested_bytes, auto_size=auto_size
+    )
 
 
-host_memory_budget_scope = _memory.host_memory_budget_scope
+host_memory_budget_scope = _budgets.host_memory_budget_scope
 _DEFAULT_BUDGET = host_memory_budget_bytes
 
 
 def host_memory_budget_and_source(requested_bytes: int = 0) -> tuple[int, str | None]:
-    """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
-    for the source when a caller patched the budget function (its figure is all there is)."""
-    budget = host_memory_budget_bytes
-    if budget is _DEFAULT_BUDGET and _memory.host_memory_budget_bytes is (
-        _memory.default_budget_bytes
-    ):
-        return _memory.host_memory_budget(requested_bytes)
-    return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
-
-
-def budget_source_text(source: str | None) -> str:
-    """The sentence a memory refusal appends after SGLang's text: which limit set the budget."""
-    return f" The budget is {source}." if source else ""
-
-
-def _takes_arguments(func) -> bool:
-    try:
-        return bool(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
-        return True
+    """The host budget through this module's (possibly patched) `host_memory_budget_bytes`,
+    and where it came from (None when a caller patched it)."""
+    return _budgets.budget_and_source(host_memory_budget_bytes, _DEFAULT_BUDGET, requested_bytes)
 
 
 def check_host_memory(requested_bytes: int) -> int:
     """Raise SGLang's ValueError when `requested_bytes` exceeds the host budget; returns the
-    budget. The budget function is looked up at call time so tests can patch it; a patched
-    function that takes no argument (SGLang <= 0.5.20's signature) still works."""
+    budget."""
     available_bytes, source = host_memory_budget_and_source(requested_bytes)
-    if requested_bytes > available_bytes:
-        raise ValueError(
-            f"Not enough host memory available. Requesting {_memory.gb(requested_bytes)} GB but "
-            f"only have {_memory.gb(available_bytes)} GB free. Please reduce the size of the "
-            f"hierarchical cache.{budget_source_text(source)}"
-        )
+    _budgets.check_host_memory(requested_bytes, available_bytes, source)
     return available_bytes
 
 
@@ -485,7 +426,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         if host_size > 0:
             host_bytes = finite_product("host_size", host_size, 1e9, "the size in bytes")
             size = int(host_bytes // self.size_per_token)
-            size = sync_fixed_hicache_size(size, host_size)
+            size = _budgets.sync_fixed_hicache_size(size, host_size)
         else:
             ratio = finite_number(
                 "host_to_device_ratio", host_to_device_ratio, "a finite non-negative number"

@@ -1,12 +1,11 @@
-"""Host memory for the pools: the budget check and Rust-owned buffers viewed as torch tensors."""
+"""Host memory for the pools: how much there is (machine and cgroup), the check that a pool's
+allocations fit, and Rust-owned buffers viewed as torch tensors. SGLang's HiCache budget is
+`hostkv_rs.sglang.budgets`."""
 
 from __future__ import annotations
 
 import importlib
 import logging
-import sys
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import psutil
@@ -16,27 +15,8 @@ from hostkv_rs import _core, _env
 
 logger = logging.getLogger(__name__)
 
-# SGLang keeps 10 GiB (binary) of host memory out of every HiCache budget.
-HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
 # Largest single cudaHostRegister call, as SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB (default 256 GiB).
 _DEFAULT_CHUNK_GB = 256
-
-
-def ranks_per_host() -> int:
-    """Ranks that share this host's memory: world_size // nnodes when torch.distributed runs."""
-    try:
-        import torch.distributed as dist
-
-        distributed = dist.is_available() and dist.is_initialized()
-        world = dist.get_world_size() if distributed else 1
-    except (RuntimeError, ValueError, ImportError) as exc:
-        # A half-initialised process group must not break pool construction.
-        logger.debug("ranks_per_host: no usable process group (%s)", exc)
-        return 1
-    if world <= 1:
-        return 1
-    # Outside the try: a bad SGLANG_NNODES is the user's to fix, not a missing process group.
-    return max(world // _env.nnodes(), 1)
 
 
 # ---- how much host memory there is -------------------------------------------------------------
@@ -99,62 +79,6 @@ def check_allocations_fit(what: str, parts: dict[str, int]) -> None:
             f"only {gb(limit.available)} GB is available ({limit.source}). Please reduce "
             f"the size of the hierarchical cache."
         )
-
-
-_budget_scope: ContextVar[int | None] = ContextVar("hostkv_host_memory_budget", default=None)
-
-
-@contextmanager
-def host_memory_budget_scope(budget_bytes: int):
-    """Book every pool built inside against one budget instead of re-reading psutil (SGLang
-    0.5.21+ `host_memory_budget_scope`)."""
-    token = _budget_scope.set(budget_bytes)
-    try:
-        yield
-    finally:
-        _budget_scope.reset(token)
-
-
-def _sglang_scope_budget(requested_bytes: int) -> int | None:
-    """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
-    against one snapshot), book there too, as SGLang's pools do."""
-    base = sys.modules.get("sglang.srt.mem_cache.pool_host.base")
-    scope = getattr(base, "_host_memory_budget", None)
-    if scope is None or scope.get() is None:
-        return None
-    return base.host_memory_budget_bytes(requested_bytes)
-
-
-def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
-    """Host RAM this rank may claim: (available - 10 GiB) split across the ranks on this host,
-    where available is the smaller of the machine's and its memory cgroup's. Inside a budget
-    scope (ours or SGLang's) the request is booked against the scope when it fits, and the
-    allowance before booking is returned, as SGLang 0.5.21+ does."""
-    return host_memory_budget(requested_bytes)[0]
-
-
-def host_memory_budget(requested_bytes: int = 0) -> tuple[int, str]:
-    """`host_memory_budget_bytes` and the words saying where it came from (for a refusal)."""
-    available = _budget_scope.get()
-    if available is not None:
-        if requested_bytes <= available:
-            _budget_scope.set(available - requested_bytes)
-        return available, "the budget left in host_memory_budget_scope"
-    booked = _sglang_scope_budget(requested_bytes)
-    if booked is not None:
-        return booked, "the budget left in SGLang's host memory budget scope"
-    memory = available_host_memory()
-    ranks = ranks_per_host()
-    budget = (memory.available - HICACHE_HOST_MEMORY_RESERVE_BYTES) // ranks
-    source = f"{memory.source}, {gb(memory.available)} GB, less the 10 GiB reserve" + (
-        f", split over {ranks} ranks on this host" if ranks > 1 else ""
-    )
-    return budget, source
-
-
-# The unpatched budget, so a check knows when it may say where the budget came from (tests and
-# SGLang's own tests patch `host_memory_budget_bytes` with plain functions).
-default_budget_bytes = host_memory_budget_bytes
 
 
 def register_chunk_limit_bytes() -> int:

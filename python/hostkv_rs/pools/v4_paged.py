@@ -26,6 +26,7 @@ from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.pools.indices import as_index_array, check_storage
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
+from hostkv_rs.sglang.budgets import budget_source_text
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +164,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
         requested_bytes = self.layer_num * num_host_pages * item_bytes
         # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
-        # `base.host_memory_budget_bytes` (or `_memory`'s) steers this check too. SGLang books
+        # `base.host_memory_budget_bytes` (or `budgets`') steers this check too. SGLang books
         # nothing here (it passes no request).
         available_bytes, source = pool_host_base.host_memory_budget_and_source()
         if requested_bytes > available_bytes:
             raise ValueError(
                 f"Not enough host memory for V4 paged pool {pool_name}. "
                 f"Requesting {_memory.gb(requested_bytes)} GB but only have "
-                f"{_memory.gb(available_bytes)} GB free.{pool_host_base.budget_source_text(source)}"
+                f"{_memory.gb(available_bytes)} GB free.{budget_source_text(source)}"
             )
         # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
         # a staging buffer on a CPU device count against the memory there is as well.

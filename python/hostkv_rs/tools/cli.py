@@ -557,7 +557,7 @@ def info_lines() -> list[str]:
 def memory_text() -> str:
     import psutil
 
-    from hostkv_rs.pools.memory import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
     from hostkv_rs.tools.demo import available_memory
 
     available, source = available_memory()

@@ -89,7 +89,7 @@ def check_memory(cfg: DemoConfig) -> None:
     """Refuse, before anything is allocated, a demo this machine cannot hold: otherwise torch's
     allocator fails deep inside the device pool (or the OOM killer ends the process) instead of
     an error that says what was asked for and what there is."""
-    from hostkv_rs.pools.memory import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
 
     device, host = demo_bytes(cfg)
     available, source = available_memory()

@@ -1,0 +1,167 @@
+"""SGLang's host-memory budget for HiCache pools: (available - 10 GiB) split over the ranks on
+this host, booked against a budget scope when one is active (SGLang 0.5.21+), the
+fixed-size capacity agreed over SGLang's pipeline-parallel group, and SGLang's refusal text.
+
+The pools call these with the budget function they look up at call time
+(`hostkv_rs.pools.base.host_memory_budget_bytes`, SGLang's name in `pool_host.base`), so a test
+that patches that name, or `host_memory_budget_bytes` here, steers every check.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from hostkv_rs import _env
+from hostkv_rs.pools import memory as _memory
+
+logger = logging.getLogger(__name__)
+
+# SGLang keeps 10 GiB (binary) of host memory out of every HiCache budget.
+HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
+
+
+def ranks_per_host() -> int:
+    """Ranks that share this host's memory: world_size // nnodes when torch.distributed runs."""
+    try:
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+    except (RuntimeError, ValueError, ImportError) as exc:
+        # A half-initialised process group must not break pool construction.
+        logger.debug("ranks_per_host: no usable process group (%s)", exc)
+        return 1
+    if world <= 1:
+        return 1
+    # Outside the try: a bad SGLANG_NNODES is the user's to fix, not a missing process group.
+    return max(world // _env.nnodes(), 1)
+
+
+_budget_scope: ContextVar[int | None] = ContextVar("hostkv_host_memory_budget", default=None)
+
+
+@contextmanager
+def host_memory_budget_scope(budget_bytes: int):
+    """Book every pool built inside against one budget instead of re-reading psutil (SGLang
+    0.5.21+ `host_memory_budget_scope`)."""
+    token = _budget_scope.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _budget_scope.reset(token)
+
+
+def _sglang_scope_budget(requested_bytes: int) -> int | None:
+    """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
+    against one snapshot), book there too, as SGLang's pools do."""
+    base = sys.modules.get("sglang.srt.mem_cache.pool_host.base")
+    scope = getattr(base, "_host_memory_budget", None)
+    if scope is None or scope.get() is None:
+        return None
+    return base.host_memory_budget_bytes(requested_bytes)
+
+
+def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """Host RAM this rank may claim: (available - 10 GiB) split across the ranks on this host,
+    where available is the smaller of the machine's and its memory cgroup's. Inside a budget
+    scope (ours or SGLang's) the request is booked against the scope when it fits, and the
+    allowance before booking is returned, as SGLang 0.5.21+ does."""
+    return host_memory_budget(requested_bytes)[0]
+
+
+def host_memory_budget(requested_bytes: int = 0) -> tuple[int, str]:
+    """`host_memory_budget_bytes` and the words saying where it came from (for a refusal)."""
+    available = _budget_scope.get()
+    if available is not None:
+        if requested_bytes <= available:
+            _budget_scope.set(available - requested_bytes)
+        return available, "the budget left in host_memory_budget_scope"
+    booked = _sglang_scope_budget(requested_bytes)
+    if booked is not None:
+        return booked, "the budget left in SGLang's host memory budget scope"
+    memory = _memory.available_host_memory()
+    ranks = ranks_per_host()
+    budget = (memory.available - HICACHE_HOST_MEMORY_RESERVE_BYTES) // ranks
+    source = f"{memory.source}, {_memory.gb(memory.available)} GB, less the 10 GiB reserve" + (
+        f", split over {ranks} ranks on this host" if ranks > 1 else ""
+    )
+    return budget, source
+
+
+# The unpatched budget, so a check knows when it may say where the budget came from (tests and
+# SGLang's own tests patch `host_memory_budget_bytes` with plain functions).
+default_budget_bytes = host_memory_budget_bytes
+
+
+def call_budget(budget, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """Call a budget function, the one here or one patched in with SGLang <= 0.5.20's
+    signature (no arguments)."""
+    if _takes_arguments(budget):
+        return budget(requested_bytes, auto_size=auto_size)
+    return budget()
+
+
+def budget_and_source(budget, default, requested_bytes: int = 0) -> tuple[int, str | None]:
+    """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
+    for the source when a caller patched a budget function (its figure is all there is).
+    `budget` is the pool module's function at call time, `default` its unpatched one."""
+    module = sys.modules[__name__]
+    if budget is default and module.host_memory_budget_bytes is default_budget_bytes:
+        return host_memory_budget(requested_bytes)
+    return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
+
+
+def budget_source_text(source: str | None) -> str:
+    """The sentence a memory refusal appends after SGLang's text: which limit set the budget."""
+    return f" The budget is {source}." if source else ""
+
+
+def _takes_arguments(func) -> bool:
+    try:
+        return bool(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return True
+
+
+def check_host_memory(requested_bytes: int, available_bytes: int, source: str | None) -> None:
+    """SGLang's ValueError when `requested_bytes` exceeds the host budget."""
+    if requested_bytes > available_bytes:
+        raise ValueError(
+            f"Not enough host memory available. Requesting {_memory.gb(requested_bytes)} GB but "
+            f"only have {_memory.gb(available_bytes)} GB free. Please reduce the size of the "
+            f"hierarchical cache.{budget_source_text(source)}"
+        )
+
+
+def sync_fixed_hicache_size(size: int, host_size) -> int:
+    """MIN-reduce a fixed-size (`--hicache-size`) token capacity over SGLang's PP group, so every
+    pipeline stage exposes the same host capacity. A no-op outside a distributed SGLang run."""
+    if host_size <= 0:
+        return size
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return size
+        from sglang.srt.distributed.parallel_state import get_pp_group
+
+        pp_group = get_pp_group()
+    except (ImportError, AssertionError):
+        return size
+    if pp_group.world_size <= 1:
+        return size
+    # A size past int64 cannot fit any host; the memory check refuses it after the reduce.
+    tensor = torch.tensor(min(size, 2**63 - 1), dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=pp_group.cpu_group)
+    synced = int(tensor.item())
+    if synced == 2**63 - 1:
+        synced = size
+    if synced != size:
+        logger.info("Sync fixed-size HiCache host token capacity from %d to %d.", size, synced)
+    return synced
