@@ -1286,6 +1286,49 @@ def test_an_unpin_the_driver_makes_wait_for_someone_elses_kernel_is_bounded(mock
     )
 
 
+def test_an_unpin_after_an_unrecorded_event_waits_for_the_device_but_boundedly(mock_dir):
+    # When no event could be recorded behind a transfer into a region, unpinning it waits for
+    # all work of the device instead (cuCtxSynchronize), which a kernel spinning on a dead peer
+    # holds forever. That wait is bounded like the others: destroy() gets an error after the
+    # timeout and the memory stays pinned and mapped; once the device drains, it unpins.
+    out = run_scenario(
+        mock_dir,
+        """
+        import time
+        s, nccl = m.mock_stream_create(0), m.mock_stream_create(0)
+        pool = Pool("page_first", [64], backup=True)
+        try:
+            pool.run("kernel", np.arange(5), np.arange(5), s)
+        except RuntimeError as e:
+            print("transfer:", e)
+        m.mock_enqueue_hang(nccl)       # someone else's kernel, never finishing
+        t0 = time.monotonic()
+        try:
+            pool.region.unregister_cuda()
+        except RuntimeError as e:
+            assert "wait for all work of device 0 has not returned" in str(e), e
+            assert "stays pinned and mapped" in str(e), e
+        else:
+            raise AssertionError("an unpin behind a hung device wait returned success")
+        assert time.monotonic() - t0 < 5, "the device-wide wait was not bounded"
+        assert pool.region.pinned
+        m.mock_unhang()                 # the peer came back
+        deadline = time.monotonic() + 5
+        while pool.region.pinned and time.monotonic() < deadline:
+            try:
+                pool.region.unregister_cuda()
+            except RuntimeError:
+                time.sleep(0.05)
+        assert not pool.region.pinned, "the region was not unpinned once the device drained"
+        """,
+        MOCK_EVENT_RECORD_FAIL=1,
+        MOCK_SYNC_WAITS_ALL=1,
+        MOCK_PROGRESS_ON_QUERY=1,
+        HOSTKV_UNREGISTER_TIMEOUT_S=0.5,
+    )
+    print(out)
+
+
 def test_a_libcuda_so_that_is_not_the_system_driver_is_refused_before_anything_loads_it(
     mock_dir, tmp_path
 ):

@@ -38,6 +38,8 @@
 // Knobs (environment): MOCK_CUDA_VERSION (default 13000), MOCK_DEVICES (1), MOCK_INIT_RC (0),
 // MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_MAX_BYTES,
 // MOCK_UNREGISTER_WAITS_ALL (cuMemHostUnregister waits for all work, hung kernels included),
+// MOCK_SYNC_WAITS_ALL (cuCtxSynchronize blocks behind a hung kernel instead of flagging it),
+// MOCK_EVENT_RECORD_FAIL (cuEventRecord fails),
 // MOCK_BATCH_UNSUPPORTED, MOCK_JIT_FAIL, MOCK_LAZY_JIT_FAIL (the library loads, the JIT fails in
 // cuKernelGetFunction without a log; an eager cuModuleLoadDataEx fails with one), MOCK_PROGRESS_ON_QUERY, MOCK_ENQUEUE_DELAY_US (sleep
 // before each launch/copy is queued: widens race windows), MOCK_ALLOW_GIL. The test reads
@@ -736,8 +738,23 @@ API int cuCtxGetDevice(int* dev) {
     return OK;
 }
 
+bool any_hung();
+
 API int cuCtxSynchronize() {
     blocking("cuCtxSynchronize");
+    if (env_int("MOCK_SYNC_WAITS_ALL", 0)) {
+        // As a driver does: the call blocks for as long as a hung kernel anywhere does (the lock
+        // is not held, so mock_unhang can end it).
+        for (;;) {
+            {
+                LOCK;
+                if (!any_hung()) {
+                    break;
+                }
+            }
+            usleep(1000);
+        }
+    }
     LOCK;
     NEED_CTX;
     if (any_capture()) {
@@ -1145,6 +1162,9 @@ API int cuEventDestroy_v2(Event* e) {
 API int cuEventRecord(Event* e, uint64_t stream) {
     LOCK;
     NEED_CTX;
+    if (env_int("MOCK_EVENT_RECORD_FAIL", 0)) {
+        return E_INVALID_VALUE;
+    }
     if (e->ctx != current()) {
         violate("cuEventRecord of an event of another context");
         return E_INVALID_HANDLE;

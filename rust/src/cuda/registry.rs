@@ -297,6 +297,31 @@ fn wait_events(events: &[(usize, c_int)], deadline: Instant) -> Result<usize> {
     }
 }
 
+/// Waits for all work of `device` (`cuCtxSynchronize`), but no longer than `deadline`: the
+/// wait runs on a helper thread, since a kernel spinning on a dead peer would hold it forever.
+/// False when the deadline passed first; the helper then returns whenever the driver does.
+fn synchronize_within(device: c_int, deadline: Instant) -> Result<bool> {
+    let (done, wait) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("hostkv-sync".into())
+        .spawn(move || {
+            // The receiver is gone once the deadline passed; the result is then nobody's.
+            let _ = done.send(probe::synchronize_device(device));
+        })
+        .map_err(|e| {
+            Error::cuda(format!(
+                "could not start the thread that waits for device {device}: {e}"
+            ))
+        })?;
+    match wait.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(result) => result.map(|()| true),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Ok(false),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Error::cuda(format!(
+            "the thread waiting for device {device} ended without an answer"
+        ))),
+    }
+}
+
 fn unregister_chunk(c: &Chunk) -> Result<()> {
     let _scope = probe::bind_device(c.device)?;
     // SAFETY: `c.base` is the base of a range registered by `register`.
@@ -405,7 +430,12 @@ fn remove_locked(r: &Region, base: u64, limit: Duration, deadline: Instant) -> R
             "an event could not be recorded behind a transfer into {base:#x}; waiting for all \
              work of device {device} before unpinning it"
         ));
-        probe::synchronize_device(device)?;
+        if !synchronize_within(device, deadline)? {
+            return Err(give_up(format!(
+                "an event could not be recorded behind a transfer into it, and the wait for all \
+                 work of device {device} has not returned"
+            )));
+        }
     }
     // Nothing queued touches the region any more, and nothing new can be (closing). Some drivers
     // make cuMemHostUnregister wait for all work of the device, ours or not (an NCCL kernel
