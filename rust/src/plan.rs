@@ -340,27 +340,42 @@ fn check_range(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
     Ok(())
 }
 
-/// Token indices read through a C4 map (a remainder term): each page of `div` tokens maps to
-/// `mul` rows, so the tokens of `bound` rows are `[0, bound / mul * div)`. A refusal names the
-/// caller's tokens, which is all the caller knows; the row check that follows stays the bound.
+/// Token indices read through a C4 map (a remainder term): a token whose row falls outside
+/// `[0, bound)` is refused in the caller's terms, its tokens and the tokens those rows hold,
+/// which is all the caller knows.
 fn check_tokens(side: Side, view: &IndexView<'_>, bound: u64) -> Result<()> {
-    let map = view.map;
-    let tokens = bound / map.mul.max(1) as u64 * map.div.max(1) as u64;
-    let (mut min, mut max) = (i64::MAX, i64::MIN);
+    let (mut min, mut max, mut outside) = (i64::MAX, i64::MIN, false);
     for i in 0..view.len() {
-        let t = view.raw(i);
+        let (t, row) = (view.raw(i), view.get(i));
         (min, max) = (min.min(t), max.max(t));
+        outside |= row < 0 || row as u64 >= bound;
     }
-    if !view.is_empty() && (min < 0 || max as u64 >= tokens) {
+    if outside {
         return Err(PlanError::TokenOutOfRange {
             side,
             min,
             max,
-            bound: tokens,
+            bound: token_bound(&view.map, bound),
         }
         .into());
     }
     Ok(())
+}
+
+/// How many tokens `bound` rows hold under a C4 map: each page of `div` tokens maps to `mul`
+/// rows, token `r` of a page to row `r * rem_mul + add` of it, so whole pages hold `div` each
+/// and a last partial page the tokens whose row it still has.
+fn token_bound(map: &MapParams, bound: u64) -> u64 {
+    let (div, mul) = (map.div.max(1) as u64, map.mul.max(1) as u64);
+    let (rem_mul, add) = (map.rem_mul.max(1) as u64, map.add.max(0) as u64);
+    let whole = bound / mul;
+    let left = bound - whole * mul;
+    let partial = if left > add {
+        (left - add).div_ceil(rem_mul).min(div)
+    } else {
+        0
+    };
+    whole * div + partial
 }
 
 /// A page-block copy moves whole pages: `P` host slots starting at a page boundary and `P`
@@ -1049,6 +1064,29 @@ mod tests {
                 .with_map(IndexMap::C4Value)
                 .unwrap();
             let got = check_range(Side::Host, &view, rows);
+            match text {
+                Some(t) => {
+                    assert_eq!(
+                        got.unwrap_err().to_string(),
+                        format!("token-granular transfer: {t}")
+                    )
+                }
+                None => got.unwrap(),
+            }
+        }
+        // Rows that end inside a page hold the tokens whose rows they have (4 rows: 4 tokens).
+        for (tokens, text) in [
+            (vec![0, 3], None),
+            (
+                vec![1, 4],
+                Some("host token indices must lie in [0, 4), got min=1, max=4"),
+            ),
+        ] {
+            let bytes = view_of(&tokens);
+            let view = IndexView::from_bytes(&bytes, IndexWidth::I64)
+                .with_map(IndexMap::C4Value)
+                .unwrap();
+            let got = check_range(Side::Host, &view, 4);
             match text {
                 Some(t) => {
                     assert_eq!(
