@@ -24,6 +24,7 @@ VARIABLES = {
     "SGLANG_NNODES": "nodes of the job (host memory is split over the ranks of one node)",
     "NNODES": "nodes of the job, when SGLANG_NNODES is unset",
     "HOSTKV_RS_SGLANG": "serve SGLang's host pools in every process (hostkv_rs.launch)",
+    "HOSTKV_PAGE_DIGEST": "debug check: a load refuses a host page changed since its backup",
 }
 
 # Linux numbers NUMA nodes below MAX_NUMNODES (at most 1 << 10).
@@ -155,3 +156,9 @@ def sglang_switch() -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     raise _refuse("HOSTKV_RS_SGLANG", value, "one of 1, true, yes, on, 0, false, no, off, or unset")
+
+
+def page_digest() -> bool:
+    """HOSTKV_PAGE_DIGEST: backups digest the host pages they write and loads verify them (a
+    debugging aid for silent host-memory corruption; off by default)."""
+    return flag("HOSTKV_PAGE_DIGEST")

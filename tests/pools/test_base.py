@@ -294,3 +294,71 @@ def test_layer_sharded_mha_skips_layers_it_does_not_own():
     for i in range(4):
         filled = bool((dp.k_buffer[i][16:32].view(torch.uint8) == 9).all())
         assert filled == (i >= 2), i
+
+
+# ---- HOSTKV_PAGE_DIGEST: backups digest the pages they write, loads verify them
+
+
+def _digest_pool(kind: str, layout: str):
+    if kind == "mha":
+        dev = MHATokenToKVPool(64, 4, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+        return dev, MHATokenToKVPoolHost(dev, 2.0, 0, 4, layout), dev.k_buffer
+    dev = MLATokenToKVPool(64, 4, torch.bfloat16, kv_lora_rank=8, qk_rope_head_dim=4, layer_num=3)
+    return dev, MLATokenToKVPoolHost(dev, 2.0, 0, 4, layout), dev.kv_buffer
+
+
+@pytest.mark.parametrize(
+    "kind, layout",
+    [
+        ("mha", "layer_first"),
+        ("mha", "page_first"),
+        ("mha", "page_head"),
+        ("mha", "page_first_direct"),
+        ("mla", "layer_first"),
+        ("mla", "page_first_direct"),
+    ],
+)
+def test_page_digests_refuse_a_load_of_a_page_changed_since_its_backup(monkeypatch, kind, layout):
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
+    dev, host, layers = _digest_pool(kind, layout)
+    backend = "direct" if layout == "page_first_direct" else "kernel"
+    h, d = host.alloc(8), torch.arange(4, 12)
+    for t in layers:
+        t.normal_()
+    host.backup_from_device_all_layer(dev, h, d, backend)
+    host.load_to_device_per_layer(dev, h, d, 1, backend)  # unchanged: loads
+    page = host.get_data_page(int(h[4]), flat=False)
+    page[(0,) * page.dim()] += 1  # one element of the page's first row, in host memory
+    before = [t.clone() for t in layers]
+    # A batch is verified at its first load (layer after layer share one index tensor): this is
+    # the next batch, with its own.
+    h = h.clone()
+    with pytest.raises(RuntimeError, match=r"host page \d+ \(slots \[\d+, \d+\)\) changed since"):
+        host.load_to_device_per_layer(dev, h, d, 1, backend)
+    assert all(torch.equal(t, b) for t, b in zip(layers, before)), "a refused load moved bytes"
+    host.load_to_device_per_layer(dev, h[:4], d[:4], 1, backend)  # the other page still loads
+    # A new backup of the page, or a flat page written over it, is the page's new content.
+    host.backup_from_device_all_layer(dev, h, d, backend)
+    host.load_to_device_per_layer(dev, h, d, 1, backend)
+    flat = torch.zeros(host.get_dummy_flat_data_page().numel(), dtype=torch.bfloat16)
+    host.set_from_flat_data_page(int(h[4]), flat)
+    host.load_to_device_per_layer(dev, h, d, 1, backend)
+    # The layers of one batch after the first are not hashed again.
+    host.backup_from_device_all_layer(dev, h, d, backend)
+    host.load_to_device_per_layer(dev, h, d, 0, backend)
+    host.get_data_page(int(h[4]), flat=False)[(0,) * page.dim()] += 1
+    host.load_to_device_per_layer(dev, h, d, 1, backend)
+    with pytest.raises(RuntimeError, match="changed since its backup"):
+        host.load_to_device_per_layer(dev, h.clone(), d, 0, backend)
+
+
+def test_page_digests_are_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
+    dev, host, _ = _digest_pool("mha", "page_first")
+    assert host._page_digests is None and "_load_planes" not in vars(host)
+    h, d = host.alloc(4), torch.arange(4, 8)
+    host.backup_from_device_all_layer(dev, h, d, "kernel")
+    host.get_data_page(int(h[0]), flat=False)[(0,) * 5] += 1
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")  # not checked: loads what is there
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "maybe")
+    with pytest.raises(ValueError, match="HOSTKV_PAGE_DIGEST='maybe'"):
+        _digest_pool("mha", "page_first")

@@ -273,6 +273,34 @@ impl PyHostPool {
         self.spec.as_ref().map(|s| s.clone_ref(py))
     }
 
+    /// XXH3-128 of each page's bytes, taken over the pieces `page_meta` lists for it, hashed
+    /// without the GIL: the debug check that a host page did not change between its backup and a
+    /// load (`HOSTKV_PAGE_DIGEST`). `indices` as `page_meta` takes them. The caller keeps those
+    /// pages unchanged during the call (a page written meanwhile hashes as a change).
+    fn page_digests(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Vec<u128>> {
+        let spec = &self.spec_of("page_digests")?.spec;
+        let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
+        let (ptrs, sizes) = spec
+            .page_meta(&self.geom.plane_base, &starts)
+            .map_err(|e| to_py(py, e))?;
+        let per_page = ptrs.len().checked_div(starts.len()).unwrap_or(0).max(1);
+        let pieces: Vec<(u64, u64)> = ptrs.into_iter().zip(sizes).collect();
+        Ok(py.detach(|| {
+            pieces
+                .chunks(per_page)
+                .map(|page| {
+                    crate::digest::digest128(page.iter().map(|&(ptr, len)| {
+                        // SAFETY: `page_meta` places every piece inside this pool's planes
+                        // (validated page starts, the spec's arithmetic); `self` holds the
+                        // memory's owners for the call, and the caller keeps the bytes
+                        // unchanged (documented above).
+                        unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) }
+                    }))
+                })
+                .collect()
+        }))
+    }
+
     /// `get_page_buffer_meta`: (pointers, sizes) into this pool's planes for the pages
     /// `indices` lists (every page's first slot; logical slots under DCP).
     fn page_meta(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<(Vec<u64>, Vec<u64>)> {
