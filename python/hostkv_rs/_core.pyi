@@ -246,6 +246,7 @@ class PoolSpec:
         dcp_rank: int | None = None,
         name: str = "",
         head_group_num: int | None = None,
+        release: tuple[int, int, int] | None = None,
     ) -> PoolSpec: ...
     def shape(self, plane: int) -> list[int]: ...
     @property

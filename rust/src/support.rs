@@ -132,6 +132,12 @@ const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend)] = &[
     (V4Paged, LayerFirst, Io::KernelAscend, Tokens, Backend::Direct),
 ];
 
+/// Layouts not every supported SGLang release builds, with the first release that does.
+const INTRODUCED: &[(&str, Release)] = &[("page_unified", (0, 5, 23))];
+
+/// An SGLang release, `(major, minor, patch)`.
+pub type Release = (u32, u32, u32);
+
 /// The layout a pool of `kind` is built with, or SGLang's construction refusal. A layout
 /// SGLang serves and hostkv_rs does not ([`handed_back`]) is refused here too: only install()'s
 /// hand-over reaches SGLang's class for it.
@@ -141,12 +147,28 @@ pub fn build(kind: PoolKind, layout: &str) -> Result<Layout> {
         .any(|&(k, l, b)| k == kind && l == layout && b == Build::Ours);
     match Layout::parse(layout) {
         Ok(parsed) if ours => Ok(parsed),
-        _ if kind == AsymmetricMha => Err(Error::unsupported(format!(
+        _ => Err(refused_layout(kind, layout)),
+    }
+}
+
+/// [`build`] as the SGLang `release` a caller follows does it: a layout that release does not
+/// have yet gets its construction refusal (None: the newest release).
+pub fn build_in(kind: PoolKind, layout: &str, release: Option<Release>) -> Result<Layout> {
+    let parsed = build(kind, layout)?;
+    match (release, INTRODUCED.iter().find(|&&(l, _)| l == layout)) {
+        (Some(release), Some(&(_, first))) if release < first => Err(refused_layout(kind, layout)),
+        _ => Ok(parsed),
+    }
+}
+
+fn refused_layout(kind: PoolKind, layout: &str) -> Error {
+    if kind == AsymmetricMha {
+        return Error::unsupported(format!(
             "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \
              'page_first' or 'page_first_direct'."
-        ))),
-        _ => Err(Error::unsupported(format!("Unsupported layout: {layout}"))),
+        ));
     }
+    Error::unsupported(format!("Unsupported layout: {layout}"))
 }
 
 /// Layouts SGLang's own class of `kind` serves and hostkv_rs does not.
@@ -271,6 +293,27 @@ fn refusal(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn releases_before_page_unified_refuse_it_with_their_text() {
+        for kind in [Mha, Mla] {
+            for release in [(0, 5, 18), (0, 5, 21), (0, 5, 22)] {
+                let e = build_in(kind, "page_unified", Some(release)).unwrap_err();
+                assert_eq!(e.to_string(), "Unsupported layout: page_unified");
+                assert_eq!(
+                    build_in(kind, "page_first", Some(release)).unwrap(),
+                    PageFirst
+                );
+            }
+            for release in [Some((0, 5, 23)), Some((0, 6, 0)), None] {
+                assert_eq!(
+                    build_in(kind, "page_unified", release).unwrap(),
+                    PageUnified
+                );
+            }
+        }
+    }
+
     use super::*;
 
     const KINDS: [PoolKind; 4] = [Mha, AsymmetricMha, Mla, V4Paged];

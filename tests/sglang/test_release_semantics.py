@@ -252,6 +252,29 @@ def test_pools_follow_the_installed_release(hk, installed):
 # --------------------------------------------------------------------------- construction
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_page_unified_exists_from_0_5_23(kind, hk):
+    """page_unified came with 0.5.23: an older release refuses it at construction with its own
+    "Unsupported layout" text, and so do ours when that release is installed."""
+    if kind == "mla":
+        dev = H.mla_device(size=64, page=4, layers=2)
+    else:
+        dev = H.mha_device(size=64, page=4, heads=2, head_dim=8, layers=2)
+    with H.cpu_shims():
+        call = H.recorded_kv_host_call(dev, use_mla=kind == "mla", layout="page_first")
+        args = list(call.args)
+        args[4] = "page_unified"
+        unified = H.Call(call.name, call.cls, tuple(args), call.kwargs)
+        theirs, ours = outcome(unified.theirs), outcome(unified.ours)
+    if H.at_least(0, 5, 23):
+        assert (theirs[0], ours[0]) == ("ok", "ok"), (theirs, ours)
+    else:
+        assert theirs[0] == "raise" and ours[0] == "raise", (theirs, ours)
+        assert str(theirs[1]) == "Unsupported layout: page_unified", theirs
+        assert same_error(ours[1], theirs[1]) is None, (ours, theirs)
+
+
+
 @pytest.mark.skipif(not DEVICE_POOL_FORM, reason="device-pool constructors: SGLang <= 0.5.22")
 @pytest.mark.parametrize(
     ("kind", "dummy"),

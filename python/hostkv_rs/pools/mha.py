@@ -34,6 +34,7 @@ from hostkv_rs.sglang.sources import (
     refuse_unserved,
     scale_layout_value,
     scales_reason,
+    sglang_release,
 )
 
 logger = logging.getLogger(__name__)
@@ -307,6 +308,7 @@ class MHATokenToKVPoolHost(HostKVCache):
             self.dtype.itemsize,
             head_num=self.head_num,
             head_group_num=self.head_group_num,
+            release=sglang_release(),
         )
 
     def init_kv_buffer(self):

@@ -33,6 +33,7 @@ from hostkv_rs.sglang.sources import (
     is_buffer_info,
     refuse_unserved,
     refuses_dcp_l3_pages,
+    sglang_release,
 )
 
 logger = logging.getLogger(__name__)
@@ -342,6 +343,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             self.dtype.itemsize,
             dcp_size=self.dcp_size,
             dcp_rank=self.dcp_rank,
+            release=sglang_release(),
         )
 
     def get_contiguous_buf_infos(self):

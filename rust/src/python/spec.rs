@@ -21,8 +21,10 @@ fn u64s(v: &[u64]) -> Vec<u64> {
 
 #[pymethods]
 impl PyPoolSpec {
+    /// `release`: the SGLang release the pool follows, `(major, minor, patch)`; a layout that
+    /// release does not build yet is refused with its text (None: the newest release).
     #[new]
-    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = "", head_group_num = None))]
+    #[pyo3(signature = (kind, layout, num_layers, rows, page_size, dims, itemsize, head_num = None, dcp_size = None, dcp_rank = None, name = "", head_group_num = None, release = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -38,6 +40,7 @@ impl PyPoolSpec {
         dcp_rank: Option<&Bound<'_, PyAny>>,
         name: &str,
         head_group_num: Option<&Bound<'_, PyAny>>,
+        release: Option<crate::support::Release>,
     ) -> PyResult<Self> {
         let size = |v: &Bound<'_, PyAny>, n: &str| -> PyResult<usize> {
             Ok(int_in(v, n, 0, i64::MAX as u128, "[0, 2**63)")? as usize)
@@ -62,6 +65,8 @@ impl PyPoolSpec {
             _ => 1,
         };
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+        // The SGLang release the pool follows may not have this layout yet.
+        crate::support::build_in(kind, layout, release).map_err(|e| to_py(py, e))?;
         let spec = PoolSpec::grouped(
             kind,
             layout,
