@@ -274,7 +274,6 @@ def test_page_unified_exists_from_0_5_23(kind, hk):
         assert same_error(ours[1], theirs[1]) is None, (ours, theirs)
 
 
-
 @pytest.mark.skipif(not DEVICE_POOL_FORM, reason="device-pool constructors: SGLang <= 0.5.22")
 @pytest.mark.parametrize(
     ("kind", "dummy"),

@@ -433,6 +433,27 @@ def test_flat_pages(kind, layout, dtype, page, hk, gen):
     _assert_none(flat_page_diffs(call.pool, call.ours(), gen), f"{call.name} {layout}")
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_short_flat_page_and_a_slot_past_the_pool_raise_sglangs_types(kind, hk):
+    """A flat page one element short and a free of a slot past the pool raise the types SGLang's
+    pools raise there (a torch RuntimeError from the reshape, an IndexError), with our texts."""
+    _, call = _call(kind, _layouts(kind)[0], torch.bfloat16, 4)
+    theirs, ours = call.pool, call.ours()
+    short = torch.zeros(theirs.get_dummy_flat_data_page().numel() - 1, dtype=theirs.dtype)
+    past = torch.tensor([theirs.size + 1])
+    for what, t, o in (
+        (
+            "set_from_flat_data_page",
+            outcome(lambda: theirs.set_from_flat_data_page(0, short)),
+            outcome(lambda: ours.set_from_flat_data_page(0, short)),
+        ),
+        ("free", outcome(lambda: theirs.free(past)), outcome(lambda: ours.free(past))),
+    ):
+        assert t[0] == o[0] == "raise", (what, t, o)
+        assert isinstance(o[1], type(t[1])), (what, t, o)
+        assert isinstance(o[1], ValueError), (what, o)  # and still what ours raised before
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("page", [1, 16])
 def test_allocator_trace(kind, page, hk):

@@ -9,6 +9,16 @@ import operator
 from contextlib import contextmanager
 
 
+class FlatPageError(ValueError, RuntimeError):
+    """A flat L3 page that does not hold one page of this pool: a ValueError naming the sizes,
+    and a RuntimeError, which the reshape in SGLang's pools raises for the same page."""
+
+
+class SlotRangeError(ValueError, IndexError):
+    """Slots outside the pool: a ValueError naming the range, and an IndexError, which SGLang's
+    slot bookkeeping raises for the same slots."""
+
+
 def as_int(name: str, value) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")

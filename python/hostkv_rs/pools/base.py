@@ -21,6 +21,7 @@ import torch
 from hostkv_rs import _core, _env
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import (
+    FlatPageError,
     as_int,
     finite_number,
     finite_product,
@@ -645,7 +646,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
             expected *= extent
         if not isinstance(data_page, torch.Tensor) or data_page.numel() != expected:
             got = data_page.numel() if isinstance(data_page, torch.Tensor) else type(data_page)
-            raise ValueError(f"a flat data page of this pool has {expected} elements, got {got}")
+            raise FlatPageError(f"a flat data page of this pool has {expected} elements, got {got}")
         if data_page.device.type == "meta":
             raise ValueError("a flat data page on the meta device holds no values")
         check_storage(data_page, "flat data page")

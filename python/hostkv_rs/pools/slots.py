@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hostkv_rs.pools.args import SlotRangeError
 from hostkv_rs.pools.indices import as_index_array
 
 _CPU = torch.device("cpu")
@@ -30,7 +31,7 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= size:
-            raise ValueError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
+            raise SlotRangeError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
     return slots.clone()
 
 

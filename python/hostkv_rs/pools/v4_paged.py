@@ -15,7 +15,7 @@ import torch
 from hostkv_rs import _core
 from hostkv_rs.pools import base as pool_host_base
 from hostkv_rs.pools import memory as _memory
-from hostkv_rs.pools.args import as_int, positive_int, truth
+from hostkv_rs.pools.args import FlatPageError, as_int, positive_int, truth
 from hostkv_rs.pools.base import (
     HostKVCache,
     get_allocator_from_storage,
@@ -639,7 +639,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         expected = self.layer_num * self.item_bytes
         got = data_page.numel() * data_page.element_size()
         if got != expected:
-            raise ValueError(
+            raise FlatPageError(
                 f"{self.pool_name} set_from_flat_data_page: expected {expected} bytes "
                 f"({self.layer_num} x {self.item_bytes}), got {got}"
             )
