@@ -505,7 +505,8 @@ impl PoolSpec {
         let n = indices.len() as u64;
         if self.kind == PoolKind::V4Paged {
             if n % self.page_size != 0 {
-                return Err(Error::value(format!(
+                // A TransferError: a ValueError, and the RuntimeError SGLang's reshape raises.
+                return Err(Error::transfer(format!(
                     "{} get_page_buffer_meta needs whole pages: got {n} indices for page size {}",
                     self.name, self.page_size
                 )));
