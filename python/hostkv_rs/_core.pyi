@@ -121,8 +121,6 @@ class HostPool:
         item_bytes: Sequence[int],
         planes: Sequence[_PlaneMemory],
         head_num: int = 1,
-        *,
-        spec: PoolSpec | None = None,
     ) -> HostPool: ...
     @property
     def spec(self) -> PoolSpec | None: ...
@@ -293,6 +291,7 @@ class DeviceBinding:
         index_map: _IndexMap = None,
         positions: Sequence[int] | None = None,
         packed: tuple[str, int] | None = None,
+        host_planes: Sequence[int] | None = None,
     ) -> DeviceBinding: ...
     def load(
         self,

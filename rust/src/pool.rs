@@ -18,7 +18,9 @@ pub enum PoolKind {
     AsymmetricMha,
     /// `MLATokenToKVPoolHost`: one latent plane of `C` elements.
     Mla,
-    /// `DeepSeekV4PagedHostPool`: one plane of `item_bytes`-byte page rows.
+    /// `DeepSeekV4PagedHostPool`: one plane of `item_bytes`-byte page rows, and a second of the
+    /// NPU indexer's scale rows (same rows and layout, their own row bytes and allocation) once
+    /// they are attached.
     V4Paged,
 }
 
@@ -143,6 +145,8 @@ impl PoolSpec {
         }
         let want = match kind {
             PoolKind::Mha | PoolKind::AsymmetricMha => 2,
+            // The page rows, and the NPU indexer's scale rows once they are attached.
+            PoolKind::V4Paged if dims.len() == 2 => 2,
             PoolKind::Mla | PoolKind::V4Paged => 1,
         };
         if dims.len() != want {
@@ -371,6 +375,9 @@ impl PoolSpec {
             (PoolKind::AsymmetricMha, _) => {
                 (vec![self.shape(0), self.shape(1)], vec![(0, 0), (1, 0)])
             }
+            (PoolKind::V4Paged, _) if self.planes.len() == 2 => {
+                (vec![self.shape(0), self.shape(1)], vec![(0, 0), (1, 0)])
+            }
             (PoolKind::Mla | PoolKind::V4Paged, _) => (vec![self.shape(0)], vec![(0, 0)]),
         }
     }
@@ -390,12 +397,12 @@ impl PoolSpec {
     /// MLA copy rows of one layer.
     pub fn registration_unit(&self, allocation: usize) -> u64 {
         let plane = match self.kind {
-            PoolKind::AsymmetricMha => allocation,
+            PoolKind::AsymmetricMha | PoolKind::V4Paged => allocation,
             _ => 0,
         };
         match (self.kind, self.layout) {
-            (PoolKind::V4Paged, Layout::LayerFirst) => self.item_bytes(0),
-            (PoolKind::V4Paged, _) => self.layers * self.item_bytes(0),
+            (PoolKind::V4Paged, Layout::LayerFirst) => self.item_bytes(plane),
+            (PoolKind::V4Paged, _) => self.layers * self.item_bytes(plane),
             (_, Layout::PageFirst | Layout::PageFirstDirect | Layout::PageUnified) => {
                 self.page_bytes(plane)
             }
@@ -410,7 +417,12 @@ impl PoolSpec {
             PoolKind::Mha => !matches!(self.layout, Layout::LayerFirst | Layout::PageUnified),
             _ => matches!(self.layout, Layout::PageFirst | Layout::PageFirstDirect),
         };
-        strided.then(|| (0..self.planes.len()).map(|p| self.page_bytes(p)).collect())
+        // V4's scale rows (the NPU indexer's) are not what SGLang asks this of: its page rows.
+        let planes = match self.kind {
+            PoolKind::V4Paged => 1,
+            _ => self.planes.len(),
+        };
+        strided.then(|| (0..planes).map(|p| self.page_bytes(p)).collect())
     }
 
     /// The dim of a plane's tensor whose entries are SGLang's per-layer views (`k_data_refs`,

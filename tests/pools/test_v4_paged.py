@@ -1051,6 +1051,39 @@ def test_attach_scale_buffers_shapes_and_log(layout, caplog):
     ) in caplog.text
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scale_rows_become_the_pools_second_plane_and_change_no_page_answer(layout):
+    # One core holds the page rows and, once attached, the scale rows: every binding moves its
+    # planes of it, and what SGLang asks of the page rows answers as before.
+    pool, dev = make_contract_pool(layout, L=3, pages=5)
+    h, d = torch.arange(4), torch.arange(4)
+    pool.backup_from_device_all_layer(
+        None, h, d, "kernel" if layout != "page_first_direct" else "direct"
+    )
+    before = (
+        pool.is_stride_page_aligned(16),
+        pool.is_stride_page_aligned(48),
+        pool.get_page_buffer_meta(h),
+        pool.get_data_page(2).clone(),
+    )
+    pool.attach_scale_buffers(scale_buffers(), 8)
+    assert pool._pool.spec.item_bytes == [48, 8]
+    bindings = [pool._page_binding, pool._ascend_binding]
+    assert all(b is not None for b in bindings)
+    after = (
+        pool.is_stride_page_aligned(16),
+        pool.is_stride_page_aligned(48),
+        pool.get_page_buffer_meta(h),
+        pool.get_data_page(2).clone(),
+    )
+    assert after[:3] == before[:3] and torch.equal(after[3], before[3])
+    for t in dev:
+        t.zero_()
+    backend = "kernel" if layout != "page_first_direct" else "direct"
+    pool.load_to_device_per_layer(None, h, d, 1, backend)  # the page rows alone
+    assert bool(dev[1][:2].any())
+
+
 def test_attach_scale_buffers_errors_use_sglangs_text_and_change_nothing():
     pool, _ = make_contract_pool(L=3)
     with pytest.raises(ValueError) as e:

@@ -266,24 +266,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # rows of that core's size, checked on first use; each call then passes only the layer
         # and the indices, which the core maps to rows while it reads them.
         # Device buffers that are not whole rows get no binding: the first transfer refuses them.
-        page_rows = ("page_rows", slot_page_size)
         self._page_binding = None
         self._token_bindings = None
         self._ascend_binding = None
-        if self._device_refusal is None:
-            self._page_binding = self._binding(self._pool, [IB], page_rows)
-        if (
-            self._device_refusal is None
-            and layout == "layer_first"
-            and slot_page_size == _C4_PAGE_TOKENS
-            and IB == _C4_ROW_BYTES
-        ):
-            # The same pool, read as rows of one value and rows of one scale (the core derives
-            # those rows from the C4 maps).
-            self._token_bindings = (
-                self._binding(self._pool, [_C4_VALUE_BYTES], ("c4_value",)),
-                self._binding(self._pool, [_C4_SCALE_BYTES], ("c4_scale",)),
-            )
+        self._bind_page_rows()
         self.clear()
 
     # ---- construction helpers -------------------------------------------------------------
@@ -315,24 +301,36 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         """The page rows' memory, as the core takes it."""
         return self._region if self._region is not None else torch.empty(0, dtype=torch.uint8)
 
-    def _make_core(self, rows: int, items: list[int], regions: list | None = None):
-        """A core pool over the pool's bytes (and the scale region, for the KV + scale pair)
-        with `rows` rows of `items` bytes per layer, checked against this pool's spec."""
-        regions = regions or [self._bytes()]
-        return _core.HostPool.from_geometry(
-            self.layout, self.layer_num, rows, 1, items, regions, spec=self._spec
-        )
+    def _bind_page_rows(self) -> None:
+        """The page rows' device side over the pool's core (its first plane, beside the scale
+        rows once they are attached): whole page rows, and for the C4 row the same bytes read
+        as rows of one value and rows of one scale (the core derives those rows from the C4
+        maps). Device buffers that are not whole rows get no binding: the first transfer
+        refuses them."""
+        if self._device_refusal is not None:
+            return
+        IB = self.item_bytes
+        self._page_binding = self._binding([IB], ("page_rows", self.slot_page_size), [0])
+        if (
+            self.layout == "layer_first"
+            and self.slot_page_size == _C4_PAGE_TOKENS
+            and IB == _C4_ROW_BYTES
+        ):
+            self._token_bindings = (
+                self._binding([_C4_VALUE_BYTES], ("c4_value",), [0]),
+                self._binding([_C4_SCALE_BYTES], ("c4_scale",), [0]),
+            )
 
-    def _binding(self, core, items: list[int], index_map, buffers=None):
-        """`core`'s device side: per plane, every layer's device buffer as rows of that plane's
-        item size (views of the same memory)."""
+    def _binding(self, items: list[int], index_map, host_planes, buffers=None):
+        """The core's device side for its planes `host_planes`: per plane, every layer's device
+        buffer as rows of that plane's item size (views of the same memory)."""
         planes = [
             [_as_rows(buf, item) for buf in plane]
             for plane, item in zip(buffers or [self.device_buffers], items, strict=True)
         ]
         L = self.layer_num
         return _core.DeviceBinding(
-            core,
+            self._pool,
             planes,
             list(range(L)),
             L,
@@ -340,6 +338,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             what=f"{self.pool_name} device buffer",
             name=self.pool_name,
             index_map=index_map,
+            host_planes=host_planes,
         )
 
     # ---- geometry getters ------------------------------------------------------------------
@@ -435,16 +434,26 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             SIB,
             self.layout,
         )
+        # The scale rows are the pool's second plane: the page rows' geometry with their own
+        # row size and allocation.
+        spec = _core.PoolSpec(
+            "v4_paged",
+            self.layout,
+            L,
+            Nh,
+            self.slot_page_size,
+            [self.item_bytes, SIB],
+            1,
+            name=self.pool_name,
+        )
         region = None
         if nbytes > 0:
-            # Scale rows have the page rows' geometry with their own row size.
-            scales = _core.PoolSpec("v4_paged", self.layout, L, Nh, self.slot_page_size, [SIB], 1)
             _, region = _memory.alloc_pool_memory(
                 self.allocator,
                 torch.uint8,
                 (nbytes,),
                 self.pin_memory,
-                scales.registration_unit(0),
+                spec.registration_unit(1),
                 getattr(self, "gpu_device", None),
             )
 
@@ -456,17 +465,23 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.scale_device_buffers = buffers
         self.scale_item_bytes = SIB
         self.scale_kv_buffer = host
-        if region is not None and self._region is not None and self._device_refusal is None:
-            # kernel_ascend moves the KV rows and the scale rows of a page together: one core of
-            # two planes (the scale rows, (Nh, L, 1, SIB) outside layer_first, have the KV
-            # rows' offsets with one-row pages), so one check covers both before a byte moves.
-            core = self._make_core(Nh, [self.item_bytes, SIB], [self._region, region])
-            self._ascend_binding = self._binding(
-                core,
-                [self.item_bytes, SIB],
-                ("page_rows", self.slot_page_size),
-                buffers=[self.device_buffers, buffers],
-            )
+        if region is not None and self._region is not None:
+            # One core over both planes. kernel_ascend moves the page rows and the scale rows of
+            # a page together, so one check covers both before a byte moves; every other
+            # binding moves the page rows alone.
+            old = (self._page_binding, *(self._token_bindings or ()))
+            self._spec, self._pool = spec, _core.HostPool(spec, [self._region, region])
+            self._bind_page_rows()
+            for binding in old:
+                if binding is not None:
+                    binding.release()
+            if self._device_refusal is None:
+                self._ascend_binding = self._binding(
+                    [self.item_bytes, SIB],
+                    ("page_rows", self.slot_page_size),
+                    None,
+                    buffers=[self.device_buffers, buffers],
+                )
 
     # ---- transfers --------------------------------------------------------------------------
 

@@ -181,8 +181,8 @@ pub struct PyDeviceBinding {
     packed: Option<(String, usize)>,
     /// The fork generation the binding was made in (its locks in a forked child: `fork::lock`).
     born: u64,
-    /// The host rows this binding addresses when they are not the pool's own
-    /// (`HostPool::row_view`: V4's C4 value and scale rows).
+    /// The host rows this binding addresses when they are not the pool's own: some of its
+    /// planes (`host_planes`), or V4's C4 value and scale rows (`HostPool::row_view`).
     view: Option<crate::request::HostGeometry>,
     /// The last full check. Lock order: this lock is innermost and never held while Python runs
     /// or the GIL is waited for (only to copy or swap the `Arc`), so a thread that holds the GIL
@@ -723,7 +723,8 @@ impl PyDeviceBinding {
     /// and the binding holds the layers at these positions of each (a position the device
     /// pool lacks is a `LayerIndexError`). `packed`: (plane name, layers) of SGLang's packed
     /// target + MTP draft device tables, which a backup needs one host layer each of.
-    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None))]
+    /// `host_planes`: the pool's planes the binding moves, in `planes`' order (None: all).
+    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None, host_planes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -739,16 +740,24 @@ impl PyDeviceBinding {
         index_map: Option<&Bound<'_, PyAny>>,
         positions: Option<Vec<i64>>,
         packed: Option<(String, usize)>,
+        host_planes: Option<Vec<usize>>,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
         let planes = match positions {
             Some(positions) => pick_layers(py, planes, &positions).map_err(|e| to_py(py, e))?,
             None => planes,
         };
-        // Device rows are checked against the rows the binding addresses: the pool's, or the V4
-        // pool's finer C4 token rows over the same bytes (its index map says which).
+        // Device rows are checked against the rows the binding addresses: the pool's (or the
+        // planes it moves), or the V4 pool's finer C4 token rows over the same bytes (its index
+        // map says which).
         let host = pool.get();
-        let view = host.row_view(index_map).map_err(|e| to_py(py, e))?;
+        let moved = host
+            .plane_view(host_planes.as_deref())
+            .map_err(|e| to_py(py, e))?;
+        let view = match PyHostPool::row_view(&moved, index_map).map_err(|e| to_py(py, e))? {
+            Some(rows) => Some(rows),
+            None => host_planes.is_some().then_some(moved),
+        };
         let rows_of = view.as_ref().unwrap_or(&host.geom);
         let item_bytes: Vec<u64> = rows_of.item_bytes.iter().map(|&b| b as u64).collect();
         let spec = host.spec.as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {

@@ -32,13 +32,10 @@ impl Unlock for Gil<'_> {
 pub struct PyHostPool {
     pub(crate) geom: HostGeometry,
     planes: Vec<PlaneLayout>,
-    /// The spec this pool follows: what its pair checks answer by. None for a geometry built
-    /// row by row (`from_geometry` without a spec).
+    /// The spec this pool was built from (`HostPool(spec, allocations)`: its memory was checked
+    /// against the spec's planes), which its pair checks and page questions answer by. None for
+    /// a geometry built row by row (`from_geometry`).
     pub(crate) spec: Option<Py<PyPoolSpec>>,
-    /// Built from its spec (`HostPool(spec, allocations)`), so its memory was checked against
-    /// the spec's planes and page metadata may be answered from them; a `from_geometry` pool's
-    /// memory was checked against its own rows only.
-    spec_built: bool,
     /// What keeps each plane's memory alive (see `memory`); never read, only held.
     _owners: Vec<Py<PyAny>>,
 }
@@ -67,22 +64,46 @@ impl PyHostPool {
             geom: geom_of(addrs),
             planes,
             spec,
-            spec_built: false,
             _owners: owners,
         })
     }
 
-    /// The rows a binding with `map` addresses, when they are not the pool's own: a DeepSeek V4
-    /// layer_first pool of C4 page rows read through the C4 value or scale map is the same
-    /// bytes as rows of one value (576 B) or one scale (8 B). None: the pool's rows.
-    pub(crate) fn row_view(&self, map: IndexMap) -> crate::Result<Option<HostGeometry>> {
+    /// The pool's planes `planes` alone, in that order (a binding that moves only some of
+    /// them: V4's page rows without the scale rows attached beside them). None: every plane.
+    pub(crate) fn plane_view(&self, planes: Option<&[usize]>) -> crate::Result<HostGeometry> {
+        let Some(planes) = planes else {
+            return Ok(self.geom.clone());
+        };
+        let n = self.geom.item_bytes.len();
+        let mut seen = vec![false; n];
+        for &p in planes {
+            if p >= n || std::mem::replace(&mut seen[p], true) {
+                return Err(crate::Error::value(format!(
+                    "planes must be distinct planes of this pool's {n}, got {planes:?}"
+                )));
+            }
+        }
+        if planes.is_empty() {
+            return Err(crate::Error::value("planes must name at least one plane"));
+        }
+        Ok(HostGeometry {
+            item_bytes: planes.iter().map(|&p| self.geom.item_bytes[p]).collect(),
+            plane_base: planes.iter().map(|&p| self.geom.plane_base[p]).collect(),
+            ..self.geom.clone()
+        })
+    }
+
+    /// The rows a binding with `map` addresses in `g` (the pool's rows, or some of its planes),
+    /// when they are not `g`'s own: a DeepSeek V4 layer_first plane of C4 page rows read through
+    /// the C4 value or scale map is the same bytes as rows of one value (576 B) or one scale
+    /// (8 B). None: `g`'s rows.
+    pub(crate) fn row_view(g: &HostGeometry, map: IndexMap) -> crate::Result<Option<HostGeometry>> {
         use crate::pool::c4;
         let per_row = match map {
             IndexMap::C4Value => (c4::VALUES_PER_ROW, c4::VALUE_BYTES),
             IndexMap::C4Scale => (c4::SCALES_PER_ROW, c4::SCALE_BYTES),
             _ => return Ok(None),
         };
-        let g = &self.geom;
         if g.item_bytes.len() == 1 && g.item_bytes[0] as u64 == per_row.1 {
             return Ok(None); // already rows of that unit
         }
@@ -106,11 +127,10 @@ impl PyHostPool {
         }))
     }
 
-    /// The spec a page question is answered by: only a pool built from it, whose memory was
-    /// checked against the spec's planes (a row geometry's spec serves its pair checks only).
+    /// The spec a page question is answered by.
     fn spec_of(&self, what: &str) -> PyResult<&PyPoolSpec> {
         match &self.spec {
-            Some(spec) if self.spec_built => Ok(spec.get()),
+            Some(spec) => Ok(spec.get()),
             _ => Err(PyValueError::new_err(format!(
                 "{what}: this host pool was built without a PoolSpec (HostPool.from_geometry)"
             ))),
@@ -204,16 +224,13 @@ impl PyHostPool {
             item_bytes: items,
             plane_base,
         };
-        let mut pool = Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))?;
-        pool.spec_built = true;
-        Ok(pool)
+        Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))
     }
 
-    /// A pool of explicit row geometry (the V4 pool's finer C4 token rows and its KV + scale
-    /// pair, tests): each plane a `HostRegion`, a CPU tensor or `(owner, byte_offset)`; `spec`,
-    /// when given, is the pool whose (layout, io_backend) checks a binding over it applies.
+    /// A pool of explicit row geometry, without a spec (tests and benchmarks of the core's
+    /// raw calls): each plane a `HostRegion`, a CPU tensor or `(owner, byte_offset)`.
     #[staticmethod]
-    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, planes, head_num = 1, *, spec = None))]
+    #[pyo3(signature = (layout, num_layers, rows, page_size, item_bytes, planes, head_num = 1))]
     #[allow(clippy::too_many_arguments)]
     fn from_geometry(
         py: Python<'_>,
@@ -224,7 +241,6 @@ impl PyHostPool {
         item_bytes: Vec<usize>,
         planes: Vec<Bound<'_, PyAny>>,
         head_num: usize,
-        spec: Option<Py<PyPoolSpec>>,
     ) -> PyResult<Self> {
         let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
         if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != planes.len() {
@@ -264,7 +280,7 @@ impl PyHostPool {
             item_bytes,
             plane_base,
         };
-        Self::with_memory(geom_of, layouts, memory, spec)
+        Self::with_memory(geom_of, layouts, memory, None)
     }
 
     /// The spec this pool follows (None for a row geometry built without one).
