@@ -212,10 +212,35 @@ class HostKVCache(SlotFreeList, abc.ABC):
             return original
         return super().__new__(cls)
 
+    # The core's pool kind of a KV pool built from a device pool or buffer info ("mha", "mla",
+    # ...); None for pools with constructors of their own.
+    _spec_kind: str | None = None
+
     @classmethod
     def _unsupported_reason(cls, args, kwargs) -> str | None:
         """Why hostkv_rs cannot serve this construction (then SGLang's class does), or None."""
+        if cls._spec_kind is None:
+            return None
+        source = _sources.arg(args, kwargs, 0, "device_pool")
+        if source is None:
+            source = kwargs.get("buffer_info")
+        reason = cls._layout_reason(_sources.arg(args, kwargs, 4, "layout"))
+        if reason is None and source is not None:
+            reason = cls._source_reason(source)
+        return reason or _sources.io_backend_reason()
+
+    @classmethod
+    def _layout_reason(cls, layout) -> str | None:
+        """A layout SGLang's own class of this kind serves and hostkv_rs does not: the support
+        table's hand-back column."""
+        if isinstance(layout, str) and layout in _core.handed_back_layouts(cls._spec_kind):
+            return f"layout {layout!r} is not implemented by hostkv_rs"
         return None
+
+    @classmethod
+    def _source_reason(cls, source) -> str | None:
+        """Why the device pool or buffer info lives where hostkv_rs does not copy, or None."""
+        return _sources.device_type_reason(source)
 
     def __init__(
         self,

@@ -22,12 +22,10 @@ from hostkv_rs.pools.device_side import (
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang import handover as _handover
 from hostkv_rs.sglang.sources import (
-    arg,
     binds_on_transfer,
     cat_tables,
     device_source,
     device_type_reason,
-    io_backend_reason,
     is_buffer_info,
     is_mxfp8_device_pool,
     is_mxfp8_scales,
@@ -146,23 +144,11 @@ class MHATokenToKVPoolHost(HostKVCache):
     # ----------------------------------------------------------------- device side
 
     @classmethod
-    def _unsupported_reason(cls, args, kwargs) -> str | None:
-        source = arg(args, kwargs, 0, "device_pool")
-        if source is None:
-            source = kwargs.get("buffer_info")
-        reason = cls._layout_reason(arg(args, kwargs, 4, "layout"))
-        if reason is None and source is not None:
-            reason = scales_reason(source) or device_type_reason(source)
-        return reason or io_backend_reason()
-
-    @classmethod
-    def _layout_reason(cls, layout) -> str | None:
-        # What SGLang's own class of this kind serves and hostkv_rs does not: the support table's
-        # hand-back column (empty for MHA: SGLang's MHA pools refuse the Ascend-only
-        # page_first_kv_split with the "Unsupported layout" ValueError ours raise).
-        if isinstance(layout, str) and layout in _core.handed_back_layouts(cls._spec_kind):
-            return f"layout {layout!r} is not implemented by hostkv_rs"
-        return None
+    def _source_reason(cls, source) -> str | None:
+        # The MHA hand-back column is empty: SGLang's MHA pools refuse the Ascend-only
+        # page_first_kv_split with the "Unsupported layout" ValueError ours raise. KV scales
+        # are what they serve and ours do not.
+        return scales_reason(source) or device_type_reason(source)
 
     def _from_device_pool(self, dp, drafts, pool_label: str) -> dict:
         """SGLang 0.5.18-0.5.22: geometry from the device pool, layers from it and its drafts

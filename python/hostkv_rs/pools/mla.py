@@ -23,12 +23,10 @@ from hostkv_rs.pools.device_side import (
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang.sources import (
-    arg,
     binds_on_transfer,
     cat_tables,
     device_source,
     device_type_reason,
-    io_backend_reason,
     is_allocation_only,
     is_buffer_info,
     refuse_unserved,
@@ -59,6 +57,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     """
 
     _device_plane_names = ("kv_buffer",)
+    _spec_kind = "mla"
     # load/backup pass both index tensors through maybe_dcp_kernel_indices (SGLang §3.4).
     dcp_aware_transfers = True
     _layer_shard_enabled = False
@@ -97,7 +96,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
             page_size=page_size,
             layout=layout,
         )
-        refuse_unserved(_layout_reason(layout) or device_type_reason(source))
+        refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if override_kv_cache_dim is not None:
             # SGLang reads it as `override or default`: 0 keeps the default width.
             override_kv_cache_dim = as_int("override_kv_cache_dim", override_kv_cache_dim)
@@ -170,16 +169,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         self._pool_core = self._new_host_pool()
         if side["planes"] is not None:
             self._bind_device_side(side)
-
-    @classmethod
-    def _unsupported_reason(cls, args, kwargs) -> str | None:
-        source = arg(args, kwargs, 0, "device_pool")
-        if source is None:
-            source = kwargs.get("buffer_info")
-        reason = _layout_reason(arg(args, kwargs, 4, "layout"))
-        if reason is None and source is not None:
-            reason = device_type_reason(source)
-        return reason or io_backend_reason()
 
     def _from_device_pool(self, dp, drafts, dummy: bool) -> dict:
         """SGLang 0.5.18-0.5.22: geometry from the device pool; under CP layer sharding the host
@@ -444,9 +433,3 @@ _DCP_L3_TEXT = (
     "HiCache L3 storage paths are not yet DCP-aware (per-rank shards need dcp_rank-scoped keys); "
     "--hicache-storage-backend with --dcp-size > 1 should have been rejected at server start."
 )
-
-
-def _layout_reason(layout) -> str | None:
-    if isinstance(layout, str) and layout in _core.handed_back_layouts("mla"):
-        return f"layout {layout!r} is not implemented by hostkv_rs"
-    return None
