@@ -469,12 +469,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             # One core over both planes. kernel_ascend moves the page rows and the scale rows of
             # a page together, so one check covers both before a byte moves; every other
             # binding moves the page rows alone.
-            old = (self._page_binding, *(self._token_bindings or ()))
+            # The bindings over the old core are dropped, not released: a transfer still running
+            # through one finishes over the same memory.
             self._spec, self._pool = spec, _core.HostPool(spec, [self._region, region])
             self._bind_page_rows()
-            for binding in old:
-                if binding is not None:
-                    binding.release()
             if self._device_refusal is None:
                 self._ascend_binding = self._binding(
                     [self.item_bytes, SIB],
