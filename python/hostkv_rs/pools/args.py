@@ -19,6 +19,11 @@ class SlotRangeError(ValueError, IndexError):
     slot bookkeeping raises for the same slots."""
 
 
+class NoHeadSplitError(ValueError, AttributeError):
+    """A head split asked of a pool without one: a ValueError naming the split, and the
+    AttributeError SGLang's pools raise there (they have no split-heads method)."""
+
+
 def as_int(name: str, value) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")

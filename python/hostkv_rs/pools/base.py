@@ -22,6 +22,7 @@ from hostkv_rs import _core, _env
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import (
     FlatPageError,
+    NoHeadSplitError,
     as_int,
     finite_number,
     finite_product,
@@ -524,7 +525,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """Byte size of one storage element (SGLang 0.5.21+), or None for a logical anchor."""
         split_factor = as_int("split_factor", split_factor)
         if split_factor != 1 and not hasattr(self, "get_split_heads_page_buffer_meta"):
-            raise ValueError(
+            raise NoHeadSplitError(
                 f"{type(self).__name__} has no head split: split_factor must be 1, got "
                 f"{split_factor}"
             )
