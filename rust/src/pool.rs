@@ -635,14 +635,9 @@ impl PoolSpec {
         Ok(())
     }
 
-    /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page and per group of
-    /// `H / split_factor` heads, a [k, v] pair.
-    pub fn split_heads_meta(
-        &self,
-        bases: &[u64],
-        starts: &[PageStart],
-        split_factor: u64,
-    ) -> Result<(Vec<u64>, Vec<u64>)> {
+    /// SGLang's asserts of `get_split_heads_page_buffer_meta`, in its order: the layout, then the
+    /// split, both before any index is read.
+    pub fn check_split_heads(&self, split_factor: u64) -> Result<()> {
         if self.kind != PoolKind::Mha || self.layout != Layout::PageHead {
             return Err(Error::assertion(format!(
                 "get_split_heads_page_buffer_meta requires layout='page_head', got {}",
@@ -655,6 +650,18 @@ impl PoolSpec {
                 self.heads
             )));
         }
+        Ok(())
+    }
+
+    /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page and per group of
+    /// `H / split_factor` heads, a [k, v] pair.
+    pub fn split_heads_meta(
+        &self,
+        bases: &[u64],
+        starts: &[PageStart],
+        split_factor: u64,
+    ) -> Result<(Vec<u64>, Vec<u64>)> {
+        self.check_split_heads(split_factor)?;
         let (l, p, h, d, e) = (
             self.layers,
             self.page_size,

@@ -433,6 +433,20 @@ def test_flat_pages(kind, layout, dtype, page, hk, gen):
     _assert_none(flat_page_diffs(call.pool, call.ours(), gen), f"{call.name} {layout}")
 
 
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_split_heads_meta_asserts_layout_and_split_before_reading_indices(layout, hk):
+    """SGLang asserts the layout, then the split, and only then reads the indices: indices past
+    the pool do not change which refusal a wrong layout or split gets."""
+    _, call = _call("mha", layout, torch.bfloat16, 16)
+    theirs, ours = call.pool, call.ours()
+    past = torch.arange(theirs.size, theirs.size + 16)
+    split = 2 if layout == "page_first" else 3  # 3 divides no head count here
+    t = outcome(lambda: theirs.get_split_heads_page_buffer_meta(past, split))
+    o = outcome(lambda: ours.get_split_heads_page_buffer_meta(past, split))
+    assert t[0] == o[0] == "raise" and type(t[1]) is AssertionError, (t, o)
+    assert isinstance(o[1], AssertionError), (t, o)
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_a_short_flat_page_and_a_slot_past_the_pool_raise_sglangs_types(kind, hk):
     """A flat page one element short and a free of a slot past the pool raise the types SGLang's
