@@ -637,7 +637,7 @@ impl PoolSpec {
 
     /// SGLang's asserts of `get_split_heads_page_buffer_meta`, in its order: the layout, then the
     /// split, both before any index is read.
-    pub fn check_split_heads(&self, split_factor: u64) -> Result<()> {
+    fn check_split_heads(&self, split_factor: u64) -> Result<()> {
         if self.kind != PoolKind::Mha || self.layout != Layout::PageHead {
             return Err(Error::assertion(format!(
                 "get_split_heads_page_buffer_meta requires layout='page_head', got {}",
@@ -653,15 +653,17 @@ impl PoolSpec {
         Ok(())
     }
 
-    /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page and per group of
-    /// `H / split_factor` heads, a [k, v] pair.
+    /// SGLang's `get_split_heads_page_buffer_meta` (MHA page_head): per page `indices` list and
+    /// per group of `H / split_factor` heads, a [k, v] pair. The layout and the split are
+    /// checked before the indices, as SGLang asserts them.
     pub fn split_heads_meta(
         &self,
         bases: &[u64],
-        starts: &[PageStart],
+        indices: &[i64],
         split_factor: u64,
     ) -> Result<(Vec<u64>, Vec<u64>)> {
         self.check_split_heads(split_factor)?;
+        let starts = self.page_starts(indices)?;
         let (l, p, h, d, e) = (
             self.layers,
             self.page_size,
@@ -672,7 +674,7 @@ impl PoolSpec {
         let group = h / split_factor;
         let size = l * p * h * d * e / split_factor;
         let mut ptrs = Vec::new();
-        for &t in starts {
+        for t in starts {
             for head in (0..h).step_by(group as usize) {
                 let k = bases[0] + t * l * h * d * e + head * p * l * d * e;
                 ptrs.push(k);
@@ -1304,7 +1306,8 @@ mod tests {
         let (ptrs, sizes) = m.page_meta(&[base, base + vo], &[8]).unwrap();
         assert_eq!(ptrs, vec![base + 8 * l * t, base + vo + 8 * l * t]);
         assert_eq!(sizes, vec![l * p * t; 2]);
-        let (ptrs, sizes) = m.split_heads_meta(&[base, base + vo], &[8], 2).unwrap();
+        let page_8: Vec<i64> = (8..8 + p as i64).collect();
+        let (ptrs, sizes) = m.split_heads_meta(&[base, base + vo], &page_8, 2).unwrap();
         let k0 = base + 8 * l * h * d * e;
         let k1 = k0 + p * l * d * e;
         assert_eq!(ptrs, vec![k0, k0 + vo, k1, k1 + vo]);

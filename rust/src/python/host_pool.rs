@@ -334,10 +334,7 @@ impl PyHostPool {
         split_factor: u64,
     ) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("split_heads_meta")?.spec;
-        spec.check_split_heads(split_factor)
-            .map_err(|e| to_py(py, e))?;
-        let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
-        spec.split_heads_meta(&self.geom.plane_base, &starts, split_factor)
+        spec.split_heads_meta(&self.geom.plane_base, &indices, split_factor)
             .map_err(|e| to_py(py, e))
     }
 
