@@ -66,7 +66,7 @@ impl PyPoolSpec {
         };
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
         // The SGLang release the pool follows may not have this layout yet.
-        crate::support::build_in(kind, layout, release).map_err(|e| to_py(py, e))?;
+        crate::support::check_release(kind, layout, release).map_err(|e| to_py(py, e))?;
         let spec = PoolSpec::grouped(
             kind,
             layout,
