@@ -343,6 +343,8 @@ def test_page_digests_refuse_a_load_of_a_page_changed_since_its_backup(monkeypat
     flat = torch.zeros(host.get_dummy_flat_data_page().numel(), dtype=torch.bfloat16)
     host.set_from_flat_data_page(int(h[4]), flat)
     host.load_to_device_per_layer(dev, h, d, 1, backend)
+    host.set_from_flat_data_page(data_page=flat + 1, index=int(h[4]))  # by name, either order
+    host.load_to_device_per_layer(dev, h.clone(), d, 1, backend)
     # The layers of one batch after the first are not hashed again.
     host.backup_from_device_all_layer(dev, h, d, backend)
     host.load_to_device_per_layer(dev, h, d, 0, backend)

@@ -973,20 +973,25 @@ class HostKVCache(SlotFreeList, abc.ABC):
             load(device_pool, host_indices, device_indices, layer_id, io_backend, draft)
 
         self._backup_planes, self._load_planes = checked_backup, checked_load
-        for name, pages_of in (
-            ("get_page_buffer_meta", lambda indices, *_: indices),
-            ("get_split_heads_page_buffer_meta", lambda indices, *_: indices),
-            ("set_from_flat_data_page", lambda index, *_: [as_int("index", index)]),
+        for name, slots in (
+            ("get_page_buffer_meta", "indices"),
+            ("get_split_heads_page_buffer_meta", "indices"),
+            ("set_from_flat_data_page", "index"),
         ):
             method = getattr(self, name, None)
             if method is not None:
-                setattr(self, name, self._forgetting(method, pages_of))
+                setattr(self, name, self._forgetting(method, slots))
 
-    def _forgetting(self, method, pages_of):
+    def _forgetting(self, method, slots: str):
+        """`method`, forgetting the digests of the pages its first argument (`slots`, by
+        position or name) names once it returns: those pages may be written by other means."""
+
         def forgetting(*args, **kwargs):
             result = method(*args, **kwargs)
+            named = args[0] if args else kwargs[slots]
             self._verified_indices = None
-            for page in self._page_numbers(pages_of(*args, *kwargs.values()))[1]:
+            pages = self._page_numbers([as_int(slots, named)] if slots == "index" else named)[1]
+            for page in pages:
                 self._page_digests.pop(page, None)
             return result
 
