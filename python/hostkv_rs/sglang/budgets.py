@@ -111,8 +111,8 @@ def budget_and_source(budget, default, requested_bytes: int = 0) -> tuple[int, s
     """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
     for the source when a caller patched a budget function (its figure is all there is).
     `budget` is the pool module's function at call time, `default` its unpatched one."""
-    module = sys.modules[__name__]
-    if budget is default and module.host_memory_budget_bytes is default_budget_bytes:
+    # The module global is read at call time, so a patched `host_memory_budget_bytes` counts.
+    if budget is default and host_memory_budget_bytes is default_budget_bytes:
         return host_memory_budget(requested_bytes)
     return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
 
