@@ -433,6 +433,10 @@ impl PoolSpec {
     pub fn layer_view_dim(&self, transpose_direct: bool) -> Option<usize> {
         match (self.kind, self.layout) {
             (PoolKind::Mha | PoolKind::AsymmetricMha, Layout::PageUnified) => None,
+            // SGLang keeps a V4 pool's rows as per-layer tensors only layer_first; its page
+            // layouts have no per-layer host buffers (`data_refs` is empty).
+            (PoolKind::V4Paged, Layout::LayerFirst) => Some(0),
+            (PoolKind::V4Paged, _) => None,
             (_, Layout::PageFirst) => Some(1),
             (PoolKind::Mha | PoolKind::AsymmetricMha, Layout::PageFirstDirect)
                 if transpose_direct =>
@@ -441,6 +445,26 @@ impl PoolSpec {
             }
             _ => Some(0),
         }
+    }
+
+    /// Whether a V4 pool's rows are the C4 page row that DeepSeek V4's token-granular path
+    /// addresses (layer_first, 64-token pages, 37440-byte rows): only then does it have the
+    /// per-token value and scale rows.
+    pub fn token_rows(&self) -> bool {
+        self.kind == PoolKind::V4Paged
+            && self.layout == Layout::LayerFirst
+            && self.page_size == c4::PAGE_TOKENS
+            && self.dims.first() == Some(&c4::ROW_BYTES)
+    }
+
+    /// The element shape of the device-side write-back staging buffer SGLang allocates for a
+    /// V4 page_first pool (at most 64 page rows of every layer; uint8), None where it has none.
+    /// hostkv_rs never stages (the core copies straight into host memory), but callers and
+    /// memory budgets see the same buffer.
+    pub fn staging_shape(&self) -> Option<Vec<u64>> {
+        const STAGING_PAGE_CHUNK: u64 = 64; // SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK
+        (self.kind == PoolKind::V4Paged && self.layout == Layout::PageFirst)
+            .then(|| vec![self.rows.min(STAGING_PAGE_CHUNK), self.layers, self.dims[0]])
     }
 
     // ---- L3 pages --------------------------------------------------------------------------
@@ -1002,6 +1026,27 @@ mod tests {
         assert_eq!(v4("layer_first").registration_unit(0), 7);
         assert_eq!(v4("page_first").registration_unit(0), 35);
         assert_eq!(v4("page_first_direct").page_strides(), Some(vec![35]));
+        // SGLang's V4 per-layer host buffers, staging buffer and C4 token rows: one layout each.
+        let shapes = |layout| {
+            let s = v4(layout);
+            (s.layer_view_dim(false), s.staging_shape(), s.token_rows())
+        };
+        assert_eq!(shapes("layer_first"), (Some(0), None, false));
+        assert_eq!(shapes("page_first"), (None, Some(vec![3, 5, 7]), false));
+        assert_eq!(shapes("page_first_direct"), (None, None, false));
+        let c4 = |layout, page, row| {
+            let rows = 100;
+            let s = PoolSpec::new(V4Paged, layout, 2, rows, page, 1, &[row], 1, 1, 0, "").unwrap();
+            (s.token_rows(), s.staging_shape())
+        };
+        let row = c4::ROW_BYTES as usize;
+        assert_eq!(c4("layer_first", 64, row), (true, None));
+        assert_eq!(c4("layer_first", 32, row), (false, None));
+        assert_eq!(c4("layer_first", 64, row - 1), (false, None));
+        assert_eq!(
+            c4("page_first", 64, row),
+            (false, Some(vec![64, 2, row as u64]))
+        );
     }
 
     #[test]

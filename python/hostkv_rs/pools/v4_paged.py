@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 # copy on the core's direct path.
 # `layer_id` of a backup: every layer.
 _ALL_LAYERS = object()
-# SGLang's _WRITE_BACK_STAGING_PAGE_CHUNK: the staging buffer holds at most this many page rows.
-_WRITE_BACK_STAGING_PAGE_CHUNK = 64
 
 # SGLang's token-granular path is `transfer_cache_dsv4_mla` (jit_kernel/hisparse.py + csrc
 # hisparse.cuh, page arithmetic in include/sgl_kernel/deepseek_v4/kvcacheio.cuh). It ignores
@@ -173,21 +171,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"Requesting {_memory.gb(requested_bytes)} GB but only have "
                 f"{_memory.gb(available_bytes)} GB free.{budget_source_text(source)}"
             )
-        # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
-        # a staging buffer on a CPU device count against the memory there is as well.
-        staging_bytes = 0
-        if layout == "page_first" and self.gpu_device.type == "cpu":
-            staging_bytes = min(num_host_pages, _WRITE_BACK_STAGING_PAGE_CHUNK) * (
-                self.layer_num * item_bytes
-            )
-        _memory.check_allocations_fit(
-            f"V4 paged pool {pool_name}",
-            {
-                "page rows": requested_bytes,
-                "slot tables": slot_table_bytes(self.size),
-                "staging buffer": staging_bytes,
-            },
-        )
         # The geometry in the core: refuses another layout with SGLang's text.
         self._spec = _core.PoolSpec(
             "v4_paged",
@@ -198,6 +181,20 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             [item_bytes],
             1,
             name=pool_name,
+        )
+        # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
+        # a staging buffer on a CPU device count against the memory there is as well.
+        staging = self._spec.staging_shape
+        staging_bytes = 0
+        if staging is not None and self.gpu_device.type == "cpu":
+            staging_bytes = staging[0] * staging[1] * staging[2]
+        _memory.check_allocations_fit(
+            f"V4 paged pool {pool_name}",
+            {
+                "page rows": requested_bytes,
+                "slot tables": slot_table_bytes(self.size),
+                "staging buffer": staging_bytes,
+            },
         )
         if device != "cpu":
             # SGLang's HostTensorAllocator.allocate asserts the same.
@@ -224,13 +221,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
         self._flat = _region_view(self._region, (self._spec.plane_nbytes[0],))
         self.data_refs = []
-        if layout == "layer_first":
-            # A list of per-layer (Nh, IB) tensors, as SGLang has; one region laid out
-            # layer-first underneath, the core's arithmetic.
-            self.kv_buffer = list(self._flat.view(self._spec.shape(0)).unbind(0))
+        self.kv_buffer = self._flat.view(self._spec.shape(0))
+        if self._spec.layer_view_dim(False) is not None:
+            # A list of per-layer (Nh, IB) tensors, as SGLang has (layer_first); one region laid
+            # out layer-first underneath, the core's arithmetic.
+            self.kv_buffer = list(self.kv_buffer.unbind(0))
             self.data_refs = list(self.kv_buffer)
-        else:
-            self.kv_buffer = self._flat.view(self._spec.shape(0))
         logger.info(
             "Allocating %.2f GB host memory for V4 paged pool '%s' "
             "(layers=%d, pages=%d, item_bytes=%d, layout=%s).",
@@ -254,12 +250,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # though its write-back JIT may stay off (and hostkv_rs never turns it on), so callers
         # and memory budgets see the same buffer.
         self.staging_buffer = None
-        if layout == "page_first":
-            self.staging_buffer = torch.empty(
-                (min(Nh, _WRITE_BACK_STAGING_PAGE_CHUNK), L, IB),
-                dtype=self.dtype,
-                device=self.gpu_device,
-            )
+        if staging is not None:
+            self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self.gpu_device)
         self._destroyed = False
         # The device side, held by the core (`_core.DeviceBinding`): each binding pairs a core
         # (page rows, or the C4 token rows over the same bytes) with the device buffers seen as
@@ -311,11 +303,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             return
         IB = self.item_bytes
         self._page_binding = self._binding([IB], ("page_rows", self.slot_page_size), [0])
-        if (
-            self.layout == "layer_first"
-            and self.slot_page_size == _C4_PAGE_TOKENS
-            and IB == _C4_ROW_BYTES
-        ):
+        if self._spec.token_rows:
             self._token_bindings = (
                 self._binding([_C4_VALUE_BYTES], ("c4_value",), [0]),
                 self._binding([_C4_SCALE_BYTES], ("c4_scale",), [0]),
@@ -457,7 +445,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 getattr(self, "gpu_device", None),
             )
 
-        if self.layout == "layer_first":
+        if self._spec.layer_view_dim(False) is not None:
             host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
         else:
             host = _region_view(region, (Nh, L, 1, SIB))
@@ -622,8 +610,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._require_live()
         data_page = self._page_view(index)
         flat = truth("flat", flat)
-        if self.layout == "layer_first" and not flat:
-            # SGLang stacks the layers' rows: a copy, not a view of the pool.
+        if self._spec.layer_view_dim(False) is not None and not flat:
+            # SGLang stacks the per-layer rows: a copy, not a view of the pool.
             return data_page.clone()
         return data_page.flatten() if flat else data_page
 

@@ -164,6 +164,19 @@ impl PyPoolSpec {
         self.spec.layer_view_dim(transpose_direct)
     }
 
+    /// Whether a V4 pool's rows are the C4 page row its token-granular path addresses.
+    #[getter]
+    fn token_rows(&self) -> bool {
+        self.spec.token_rows()
+    }
+
+    /// The shape of the write-back staging buffer SGLang allocates for this pool (V4
+    /// page_first), or None.
+    #[getter]
+    fn staging_shape(&self) -> Option<Vec<u64>> {
+        self.spec.staging_shape()
+    }
+
     /// Host layer `layer_id` of this pool, or a `LayerIndexError` naming the pool (an int no
     /// layer number reaches included).
     fn layer(&self, py: Python<'_>, layer_id: &Bound<'_, PyAny>) -> PyResult<u64> {
