@@ -10,21 +10,19 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools import memory as _memory
-from hostkv_rs.pools.args import device_side_of, positive_int, required, truth
-from hostkv_rs.pools.base import HostKVCache
+from hostkv_rs.pools.args import device_side_of, positive_int, required
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layers_device,
     owned_range,
     ptr_table,
 )
+from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang import handover as _handover
 from hostkv_rs.sglang.sources import (
     binds_on_transfer,
     cat_tables,
-    device_source,
     device_type_reason,
     is_buffer_info,
     is_mxfp8_device_pool,
@@ -45,7 +43,7 @@ _ASYM_FLAT_PAGE_TEXT = (
 )
 
 
-class MHATokenToKVPoolHost(HostKVCache):
+class MHATokenToKVPoolHost(TokenPlanesPool):
     """Host mirror of SGLang's `MHATokenToKVPool`: `kv_buffer` is one `(2, ...)` tensor over one
     Rust `HostRegion`; the V half starts `L*S*H*D*e` bytes after the K half.
 
@@ -90,15 +88,9 @@ class MHATokenToKVPoolHost(HostKVCache):
         head_group_num: int = 1,
         host_token_capacity=None,
     ):
-        source = device_source(device_pool, buffer_info)
-        required(
-            type(self).__name__,
-            host_to_device_ratio=host_to_device_ratio,
-            host_size=host_size,
-            page_size=page_size,
-            layout=layout,
+        source = self._checked_source(
+            device_pool, buffer_info, host_to_device_ratio, host_size, page_size, layout
         )
-        refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if is_buffer_info(source):
             with device_side_of(type(self).__name__):
                 side = self._from_buffer_info(source, draft_buffer_infos, pool_label)
@@ -297,14 +289,6 @@ class MHATokenToKVPoolHost(HostKVCache):
             release=sglang_release(),
         )
 
-    def init_kv_buffer(self):
-        self._spec = spec = self._make_spec()
-        self.token_stride_size = spec.item_bytes[0]
-        self.layout_dim = self.token_stride_size * self.layer_num
-        if spec.page_unified_layout is not None:
-            self.page_unified_layout = spec.page_unified_layout
-        return self._allocate(spec)
-
     _device_pool_geometry = (
         ("dtype", "store_dtype"),
         ("head_dim", "head_dim"),
@@ -356,56 +340,8 @@ class MHATokenToKVPoolHost(HostKVCache):
     def get_hybrid_pool_buffer(self):
         return [self.k_buffer, self.v_buffer]
 
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None:
-            return False
-        return self._pool_core.is_stride_page_aligned(page_size_bytes)
-
-    # ----------------------------------------------------------------- transfers
-
-    def _check_io(self, io_backend):
-        self._spec.check_pair(io_backend)
-
-    def load_to_device_per_layer(
-        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
-    ):
-        """Copy host layer `layer_id` of `host_indices` into device layer `layer_id` at
-        `device_indices` (work is enqueued on torch's current stream for a CUDA device pool)."""
-        self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
-
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
-        """Copy every layer of `device_indices` (device) into `host_indices` (host)."""
-        self._backup_planes(device_pool, host_indices, device_indices, io_backend)
-
-    # ----------------------------------------------------------------- L3 flat pages
-
-    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        self._require_bytes()
-        data_page = self._page_view(index)
-        return data_page.flatten() if truth("flat", flat) else data_page
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(
-            (2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
-        ).flatten()
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        """Store one flat page, read with this layout's own element order (see §4.4)."""
-        self._require_bytes()
-        view = self._page_view(index)
-        view.copy_(self._flat_page_as(data_page, view.shape))
-
-    # ----------------------------------------------------------------- zero-copy metadata
-
-    def get_page_buffer_meta(self, indices):
-        """(pointers, sizes) per page: layer_first gives k(l), v(l) for every layer l; the page
-        layouts give one [k, v] pair covering the whole page."""
-        self._require_bytes()
-        return self._pool_core.page_meta(index_list(indices))
+    def _flat_page_shape(self) -> tuple:
+        return (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""

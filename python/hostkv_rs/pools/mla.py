@@ -9,9 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import as_int, device_side_of, positive_int, required, truth
-from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layer_key,
@@ -21,15 +19,12 @@ from hostkv_rs.pools.device_side import (
     sharded_host_layer_num,
 )
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.slots import index_list
+from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.sglang.sources import (
     binds_on_transfer,
     cat_tables,
-    device_source,
-    device_type_reason,
     is_allocation_only,
     is_buffer_info,
-    refuse_unserved,
     refuses_dcp_l3_pages,
     sglang_release,
 )
@@ -37,7 +32,7 @@ from hostkv_rs.sglang.sources import (
 logger = logging.getLogger(__name__)
 
 
-class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
+class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     """Supported (io_backend, layout): kernel + layer_first/page_first, direct +
     layer_first/page_first_direct. `kernel_ascend` serves only the Ascend `page_first_kv_split`
     layout, which this package does not build, so it is refused with SGLang's
@@ -88,15 +83,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         layer_shard_enabled: bool = False,
         host_token_capacity=None,
     ):
-        source = device_source(device_pool, buffer_info)
-        required(
-            type(self).__name__,
-            host_to_device_ratio=host_to_device_ratio,
-            host_size=host_size,
-            page_size=page_size,
-            layout=layout,
+        source = self._checked_source(
+            device_pool, buffer_info, host_to_device_ratio, host_size, page_size, layout
         )
-        refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         if override_kv_cache_dim is not None:
             # SGLang reads it as `override or default`: 0 keeps the default width.
             override_kv_cache_dim = as_int("override_kv_cache_dim", override_kv_cache_dim)
@@ -312,14 +301,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def get_ksize_per_token(self):
         return self.get_size_per_token()
 
-    def init_kv_buffer(self):
-        self._spec = spec = self._make_spec()
-        self.token_stride_size = spec.item_bytes[0]
-        self.layout_dim = self.token_stride_size * self.layer_num
-        if spec.page_unified_layout is not None:
-            self.page_unified_layout = spec.page_unified_layout
-        return self._allocate(spec)
-
     def _make_spec(self):
         """The pool's geometry in the core (validates the layout with SGLang's text)."""
         return _core.PoolSpec(
@@ -348,16 +329,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     def get_hybrid_pool_buffer(self):
         return [] if self.kv_buffer is None else [self.kv_buffer]
 
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None:
-            return False
-        return self._pool_core.is_stride_page_aligned(page_size_bytes)
-
     # ----------------------------------------------------------------- transfers
-
-    def _check_io(self, io_backend):
-        self._spec.check_pair(io_backend)
 
     _device_pool_geometry = (("dtype", "store_dtype"), ("kv_cache_dim", "kv_cache_dim"))
 
@@ -391,41 +363,15 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 
     # ----------------------------------------------------------------- L3 flat pages
 
-    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        self._refuse_dcp_pages()
-        self._require_bytes()
-        data_page = self._page_view(index)
-        return data_page.flatten() if truth("flat", flat) else data_page
+    def _flat_page_shape(self) -> tuple:
+        return (self.layer_num, self.page_size, 1, self.kv_cache_dim)
 
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(
-            (self.layer_num, self.page_size, 1, self.kv_cache_dim),
-            dtype=self.dtype,
-            device=self.device,
-            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
-        ).flatten()
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        # SGLang <= 0.5.22 does not check here: it stores the page at physical row `index`, a
-        # logical slot (another rank's rows, or past the pool); get_data_page's refusal keeps
-        # the pair consistent, and those releases reject L3 with DCP at server start.
-        self._refuse_dcp_pages()
-        self._require_bytes()
-        view = self._page_view(index)
-        view.copy_(self._flat_page_as(data_page, view.shape))
-
-    def _refuse_dcp_pages(self) -> None:
+    def _check_l3_pages(self) -> None:
+        # SGLang <= 0.5.22 asserts in get_data_page only; its set_from_flat_data_page stores the
+        # page at physical row `index`, a logical slot (another rank's rows, or past the pool).
+        # Refusing both keeps the pair consistent; those releases reject L3 with DCP at start.
         if self.dcp_size > 1 and refuses_dcp_l3_pages():
             raise AssertionError(_DCP_L3_TEXT)
-
-    # ----------------------------------------------------------------- zero-copy metadata
-
-    def get_page_buffer_meta(self, indices):
-        """(pointers, sizes): layer_first gives one pointer per layer per page; the page layouts
-        one pointer per page covering all layers. With DCP, `indices` are logical (widened)
-        slots and each logical page maps to this rank's one physical page (SGLang 0.5.23)."""
-        self._require_bytes()
-        return self._pool_core.page_meta(index_list(indices))
 
 
 # SGLang <= 0.5.22's assertion in get_data_page (0.5.23 addresses the rank-local page).

@@ -1,0 +1,101 @@
+"""`TokenPlanesPool`: what the MHA and MLA host pools share. Their bytes are the core's token
+planes (`_core.HostPool` over one `_core.PoolSpec`), so L3 flat pages, page metadata, the
+(layout, io_backend) check and the stride question are the same calls for both; only the
+constructor forms and the geometry attributes SGLang names differ."""
+
+from __future__ import annotations
+
+import torch
+
+from hostkv_rs.pools import memory as _memory
+from hostkv_rs.pools.args import positive_int, required, truth
+from hostkv_rs.pools.base import HostKVCache
+from hostkv_rs.pools.slots import index_list
+from hostkv_rs.sglang.sources import device_source, device_type_reason, refuse_unserved
+
+
+class TokenPlanesPool(HostKVCache):
+    """A KV host pool whose bytes are token planes in the core (MHA, asymmetric MHA, MLA)."""
+
+    def _checked_source(self, device_pool, buffer_info, ratio, host_size, page_size, layout):
+        """The device pool or buffer info the pool is built from, once SGLang's required
+        arguments are present and hostkv_rs serves the layout and the device type."""
+        source = device_source(device_pool, buffer_info)
+        required(
+            type(self).__name__,
+            host_to_device_ratio=ratio,
+            host_size=host_size,
+            page_size=page_size,
+            layout=layout,
+        )
+        refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
+        return source
+
+    def _make_spec(self):
+        raise NotImplementedError()
+
+    def init_kv_buffer(self):
+        self._spec = spec = self._make_spec()
+        self.token_stride_size = spec.item_bytes[0]
+        self.layout_dim = self.token_stride_size * self.layer_num
+        if spec.page_unified_layout is not None:
+            self.page_unified_layout = spec.page_unified_layout
+        return self._allocate(spec)
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
+        if self.kv_buffer is None:
+            return False
+        return self._pool_core.is_stride_page_aligned(page_size_bytes)
+
+    def _check_io(self, io_backend):
+        self._spec.check_pair(io_backend)
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+    ):
+        """Copy host layer `layer_id` of `host_indices` into device layer `layer_id` at
+        `device_indices` (work is enqueued on torch's current stream for a CUDA device pool)."""
+        self._load_planes(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        """Copy every layer of `device_indices` (device) into `host_indices` (host)."""
+        self._backup_planes(device_pool, host_indices, device_indices, io_backend)
+
+    # ----------------------------------------------------------------- L3 flat pages
+
+    def _check_l3_pages(self) -> None:
+        """Refuse L3 page access where the release does (MLA with DCP under SGLang <= 0.5.22)."""
+
+    def _flat_page_shape(self) -> tuple:
+        """The shape SGLang's `get_dummy_flat_data_page` builds before flattening."""
+        raise NotImplementedError()
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        self._check_l3_pages()
+        self._require_bytes()
+        data_page = self._page_view(index)
+        return data_page.flatten() if truth("flat", flat) else data_page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(
+            self._flat_page_shape(),
+            dtype=self.dtype,
+            device=self.device,
+            pin_memory=_memory.pin_dummy_pages(self.pin_memory),
+        ).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Store one flat page, read with this layout's own element order (see §4.4)."""
+        self._check_l3_pages()
+        self._require_bytes()
+        view = self._page_view(index)
+        view.copy_(self._flat_page_as(data_page, view.shape))
+
+    def get_page_buffer_meta(self, indices):
+        """(pointers, sizes) per page: layer_first gives one entry per layer (MHA: k, v) of each
+        page; the page layouts one entry (MHA: a [k, v] pair) covering every layer. With DCP
+        (MLA), `indices` are logical (widened) slots and each logical page maps to this rank's
+        one physical page (SGLang 0.5.23)."""
+        self._require_bytes()
+        return self._pool_core.page_meta(index_list(indices))
