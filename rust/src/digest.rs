@@ -2,6 +2,9 @@
 //! The L3 tier stores one with every object and checks it on load, so a corrupted, foreign or
 //! overwritten object is a miss, never a hit with the wrong bytes.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use twox_hash::xxhash3_128::Hasher;
 
 /// XXH3-128 of the concatenation of `parts`.
@@ -13,9 +16,75 @@ pub fn digest128<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u128 {
     h.finish_128()
 }
 
+/// The digests a watched host pool keeps of its pages (`HOSTKV_PAGE_DIGEST`), by logical page
+/// number: recorded by a backup, compared by a load, forgotten when a page may be written by
+/// other means. The mutex is a leaf: nothing else is locked, and nothing waits, while it is held.
+#[derive(Default)]
+pub struct PageDigests {
+    map: Mutex<HashMap<u64, u128>>,
+}
+
+impl PageDigests {
+    /// Remembers the digests of `pages` (just written).
+    pub fn record(&self, pages: &[u64], digests: &[u128]) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.extend(pages.iter().copied().zip(digests.iter().copied()));
+    }
+
+    /// Forgets `pages`.
+    pub fn forget(&self, pages: &[u64]) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        for page in pages {
+            map.remove(page);
+        }
+    }
+
+    /// The pages among `pages` that have a recorded digest, with it.
+    pub fn known(&self, pages: &[u64]) -> Vec<(u64, u128)> {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        pages
+            .iter()
+            .filter_map(|p| map.get(p).map(|&d| (*p, d)))
+            .collect()
+    }
+}
+
+/// The pages `slots` touch (each once, ascending; a negative slot is page 0's, as a refused
+/// call never gets here), and every slot of those pages, page by page.
+pub fn pages_of(slots: &[i64], page_size: u64) -> (Vec<u64>, Vec<i64>) {
+    let page_size = page_size.max(1);
+    let mut pages: Vec<u64> = slots.iter().map(|&s| s.max(0) as u64 / page_size).collect();
+    pages.sort_unstable();
+    pages.dedup();
+    let every = pages
+        .iter()
+        .flat_map(|&p| (p * page_size..(p + 1) * page_size).map(|s| s as i64))
+        .collect();
+    (pages, every)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pages_are_listed_once_with_every_slot() {
+        let (pages, every) = pages_of(&[9, 1, 8, 2], 4);
+        assert_eq!(pages, vec![0, 2]);
+        assert_eq!(every, vec![0, 1, 2, 3, 8, 9, 10, 11]);
+        assert_eq!(pages_of(&[], 4), (vec![], vec![]));
+    }
+
+    #[test]
+    fn recorded_pages_are_known_until_forgotten() {
+        let digests = PageDigests::default();
+        digests.record(&[1, 2], &[11, 22]);
+        assert_eq!(digests.known(&[0, 1, 2]), vec![(1, 11), (2, 22)]);
+        digests.forget(&[1]);
+        assert_eq!(digests.known(&[0, 1, 2]), vec![(2, 22)]);
+        digests.record(&[2], &[23]);
+        assert_eq!(digests.known(&[2]), vec![(2, 23)]);
+    }
 
     #[test]
     fn pieces_hash_as_their_concatenation() {

@@ -36,7 +36,7 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs.pools.indices import as_index_array, check_storage
+from hostkv_rs.pools.indices import check_storage
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
@@ -934,100 +934,16 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     def _new_host_pool(self):
         """The core's pool over this pool's allocations (`_core.HostPool`); with
-        HOSTKV_PAGE_DIGEST set, this pool's transfers digest and verify its pages."""
+        HOSTKV_PAGE_DIGEST set, its backups digest the pages they write and its loads verify
+        them (in the core). page_unified has no page metadata (as in SGLang) and is not
+        checked."""
         buffer = self.kv_buffer
         allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
-        core = _core.HostPool(self._spec, allocations)
-        if _env.page_digest():
-            self._watch_pages()
-        return core
-
-    # ---- HOSTKV_PAGE_DIGEST: a debugging aid for silent host-memory corruption
-
-    _page_digests: dict | None = None
-    _verified_indices = None
-
-    def _watch_pages(self) -> None:
-        """Digest every host page a backup writes (in the core, without the GIL) and verify it
-        before a later batch loads it, which refuses a changed page before moving anything. The
-        methods are wrapped on this instance only, so a pool without the check pays nothing per
-        call. A page written by other means (a flat page set, or handed to a storage backend by
-        address) is not checked again until its next backup. page_unified has no page
-        metadata (as in SGLang) and is not checked."""
-        if self._spec.page_unified_layout is not None:
+        watch = _env.page_digest()
+        if watch and self._spec.page_unified_layout is not None:
             logger.warning("HOSTKV_PAGE_DIGEST: %s page_unified pages are not checked", self)
-            return
-        self._page_digests = {}
-        backup, load = self._backup_planes, self._load_planes
-
-        def checked_backup(device_pool, host_indices, device_indices, io_backend):
-            backup(device_pool, host_indices, device_indices, io_backend)
-            self._record_pages(host_indices)
-
-        def checked_load(device_pool, host_indices, device_indices, layer_id, io_backend, draft):
-            # A batch loads layer after layer with one index tensor: its pages are verified
-            # whole at its first layer (a digest covers every layer of a page).
-            if host_indices is not self._verified_indices:
-                self._verify_pages(host_indices)
-                self._verified_indices = host_indices
-            load(device_pool, host_indices, device_indices, layer_id, io_backend, draft)
-
-        self._backup_planes, self._load_planes = checked_backup, checked_load
-        for name, slots in (
-            ("get_page_buffer_meta", "indices"),
-            ("get_split_heads_page_buffer_meta", "indices"),
-            ("set_from_flat_data_page", "index"),
-        ):
-            method = getattr(self, name, None)
-            if method is not None:
-                setattr(self, name, self._forgetting(method, slots))
-
-    def _forgetting(self, method, slots: str):
-        """`method`, forgetting the digests of the pages its first argument (`slots`, by
-        position or name) names once it returns: those pages may be written by other means."""
-
-        def forgetting(*args, **kwargs):
-            result = method(*args, **kwargs)
-            named = args[0] if args else kwargs[slots]
-            self._verified_indices = None
-            pages = self._page_numbers([as_int(slots, named)] if slots == "index" else named)[1]
-            for page in pages:
-                self._page_digests.pop(page, None)
-            return result
-
-        return forgetting
-
-    def _page_numbers(self, host_indices) -> tuple[list[int], list[int]]:
-        """(every slot of each page `host_indices` touch, page by page; those pages)."""
-        lp = self.logical_page_size
-        slots = as_index_array(host_indices, torch.device("cpu")).to(torch.int64)
-        pages = torch.unique(torch.div(slots, lp, rounding_mode="floor"))
-        every = (pages[:, None] * lp + torch.arange(lp)).flatten()
-        return every.tolist(), pages.tolist()
-
-    def _record_pages(self, host_indices) -> None:
-        device = getattr(self, "_transfer_device", None)
-        if getattr(device, "type", None) == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the backup's copy has landed
-        slots, pages = self._page_numbers(host_indices)
-        self._page_digests.update(zip(pages, self._live_core().page_digests(slots)))
-        self._verified_indices = None
-
-    def _verify_pages(self, host_indices) -> None:
-        slots, pages = self._page_numbers(host_indices)
-        lp = self.logical_page_size
-        known = [k for k, page in enumerate(pages) if page in self._page_digests]
-        if not known:
-            return
-        watched = [slots[k * lp + j] for k in known for j in range(lp)]
-        for k, digest in zip(known, self._live_core().page_digests(watched)):
-            page = pages[k]
-            if digest != self._page_digests[page]:
-                raise RuntimeError(
-                    f"{type(self).__name__}: host page {page} (slots [{page * lp}, "
-                    f"{(page + 1) * lp})) changed since its backup (HOSTKV_PAGE_DIGEST): its "
-                    f"bytes were overwritten or corrupted in host memory; nothing was loaded"
-                )
+            watch = False
+        return _core.HostPool(self._spec, allocations, watch_pages=watch)
 
     def _live_buffer(self):
         """`kv_buffer`, or a clear error once `destroy()` has released it."""

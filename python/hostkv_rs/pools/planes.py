@@ -91,6 +91,7 @@ class TokenPlanesPool(HostKVCache):
         self._require_bytes()
         view = self._page_view(index)
         view.copy_(self._flat_page_as(data_page, view.shape))
+        self._pool_core.forget_pages([index])  # HOSTKV_PAGE_DIGEST: written by other means
 
     def get_page_buffer_meta(self, indices):
         """(pointers, sizes) per page: layer_first gives one entry per layer (MHA: k, v) of each

@@ -567,6 +567,13 @@ fn index_array<'py>(
     ))
 }
 
+/// The values of an index argument, read on the host (the page digests' slots).
+fn index_values(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let t = torch(py)?;
+    let array = t.as_index_array.bind(py).call1((value, t.cpu.bind(py)))?;
+    array.call_method0("tolist")?.extract()
+}
+
 fn fast_index(
     py: Python<'_>,
     t: &Torch,
@@ -832,6 +839,11 @@ impl PyDeviceBinding {
         };
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
+        if !plan_only {
+            let values = || index_values(py, host_indices);
+            core.get()
+                .verify_pages(py, &self.name, host_indices, values)?;
+        }
         let (ptrs, rows, cuda) = self.device_ptrs(py, &[position])?;
         let engine = self.engine(py, &cuda, plan_only)?;
         self.run(
@@ -884,7 +896,7 @@ impl PyDeviceBinding {
         let (ptrs, rows, cuda) = self.device_ptrs(py, &positions)?;
         let engine = self.engine(py, &cuda, plan_only)?;
         if self.layers.complete() {
-            return self.run(
+            self.run(
                 py,
                 core.get(),
                 backend,
@@ -894,22 +906,30 @@ impl PyDeviceBinding {
                 host_indices,
                 device_indices,
                 &engine,
-            );
-        }
-        let n = positions.len();
-        for (k, &(host_layer, _)) in order.iter().enumerate() {
-            let layer_ptrs = (0..self.nplanes()).map(|p| ptrs[p * n + k]).collect();
-            self.run(
-                py,
-                core.get(),
-                backend,
-                Op::BackupLayer { host_layer },
-                layer_ptrs,
-                rows,
-                host_indices,
-                device_indices,
-                &engine,
             )?;
+        } else {
+            let n = positions.len();
+            for (k, &(host_layer, _)) in order.iter().enumerate() {
+                let layer_ptrs = (0..self.nplanes()).map(|p| ptrs[p * n + k]).collect();
+                self.run(
+                    py,
+                    core.get(),
+                    backend,
+                    Op::BackupLayer { host_layer },
+                    layer_ptrs,
+                    rows,
+                    host_indices,
+                    device_indices,
+                    &engine,
+                )?;
+            }
+        }
+        if core.get().watches() && !plan_only {
+            if let Some(stream) = &engine.torch_stream {
+                stream.bind(py).call_method0("synchronize")?; // the copy has landed
+            }
+            core.get()
+                .record_pages(py, &index_values(py, host_indices)?)?;
         }
         Ok(())
     }

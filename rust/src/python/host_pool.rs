@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use super::args;
 use super::errors::{to_py, transfer_err};
 use super::memory::{host_memory, HostMemory};
+use super::page_watch::{self, PageWatch};
 #[cfg(feature = "raw-calls")]
 use super::raw::IndexArg;
 use super::spec::PyPoolSpec;
@@ -38,6 +39,8 @@ pub struct PyHostPool {
     pub(crate) spec: Option<Py<PyPoolSpec>>,
     /// What keeps each plane's memory alive (see `memory`); never read, only held.
     _owners: Vec<Py<PyAny>>,
+    /// The digests of its pages, for a pool built with `watch_pages` (`HOSTKV_PAGE_DIGEST`).
+    watch: Option<PageWatch>,
 }
 
 impl PyHostPool {
@@ -65,7 +68,68 @@ impl PyHostPool {
             planes,
             spec,
             _owners: owners,
+            watch: None,
         })
+    }
+
+    /// Whether this pool's pages are watched (`HOSTKV_PAGE_DIGEST`).
+    pub(crate) fn watches(&self) -> bool {
+        self.watch.is_some()
+    }
+
+    /// Digests the pages `slots` touch, just written by a backup (watched pools only).
+    pub(crate) fn record_pages(&self, py: Python<'_>, slots: &[i64]) -> PyResult<()> {
+        let Some(watch) = &self.watch else {
+            return Ok(());
+        };
+        let page = self.spec_of("page_digests")?.spec.logical_page_size();
+        let (pages, every) = crate::digest::pages_of(slots, page);
+        let digests = self.page_digests(py, every)?;
+        watch.record(&pages, &digests);
+        Ok(())
+    }
+
+    /// Refuses a load of `indices` (whose values `slots` reads) when a page it touches changed
+    /// since its backup (watched pools only); `name` names the pool in the refusal.
+    pub(crate) fn verify_pages(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        indices: &Bound<'_, PyAny>,
+        slots: impl FnOnce() -> PyResult<Vec<i64>>,
+    ) -> PyResult<()> {
+        let Some(watch) = &self.watch else {
+            return Ok(());
+        };
+        if watch.already_verified(indices) {
+            return Ok(());
+        }
+        let page = self.spec_of("page_digests")?.spec.logical_page_size();
+        let known = watch
+            .digests
+            .known(&crate::digest::pages_of(&slots()?, page).0);
+        if !known.is_empty() {
+            let every = known
+                .iter()
+                .flat_map(|&(p, _)| (p * page..(p + 1) * page).map(|s| s as i64))
+                .collect();
+            let now = self.page_digests(py, every)?;
+            if let Some((p, _)) = known.iter().zip(now).find(|((_, want), got)| want != got) {
+                return Err(page_watch::changed_page(name, p.0, page));
+            }
+        }
+        watch.replace_verified(Some(indices));
+        Ok(())
+    }
+
+    /// Forgets the pages `slots` touch: they may be written by other means until their next
+    /// backup.
+    fn forget(&self, slots: &[i64]) -> PyResult<()> {
+        if let Some(watch) = &self.watch {
+            let page = self.spec_of("forget_pages")?.spec.logical_page_size();
+            watch.forget(&crate::digest::pages_of(slots, page).0);
+        }
+        Ok(())
     }
 
     /// The pool's planes `planes` alone, in that order (a binding that moves only some of
@@ -185,11 +249,15 @@ impl PyHostPool {
 impl PyHostPool {
     /// The pool `spec` describes over `allocations`, the tensors (or `HostRegion`s) its
     /// `allocations()` lists, in that order.
+    /// `watch_pages`: digest the pages backups write and verify them before loads
+    /// (`HOSTKV_PAGE_DIGEST`; not for page_unified pools, which have no page metadata).
     #[new]
+    #[pyo3(signature = (spec, allocations, *, watch_pages = false))]
     fn new(
         py: Python<'_>,
         spec: Py<PyPoolSpec>,
         allocations: Vec<Bound<'_, PyAny>>,
+        watch_pages: bool,
     ) -> PyResult<Self> {
         let s = &spec.get().spec;
         let (shapes, placement) = s.allocations();
@@ -224,7 +292,27 @@ impl PyHostPool {
             item_bytes: items,
             plane_base,
         };
-        Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))
+        let mut pool = Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))?;
+        if watch_pages {
+            if s.unified().is_some() {
+                return Err(PyValueError::new_err(
+                    "page_unified pools have no page metadata to digest pages by",
+                ));
+            }
+            pool.watch = Some(PageWatch::default());
+        }
+        Ok(pool)
+    }
+
+    /// Whether this pool's pages are watched (`HOSTKV_PAGE_DIGEST`).
+    #[getter]
+    fn watches_pages(&self) -> bool {
+        self.watches()
+    }
+
+    /// Forgets the digests of the pages `slots` touch (a flat page was written into them).
+    fn forget_pages(&self, slots: Vec<i64>) -> PyResult<()> {
+        self.forget(&slots)
     }
 
     /// A pool of explicit row geometry, without a spec (tests and benchmarks of the core's
@@ -293,7 +381,7 @@ impl PyHostPool {
     /// without the GIL: the debug check that a host page did not change between its backup and a
     /// load (`HOSTKV_PAGE_DIGEST`). `indices` as `page_meta` takes them. The caller keeps those
     /// pages unchanged during the call (a page written meanwhile hashes as a change).
-    fn page_digests(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Vec<u128>> {
+    pub(crate) fn page_digests(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Vec<u128>> {
         let spec = &self.spec_of("page_digests")?.spec;
         let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
         let (ptrs, sizes) = spec
@@ -322,8 +410,11 @@ impl PyHostPool {
     fn page_meta(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("page_meta")?.spec;
         let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
-        spec.page_meta(&self.geom.plane_base, &starts)
-            .map_err(|e| to_py(py, e))
+        let meta = spec
+            .page_meta(&self.geom.plane_base, &starts)
+            .map_err(|e| to_py(py, e))?;
+        self.forget(&indices)?; // handed out by address: writable by other means
+        Ok(meta)
     }
 
     /// `get_split_heads_page_buffer_meta` (MHA page_head).
@@ -334,8 +425,11 @@ impl PyHostPool {
         split_factor: u64,
     ) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("split_heads_meta")?.spec;
-        spec.split_heads_meta(&self.geom.plane_base, &indices, split_factor)
-            .map_err(|e| to_py(py, e))
+        let meta = spec
+            .split_heads_meta(&self.geom.plane_base, &indices, split_factor)
+            .map_err(|e| to_py(py, e))?;
+        self.forget(&indices)?; // handed out by address: writable by other means
+        Ok(meta)
     }
 
     /// `get_contiguous_buf_infos` (MLA, V4) of this pool's bytes.

@@ -10,6 +10,7 @@ mod extent;
 mod host_pool;
 mod layer_map;
 mod memory;
+mod page_watch;
 #[cfg(feature = "raw-calls")]
 mod raw;
 mod region;
