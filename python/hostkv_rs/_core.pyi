@@ -286,6 +286,33 @@ class LayerMap:
     def host_layer_num(self) -> int: ...
 
 @final
+class V4Transfers:
+    """A DeepSeek V4 paged pool's transfers: every check in SGLang's order, and the device
+    bindings that move whole page rows, kernel_ascend's page and scale rows, or C4 tokens."""
+
+    def __new__(
+        cls,
+        name: str,
+        page_size: int,
+        item_bytes: int,
+        device: torch.device,
+        *,
+        spec: PoolSpec | None = None,
+        page: DeviceBinding | None = None,
+        ascend: DeviceBinding | None = None,
+        tokens: tuple[DeviceBinding, DeviceBinding] | None = None,
+        refusal: str | None = None,
+        page_aligned_only: bool = False,
+        has_rows: bool = False,
+    ) -> V4Transfers: ...
+    def backup(self, host_indices: object, device_indices: object, io_backend: object) -> None: ...
+    def load(
+        self, layer_id: int, host_indices: object, device_indices: object, io_backend: object
+    ) -> None: ...
+    def backup_tokens(self, host_indices: object, device_indices: object) -> None: ...
+    def release(self) -> None: ...
+
+@final
 class DeviceBinding:
     def __new__(
         cls,

@@ -24,32 +24,11 @@ from hostkv_rs.pools.base import (
 )
 from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.indices import as_index_array, check_storage
+from hostkv_rs.pools.indices import check_storage
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang.budgets import budget_source_text
 
 logger = logging.getLogger(__name__)
-
-# kernel_ascend moves whole pages one layer at a time through `_host_page_view`, which SGLang
-# builds for these layouts only; with CPU (or CUDA) device buffers we run the same page-row
-# copy on the core's direct path.
-# `layer_id` of a backup: every layer.
-_ALL_LAYERS = object()
-
-# SGLang's token-granular path is `transfer_cache_dsv4_mla` (jit_kernel/hisparse.py + csrc
-# hisparse.cuh, page arithmetic in include/sgl_kernel/deepseek_v4/kvcacheio.cuh). It ignores
-# item_bytes and assumes the page-padded C4 row on *both* sides: 64 tokens per page, the 576-byte
-# values of tokens 0..63 first, then their 8-byte scales, the row padded to a multiple of 576
-# (FlashMLA's page alignment) = 37440 bytes. Token t lives in row t // 64, value at
-# (t % 64) * 576, scale at 64 * 576 + (t % 64) * 8. We copy exactly those two segments per token
-# and layer, and refuse other geometries, where SGLang's fixed constants would address bytes
-# outside the rows.
-# The constants live in the core (rust/src/pool.rs, `c4`).
-_C4_PAGE_TOKENS = _core.C4_PAGE_TOKENS
-_C4_VALUE_BYTES = _core.C4_VALUE_BYTES
-_C4_SCALE_BYTES = _core.C4_SCALE_BYTES
-_C4_ROW_BYTES = _core.C4_ROW_BYTES
-
 
 # A page outside the pool: our ValueError, and the IndexError SGLang's `kv_buffer[row]` raises.
 PageIndexError = _core.PageIndexError
@@ -253,15 +232,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if staging is not None:
             self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self.gpu_device)
         self._destroyed = False
-        # The device side, held by the core (`_core.DeviceBinding`): each binding pairs a core
-        # (page rows, or the C4 token rows over the same bytes) with the device buffers seen as
-        # rows of that core's size, checked on first use; each call then passes only the layer
-        # and the indices, which the core maps to rows while it reads them.
-        # Device buffers that are not whole rows get no binding: the first transfer refuses them.
-        self._page_binding = None
-        self._token_bindings = None
-        self._ascend_binding = None
-        self._bind_page_rows()
+        self._transfers = self._bind()
         self.clear()
 
     # ---- construction helpers -------------------------------------------------------------
@@ -293,21 +264,40 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         """The page rows' memory, as the core takes it."""
         return self._region if self._region is not None else torch.empty(0, dtype=torch.uint8)
 
-    def _bind_page_rows(self) -> None:
-        """The page rows' device side over the pool's core (its first plane, beside the scale
-        rows once they are attached): whole page rows, and for the C4 row the same bytes read
-        as rows of one value and rows of one scale (the core derives those rows from the C4
-        maps). Device buffers that are not whole rows get no binding: the first transfer
-        refuses them."""
-        if self._device_refusal is not None:
-            return
-        IB = self.item_bytes
-        self._page_binding = self._binding([IB], ("page_rows", self.slot_page_size), [0])
-        if self._spec.token_rows:
-            self._token_bindings = (
-                self._binding([_C4_VALUE_BYTES], ("c4_value",), [0]),
-                self._binding([_C4_SCALE_BYTES], ("c4_scale",), [0]),
-            )
+    def _bind(self, scales=None):
+        """The pool's transfers in the core (`_core.V4Transfers`: every check, in SGLang's order,
+        and the device bindings that move the bytes). Each `_core.DeviceBinding` pairs the core
+        (page rows; for the C4 row the same bytes read as rows of one value and rows of one
+        scale; with `scales`, the page rows and scale rows together for kernel_ascend) with the
+        device buffers seen as rows of that size, checked on first use. Device buffers that are
+        not whole rows get no binding: the first transfer refuses them."""
+        bindings = {}
+        if self._device_refusal is None:
+            IB = self.item_bytes
+            bindings["page"] = self._binding([IB], ("page_rows", self.slot_page_size), [0])
+            if self._spec.token_rows:
+                bindings["tokens"] = (
+                    self._binding([_core.C4_VALUE_BYTES], ("c4_value",), [0]),
+                    self._binding([_core.C4_SCALE_BYTES], ("c4_scale",), [0]),
+                )
+            if scales is not None:
+                bindings["ascend"] = self._binding(
+                    [IB, self.scale_item_bytes],
+                    ("page_rows", self.slot_page_size),
+                    None,
+                    buffers=[self.device_buffers, scales],
+                )
+        return _core.V4Transfers(
+            self.pool_name,
+            self.slot_page_size,
+            self.item_bytes,
+            self.gpu_device,
+            spec=self._spec,
+            refusal=self._device_refusal,
+            page_aligned_only=self.page_aligned_only,
+            has_rows=self._region is not None,
+            **bindings,
+        )
 
     def _binding(self, items: list[int], index_map, host_planes, buffers=None):
         """The core's device side for its planes `host_planes`: per plane, every layer's device
@@ -460,14 +450,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             # The bindings over the old core are dropped, not released: a transfer still running
             # through one finishes over the same memory.
             self._spec, self._pool = spec, _core.HostPool(spec, [self._region, region])
-            self._bind_page_rows()
-            if self._device_refusal is None:
-                self._ascend_binding = self._binding(
-                    [self.item_bytes, SIB],
-                    ("page_rows", self.slot_page_size),
-                    None,
-                    buffers=[self.device_buffers, buffers],
-                )
+            self._transfers = self._bind(scales=buffers)
 
     # ---- transfers --------------------------------------------------------------------------
 
@@ -475,99 +458,23 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if self._destroyed:
             raise RuntimeError(f"{self.pool_name} host pool has been destroyed")
 
-    def _transfer_indices(self, host_indices, device_indices):
-        """Both index tensors (integer, 1-D, where they were), or None when there is nothing to
-        move."""
-        if host_indices is None or device_indices is None:
-            return None
-        host_indices = as_index_array(host_indices)
-        device_indices = as_index_array(device_indices)
-        n, m = host_indices.numel(), device_indices.numel()
-        if n != m:
-            raise ValueError(f"{self.pool_name} transfer index size mismatch: host={n}, device={m}")
-        if n == 0:
-            return None
-        return host_indices, device_indices
-
-    def _index_device(self, io_backend: str) -> torch.device:
-        # The copy engine plans direct copies on the host; kernels read indices on the GPU.
-        if self.gpu_device.type == "cuda" and io_backend == "kernel":
-            return self.gpu_device
-        return torch.device("cpu")
-
-    def _unaligned(self, host, dev) -> ValueError:
-        return ValueError(
-            f"{self.pool_name} expects page-aligned indices: got {host.numel()} host and "
-            f"{dev.numel()} device indices for page size {self.slot_page_size}."
-        )
-
-    def _plan(self, io_backend, host_indices, device_indices, layer_id=_ALL_LAYERS):
-        """Validate one transfer (a backup of every layer, or a load of `layer_id`) and return
-        its core calls as (binding, backend, host indices, device indices), or None when there
-        is nothing to move. Everything that can be refused is refused here or by the first
-        call's check, before any byte moves, in SGLang's order: indices, then the (layout,
-        backend) pair, then the layer."""
-        self._require_live()
-        pair = self._transfer_indices(host_indices, device_indices)
-        if pair is None:
-            return None
-        host, dev = pair
-        if self._device_refusal is not None:
-            raise ValueError(f"{self.pool_name} transfer: {self._device_refusal}")
-        if self.page_aligned_only and host.numel() % self.slot_page_size != 0:
-            raise self._unaligned(host, dev)
-        if self.gpu_device.type not in ("cpu", "cuda"):
-            # The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
-            raise ValueError(
-                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
-                f"got {self.gpu_device}"
+    def _moves(self):
+        """The core's transfers; for a pool made with `__new__` and a few attributes set by hand
+        (SGLang's unit tests), ones that apply only the page-alignment refusal."""
+        transfers = self.__dict__.get("_transfers")
+        if transfers is None:
+            transfers = _core.V4Transfers(
+                self.pool_name,
+                self.slot_page_size,
+                0,
+                torch.device("cpu"),
+                page_aligned_only=self.page_aligned_only,
             )
-        if host.numel() % self.slot_page_size != 0:
-            backend = self._spec.check_pair(io_backend, "tokens")
-            return self._token_plan(io_backend, backend, host, dev, self._layers(layer_id))
-        if io_backend == "kernel_ascend" and layer_id is _ALL_LAYERS and not self.layer_num:
-            return None  # SGLang checks the layout in each layer's page view: there are none
-        backend = self._spec.check_pair(io_backend)
-        binding = self._page_binding
-        if io_backend == "kernel_ascend" and self._ascend_binding is not None:
-            binding = self._ascend_binding
-        if not self._layers(layer_id):
-            return None  # a pool without layers has nothing to back up
-        if self._region is None:
-            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
-        return [(binding, backend, host, dev)]
-
-    def _token_plan(self, io_backend, backend, host, dev, layers):
-        """SGLang's transfer_cache_dsv4_mla: per token, its value and scale segments of the C4
-        page row (see the constants at the top), whatever the io_backend."""
-        if self._token_bindings is None and self._region is not None:
-            raise ValueError(
-                f"{self.pool_name} token-granular transfers need the DSV4 C4 page row "
-                f"(slot_page_size={_C4_PAGE_TOKENS}, item_bytes={_C4_ROW_BYTES}), got "
-                f"slot_page_size={self.slot_page_size}, item_bytes={self.item_bytes}"
-            )
-        if not layers:
-            return None
-        if self._region is None:
-            raise ValueError(f"{self.pool_name} transfer: the host pool has no page rows")
-        target = self._index_device(io_backend)
-        host = as_index_array(host, target)
-        dev = as_index_array(dev, target)
-        # The two segments of a C4 token are rows of two finer geometries over the same bytes
-        # (576-byte values, 8-byte scales); the core maps each token to its row in each.
-        values, scales = self._token_bindings
-        return [(values, backend, host, dev), (scales, backend, host, dev)]
-
-    def _layers(self, layer_id) -> list[int]:
-        """Every layer for a backup, else the one checked load layer."""
-        if layer_id is _ALL_LAYERS:
-            return list(range(self.layer_num))
-        return [self._spec.layer(as_int("layer_id", layer_id))]
+        return transfers
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
-        calls = self._plan(io_backend, host_indices, device_indices)
-        for binding, backend, host, dev in calls or ():
-            binding.backup(host, dev, backend)
+        self._require_live()
+        self._moves().backup(host_indices, device_indices, io_backend)
 
     def backup_tokens_from_device_all_layer(self, host_indices, device_indices) -> None:
         """Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode
@@ -575,31 +482,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         page size is never taken for whole pages. Needs the layer_first C4 rows; a
         page-aligned-only pool refuses it."""
         self._require_live()
-        pair = self._transfer_indices(host_indices, device_indices)
-        if pair is None:
-            return
-        host, dev = pair
-        if self._device_refusal is not None:
-            raise ValueError(f"{self.pool_name} transfer: {self._device_refusal}")
-        if self.page_aligned_only:
-            raise self._unaligned(host, dev)
-        if self.gpu_device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"{self.pool_name}: device buffers must be on CPU or CUDA to transfer, "
-                f"got {self.gpu_device}"
-            )
-        # SGLang moves these tokens with its DSV4 kernel, which needs per-layer host rows.
-        backend = self._spec.check_pair("kernel", "tokens")
-        calls = self._token_plan("kernel", backend, host, dev, self._layers(_ALL_LAYERS))
-        for binding, backend, h, d in calls or ():
-            binding.backup(h, d, backend)
+        self._moves().backup_tokens(host_indices, device_indices)
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
-        calls = self._plan(io_backend, host_indices, device_indices, layer_id)
-        for binding, backend, host, dev in calls or ():
-            binding.load(layer_id, host, dev, backend)
+        self._require_live()
+        self._moves().load(layer_id, host_indices, device_indices, io_backend)
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
@@ -661,9 +550,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         for region in (self._region, self._scale_region):
             if region is not None:
                 region.unregister_cuda()
-        for binding in (self._page_binding, self._ascend_binding, *(self._token_bindings or ())):
-            if binding is not None:
-                binding.release()
+        self._transfers.release()
         self.kv_buffer = None
         self.data_refs = []
         self.data_ptrs = None

@@ -34,20 +34,20 @@ use crate::layer_map::LayerMap;
 use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op};
 
 /// The torch objects a binding compares against, looked up once per process.
-struct Torch {
+pub(super) struct Torch {
     tensor: Py<PyType>,
     int32: Py<PyAny>,
     int64: Py<PyAny>,
-    cpu: Py<PyAny>,
+    pub(super) cpu: Py<PyAny>,
     /// `hostkv_rs.pools.indices.as_index_array`: the conversions off the fast path (lists, numpy,
     /// other dtypes, strided or device-resident tensors), with their exact refusals.
-    as_index_array: Py<PyAny>,
+    pub(super) as_index_array: Py<PyAny>,
     check_storage: Py<PyAny>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 
-fn torch(py: Python<'_>) -> PyResult<&Torch> {
+pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
     TORCH.get_or_try_init(py, || {
         let torch = py.import("torch")?;
         let indices = py.import("hostkv_rs.pools.indices")?;
@@ -824,7 +824,7 @@ impl PyDeviceBinding {
     /// `plan_only`: check and plan the call as it would run, and move nothing.
     #[pyo3(signature = (layer_id, host_indices, device_indices, io_backend, is_draft = false, *, plan_only = false))]
     #[allow(clippy::too_many_arguments)]
-    fn load(
+    pub(super) fn load(
         &self,
         py: Python<'_>,
         layer_id: &Bound<'_, PyAny>,
@@ -864,7 +864,7 @@ impl PyDeviceBinding {
     /// layer, else one per held layer (they share the indices, so the first call's validation,
     /// which precedes its first byte, covers them all).
     #[pyo3(signature = (host_indices, device_indices, io_backend, *, plan_only = false))]
-    fn backup(
+    pub(super) fn backup(
         &self,
         py: Python<'_>,
         host_indices: &Bound<'_, PyAny>,
@@ -978,7 +978,7 @@ impl PyDeviceBinding {
     }
 
     /// Drops the core (the pool was destroyed): later transfers raise.
-    fn release(&self, py: Python<'_>) -> PyResult<()> {
+    pub(super) fn release(&self, py: Python<'_>) -> PyResult<()> {
         let core = self.lock_core(py)?.take();
         drop(core); // after the lock is released: the last reference may run Python finalizers
         Ok(())

@@ -16,6 +16,7 @@ mod raw;
 mod region;
 mod spec;
 mod unified;
+mod v4;
 
 use pyo3::prelude::*;
 
@@ -163,6 +164,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(extent::tensor_extent_layout, m)?)?;
     m.add_class::<unified::PyPageUnifiedLayout>()?;
     m.add_class::<binding::PyDeviceBinding>()?;
+    m.add_class::<v4::PyV4Transfers>()?;
     m.add("LayerIndexError", errors::layer_index_error_type(py)?)?;
     m.add("PageIndexError", errors::page_index_error_type(py)?)?;
     m.add("C4_PAGE_TOKENS", crate::pool::c4::PAGE_TOKENS)?;

@@ -115,7 +115,7 @@ impl PyPoolSpec {
     /// it runs on ("kernel" or "direct"), or ValueError with SGLang's text (whatever
     /// `io_backend` is).
     #[pyo3(signature = (io_backend, transfer = "slots"))]
-    fn check_pair(
+    pub(super) fn check_pair(
         &self,
         py: Python<'_>,
         io_backend: &Bound<'_, PyAny>,
@@ -179,7 +179,7 @@ impl PyPoolSpec {
 
     /// Host layer `layer_id` of this pool, or a `LayerIndexError` naming the pool (an int no
     /// layer number reaches included).
-    fn layer(&self, py: Python<'_>, layer_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+    pub(super) fn layer(&self, py: Python<'_>, layer_id: &Bound<'_, PyAny>) -> PyResult<u64> {
         let layers = self.spec.layers;
         if !layer_id.is_instance_of::<pyo3::types::PyInt>() {
             layer_id.extract::<i64>()?; // the TypeError of a non-int

@@ -1,0 +1,338 @@
+//! `_core.V4Transfers`: what a DeepSeek V4 paged pool's transfers check and which device
+//! binding moves them, in SGLang's order of refusals.
+//!
+//! A V4 call names slots. Whole slot pages move as page rows (one binding; kernel_ascend's over
+//! the page rows and the scale rows together once scales are attached); any other count is
+//! SGLang's token-granular path, which moves each token's C4 value and scale through two
+//! bindings over the same bytes read as rows of one value and rows of one scale. Everything that
+//! can be refused is refused before a byte moves: the indices, the device buffers, the page
+//! alignment, the (layout, io_backend) pair, the layer, then the bindings' own checks.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use super::binding::{layer_key, torch, PyDeviceBinding};
+use super::spec::PyPoolSpec;
+use crate::pool::c4;
+
+/// Which layers a call moves: every one (a backup), or one checked load layer.
+enum Layers<'a, 'py> {
+    All,
+    One(&'a Bound<'py, PyAny>),
+}
+
+#[pyclass(frozen, module = "hostkv_rs._core", name = "V4Transfers")]
+pub struct PyV4Transfers {
+    name: String,
+    /// Tokens per page row (`slot_page_size`) and bytes per row (`item_bytes`).
+    page_size: usize,
+    item_bytes: u64,
+    /// The pool's geometry; None for a pool made with `__new__` and a few attributes set by
+    /// hand, as SGLang's own unit tests make them (only the page-alignment refusal applies).
+    spec: Option<Py<PyPoolSpec>>,
+    page: Option<Py<PyDeviceBinding>>,
+    /// The page rows and scale rows together (kernel_ascend, with scales attached).
+    ascend: Option<Py<PyDeviceBinding>>,
+    /// The C4 value rows and scale rows (layer_first C4 pools).
+    tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
+    /// Why the device buffers cannot be moved as rows (refused by every transfer).
+    refusal: Option<String>,
+    page_aligned_only: bool,
+    /// The device buffers' `torch.device`.
+    device: Py<PyAny>,
+    /// Whether the pool holds page rows (a pool of no pages holds none).
+    has_rows: bool,
+}
+
+fn value_err(text: String) -> PyErr {
+    PyValueError::new_err(text)
+}
+
+impl PyV4Transfers {
+    /// Both index arguments as tensors, or None when there is nothing to move.
+    fn indices<'py>(
+        &self,
+        host: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>, usize)>> {
+        let py = host.py();
+        if host.is_none() || device.is_none() {
+            return Ok(None);
+        }
+        let convert = &torch(py)?.as_index_array;
+        let host = convert.bind(py).call1((host, py.None()))?;
+        let device = convert.bind(py).call1((device, py.None()))?;
+        let n: usize = host.call_method0("numel")?.extract()?;
+        let m: usize = device.call_method0("numel")?.extract()?;
+        if n != m {
+            return Err(value_err(format!(
+                "{} transfer index size mismatch: host={n}, device={m}",
+                self.name
+            )));
+        }
+        Ok((n > 0).then_some((host, device, n)))
+    }
+
+    fn unaligned(&self, n: usize) -> PyErr {
+        value_err(format!(
+            "{} expects page-aligned indices: got {n} host and {n} device indices for page \
+             size {}.",
+            self.name, self.page_size
+        ))
+    }
+
+    /// The refusals every transfer makes first: device buffers that are not rows, a partial
+    /// page where only whole ones are allowed (`aligned`), a device the engines cannot address.
+    fn check_device(&self, py: Python<'_>, aligned: bool, n: usize) -> PyResult<()> {
+        if let Some(refusal) = &self.refusal {
+            return Err(value_err(format!("{} transfer: {refusal}", self.name)));
+        }
+        if self.page_aligned_only && !aligned {
+            return Err(self.unaligned(n));
+        }
+        let device = self.device.bind(py);
+        let kind = device.getattr("type")?.str()?.to_cow()?.into_owned();
+        if kind != "cpu" && kind != "cuda" {
+            // The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
+            return Err(value_err(format!(
+                "{}: device buffers must be on CPU or CUDA to transfer, got {}",
+                self.name,
+                device.str()?
+            )));
+        }
+        Ok(())
+    }
+
+    fn spec(&self) -> PyResult<&PyPoolSpec> {
+        match &self.spec {
+            Some(spec) => Ok(spec.get()),
+            None => Err(self.no_rows()),
+        }
+    }
+
+    fn no_rows(&self) -> PyErr {
+        value_err(format!(
+            "{} transfer: the host pool has no page rows",
+            self.name
+        ))
+    }
+
+    /// The support table's backend for `io_backend` (as a string the bindings take).
+    fn backend<'py>(
+        &self,
+        py: Python<'py>,
+        io_backend: &Bound<'py, PyAny>,
+        transfer: &str,
+    ) -> PyResult<Bound<'py, PyString>> {
+        let name = self.spec()?.check_pair(py, io_backend, transfer)?;
+        Ok(PyString::new(py, name))
+    }
+
+    /// Whether `layers` names any layer (a load's layer is checked against the pool).
+    fn any_layer(&self, py: Python<'_>, layers: &Layers<'_, '_>) -> PyResult<bool> {
+        match layers {
+            Layers::All => Ok(self.spec()?.spec.layers > 0),
+            Layers::One(layer_id) => {
+                layer_key(layer_id)?;
+                self.spec()?.layer(py, layer_id)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// One binding's call.
+    fn run(
+        binding: &PyDeviceBinding,
+        layers: &Layers<'_, '_>,
+        host: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        backend: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = host.py();
+        match layers {
+            Layers::All => binding.backup(py, host, device, backend, false),
+            Layers::One(layer_id) => binding
+                .load(py, layer_id, host, device, backend, false, false)
+                .map(drop),
+        }
+    }
+
+    /// SGLang's `transfer_cache_dsv4_mla`: per token, its value and scale segments of the C4
+    /// page row, whatever the io_backend.
+    fn tokens(
+        &self,
+        py: Python<'_>,
+        io_backend: &str,
+        backend: &Bound<'_, PyAny>,
+        pair: (Bound<'_, PyAny>, Bound<'_, PyAny>),
+        layers: Layers<'_, '_>,
+    ) -> PyResult<()> {
+        let any = self.any_layer(py, &layers)?;
+        let Some((values, scales)) = &self.tokens else {
+            if !self.has_rows {
+                return if any { Err(self.no_rows()) } else { Ok(()) };
+            }
+            return Err(value_err(format!(
+                "{} token-granular transfers need the DSV4 C4 page row (slot_page_size={}, \
+                 item_bytes={}), got slot_page_size={}, item_bytes={}",
+                self.name,
+                c4::PAGE_TOKENS,
+                c4::ROW_BYTES,
+                self.page_size,
+                self.item_bytes
+            )));
+        };
+        if !any {
+            return Ok(());
+        }
+        if !self.has_rows {
+            return Err(self.no_rows());
+        }
+        // The copy engine plans direct copies on the host; kernels read indices on the GPU.
+        let device = self.device.bind(py);
+        let on_gpu = device.getattr("type")?.str()?.to_cow()? == "cuda" && io_backend == "kernel";
+        let target = if on_gpu {
+            device.clone()
+        } else {
+            torch(py)?.cpu.bind(py).clone()
+        };
+        let convert = torch(py)?.as_index_array.bind(py);
+        let host = convert.call1((pair.0, &target))?;
+        let dev = convert.call1((pair.1, &target))?;
+        // The two segments of a C4 token are rows of two finer geometries over the same bytes
+        // (576-byte values, 8-byte scales); the core maps each token to its row in each.
+        Self::run(values.get(), &layers, &host, &dev, backend)?;
+        Self::run(scales.get(), &layers, &host, &dev, backend)
+    }
+
+    /// A backup (`Layers::All`) or a load of one layer by slots: whole pages as page rows,
+    /// anything else token by token.
+    fn slots(
+        &self,
+        py: Python<'_>,
+        host: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        io_backend: &Bound<'_, PyAny>,
+        layers: Layers<'_, '_>,
+    ) -> PyResult<()> {
+        let Some((host, dev, n)) = self.indices(host, device)? else {
+            return Ok(());
+        };
+        let whole_pages = n % self.page_size.max(1) == 0;
+        self.check_device(py, whole_pages, n)?;
+        let io = io_backend
+            .cast::<PyString>()
+            .ok()
+            .map(|s| s.to_cow().map(|c| c.into_owned()))
+            .transpose()?;
+        if !whole_pages {
+            let backend = self.backend(py, io_backend, "tokens")?;
+            let io = io.as_deref().unwrap_or("");
+            return self.tokens(py, io, backend.as_any(), (host, dev), layers);
+        }
+        let ascend = io.as_deref() == Some("kernel_ascend");
+        if ascend && matches!(layers, Layers::All) && self.spec()?.spec.layers == 0 {
+            return Ok(()); // SGLang checks the layout in each layer's page view: there are none
+        }
+        let backend = self.backend(py, io_backend, "slots")?;
+        let binding = match (&self.ascend, &self.page) {
+            (Some(ascend_rows), _) if ascend => ascend_rows,
+            (_, Some(page)) => page,
+            _ => return Err(self.no_rows()),
+        };
+        if !self.any_layer(py, &layers)? {
+            return Ok(()); // a pool without layers has nothing to back up
+        }
+        if !self.has_rows {
+            return Err(self.no_rows());
+        }
+        Self::run(binding.get(), &layers, &host, &dev, backend.as_any())
+    }
+}
+
+#[pymethods]
+impl PyV4Transfers {
+    #[new]
+    #[pyo3(signature = (name, page_size, item_bytes, device, *, spec = None, page = None, ascend = None, tokens = None, refusal = None, page_aligned_only = false, has_rows = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: String,
+        page_size: usize,
+        item_bytes: u64,
+        device: Py<PyAny>,
+        spec: Option<Py<PyPoolSpec>>,
+        page: Option<Py<PyDeviceBinding>>,
+        ascend: Option<Py<PyDeviceBinding>>,
+        tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
+        refusal: Option<String>,
+        page_aligned_only: bool,
+        has_rows: bool,
+    ) -> Self {
+        Self {
+            name,
+            page_size,
+            item_bytes,
+            spec,
+            page,
+            ascend,
+            tokens,
+            refusal,
+            page_aligned_only,
+            device,
+            has_rows,
+        }
+    }
+
+    /// Every layer, device -> host.
+    fn backup(
+        &self,
+        py: Python<'_>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        io_backend: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.slots(py, host_indices, device_indices, io_backend, Layers::All)
+    }
+
+    /// Host layer `layer_id` -> device.
+    fn load(
+        &self,
+        py: Python<'_>,
+        layer_id: &Bound<'_, PyAny>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        io_backend: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let layers = Layers::One(layer_id);
+        self.slots(py, host_indices, device_indices, io_backend, layers)
+    }
+
+    /// Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode backup):
+    /// each token's C4 value and scale, whatever the index count, so a multiple of the page size
+    /// is never taken for whole pages. A page-aligned-only pool refuses it.
+    fn backup_tokens(
+        &self,
+        py: Python<'_>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let Some((host, dev, n)) = self.indices(host_indices, device_indices)? else {
+            return Ok(());
+        };
+        self.check_device(py, false, n)?;
+        // SGLang moves these tokens with its DSV4 kernel, which needs per-layer host rows.
+        let kernel = PyString::new(py, "kernel");
+        let backend = self.backend(py, kernel.as_any(), "tokens")?;
+        self.tokens(py, "kernel", backend.as_any(), (host, dev), Layers::All)
+    }
+
+    /// Drops the bindings' cores (the pool was destroyed).
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let tokens = self.tokens.iter().flat_map(|(v, s)| [v, s]);
+        for binding in self.page.iter().chain(&self.ascend).chain(tokens) {
+            binding.get().release(py)?;
+        }
+        Ok(())
+    }
+}
