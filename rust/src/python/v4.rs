@@ -45,6 +45,9 @@ pub struct PyV4Transfers {
     has_rows: bool,
 }
 
+/// Both index tensors of a call and their length.
+type Pair<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, usize);
+
 fn value_err(text: String) -> PyErr {
     PyValueError::new_err(text)
 }
@@ -55,7 +58,7 @@ impl PyV4Transfers {
         &self,
         host: &Bound<'py, PyAny>,
         device: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>, usize)>> {
+    ) -> PyResult<Option<Pair<'py>>> {
         let py = host.py();
         if host.is_none() || device.is_none() {
             return Ok(None);
