@@ -867,6 +867,10 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _backup_planes(self, device_pool, host_indices, device_indices, io_backend):
         """One all-layer backup through the core, every argument checked before a byte moves."""
         binding = self._device_side
+        if binding is not None and (device_pool is self._captured_first or device_pool is None):
+            # Every SGLang call's path: no further checks in Python.
+            binding.backup(host_indices, device_indices, io_backend)
+            return
         # With packed MTP drafts SGLang reads its packed tables and ignores the given pool.
         if not self.mtp_draft_device_pools and (
             binding is None or self._names_other_pool(device_pool)
