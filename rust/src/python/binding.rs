@@ -567,6 +567,28 @@ fn index_array<'py>(
     ))
 }
 
+/// An index argument as a tensor the core reads, and its length: the argument itself where it
+/// already is one (a contiguous 1-D int32/int64 tensor, on the host when `host_side`), else
+/// `as_index_array`'s conversion (on the host when `host_side`, else where it is).
+pub(super) fn index_tensor<'py>(
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+    host_side: bool,
+) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let t = torch(py)?;
+    if let Some(array) = fast_index(py, t, value, host_side)? {
+        return Ok((value.clone(), array.len));
+    }
+    let target = if host_side {
+        t.cpu.bind(py).clone()
+    } else {
+        py.None().into_bound(py)
+    };
+    let converted = t.as_index_array.bind(py).call1((value, target))?;
+    let len = converted.call_method0("numel")?.extract()?;
+    Ok((converted, len))
+}
+
 /// The values of an index argument, read on the host (the page digests' slots).
 fn index_values(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let t = torch(py)?;

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use super::binding::{layer_key, torch, PyDeviceBinding};
+use super::binding::{index_tensor, layer_key, torch, PyDeviceBinding};
 use super::spec::PyPoolSpec;
 use crate::pool::c4;
 
@@ -63,11 +63,8 @@ impl PyV4Transfers {
         if host.is_none() || device.is_none() {
             return Ok(None);
         }
-        let convert = &torch(py)?.as_index_array;
-        let host = convert.bind(py).call1((host, py.None()))?;
-        let device = convert.bind(py).call1((device, py.None()))?;
-        let n: usize = host.call_method0("numel")?.extract()?;
-        let m: usize = device.call_method0("numel")?.extract()?;
+        let (host, n) = index_tensor(py, host, false)?;
+        let (device, m) = index_tensor(py, device, false)?;
         if n != m {
             return Err(value_err(format!(
                 "{} transfer index size mismatch: host={n}, device={m}",
@@ -195,14 +192,18 @@ impl PyV4Transfers {
         // The copy engine plans direct copies on the host; kernels read indices on the GPU.
         let device = self.device.bind(py);
         let on_gpu = device.getattr("type")?.str()?.to_cow()? == "cuda" && io_backend == "kernel";
-        let target = if on_gpu {
-            device.clone()
+        let (host, dev) = if on_gpu {
+            let convert = torch(py)?.as_index_array.bind(py);
+            (
+                convert.call1((pair.0, device))?,
+                convert.call1((pair.1, device))?,
+            )
         } else {
-            torch(py)?.cpu.bind(py).clone()
+            (
+                index_tensor(py, &pair.0, true)?.0,
+                index_tensor(py, &pair.1, true)?.0,
+            )
         };
-        let convert = torch(py)?.as_index_array.bind(py);
-        let host = convert.call1((pair.0, &target))?;
-        let dev = convert.call1((pair.1, &target))?;
         // The two segments of a C4 token are rows of two finer geometries over the same bytes
         // (576-byte values, 8-byte scales); the core maps each token to its row in each.
         Self::run(values.get(), &layers, &host, &dev, backend)?;
