@@ -148,8 +148,22 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
     # Two transfer threads on slots of their own, one flat-page thread (where the pool has flat
     # pages: page_unified and asymmetric pools refuse them, as SGLang's do), one alloc/free
     # thread and one busy pure-Python thread; every byte each transfer thread moved is checked.
+    _five_threads(pool, layout)
+
+
+@pytest.mark.parametrize(("pool", "layout"), [("mha", "page_first"), ("mla", "page_first_direct")])
+def test_five_threads_with_the_page_digest_check(pool, layout):
+    # The same, with HOSTKV_PAGE_DIGEST: backups record digests and loads verify them under the
+    # core's page-watch locks (hashing without the GIL), while flat pages forget theirs.
+    _five_threads(pool, layout, digest=True)
+
+
+def _five_threads(pool: str, layout: str, digest: bool = False) -> None:
     _run(
         f"""
+        import os
+        if {digest!r}:
+            os.environ["HOSTKV_PAGE_DIGEST"] = "1"
         from hostkv_rs import get_mha_host_pool_cls
         P, L = 16, 4
         if {pool!r} in ("mha", "asym"):
@@ -164,6 +178,7 @@ def test_loads_backups_flat_pages_and_alloc_free_from_five_threads(pool, layout)
                                    layer_num=L)
             host = MLATokenToKVPoolHost(dev, 2.0, 0, P, {layout!r})
             planes = [dev.kv_buffer]
+        assert host._pool_core.watches_pages == {digest!r}
         backend = "direct" if {layout!r} == "page_first_direct" else "kernel"
         ROUNDS = 400
 
