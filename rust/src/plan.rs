@@ -728,10 +728,15 @@ impl<'a> Plan<'a> {
 
     /// The device layers' byte ranges (`rows * item` from each pointer).
     fn dev_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.layer_ptrs.iter().enumerate().map(|(k, &ptr)| {
-            let item = self.planes[k / self.layer_count].item;
-            (ptr, ptr + self.dev_rows * item)
-        })
+        // Plane by plane (the pointers are plane-major), so no pointer divides to find its plane:
+        // this runs for every call, over every layer.
+        self.layer_ptrs
+            .chunks(self.layer_count.max(1))
+            .zip(&self.planes)
+            .flat_map(move |(ptrs, plane)| {
+                let span = self.dev_rows * plane.item;
+                ptrs.iter().map(move |&ptr| (ptr, ptr + span))
+            })
     }
 
     /// Whether the ranges the transfer writes (whole host planes for a backup, whole device
