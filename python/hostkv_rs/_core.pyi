@@ -302,14 +302,28 @@ class V4Transfers:
         ascend: DeviceBinding | None = None,
         tokens: tuple[DeviceBinding, DeviceBinding] | None = None,
         refusal: str | None = None,
-        page_aligned_only: bool = False,
         has_rows: bool = False,
     ) -> V4Transfers: ...
-    def backup(self, host_indices: object, device_indices: object, io_backend: object) -> None: ...
-    def load(
-        self, layer_id: int, host_indices: object, device_indices: object, io_backend: object
+    def backup(
+        self,
+        host_indices: object,
+        device_indices: object,
+        io_backend: object,
+        *,
+        page_aligned_only: bool = False,
     ) -> None: ...
-    def backup_tokens(self, host_indices: object, device_indices: object) -> None: ...
+    def load(
+        self,
+        layer_id: int,
+        host_indices: object,
+        device_indices: object,
+        io_backend: object,
+        *,
+        page_aligned_only: bool = False,
+    ) -> None: ...
+    def backup_tokens(
+        self, host_indices: object, device_indices: object, *, page_aligned_only: bool = False
+    ) -> None: ...
     def release(self) -> None: ...
 
 @final

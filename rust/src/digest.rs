@@ -49,13 +49,20 @@ impl PageDigests {
     }
 }
 
-/// The pages `slots` touch (each once, ascending; a negative slot is page 0's, as a refused
-/// call never gets here), and every slot of those pages, page by page.
-pub fn pages_of(slots: &[i64], page_size: u64) -> (Vec<u64>, Vec<i64>) {
+/// The pages `slots` touch, each once, ascending (a negative slot is page 0's: a refused call
+/// never gets here).
+pub fn pages_touched(slots: &[i64], page_size: u64) -> Vec<u64> {
     let page_size = page_size.max(1);
     let mut pages: Vec<u64> = slots.iter().map(|&s| s.max(0) as u64 / page_size).collect();
     pages.sort_unstable();
     pages.dedup();
+    pages
+}
+
+/// [`pages_touched`], and every slot of those pages, page by page.
+pub fn pages_of(slots: &[i64], page_size: u64) -> (Vec<u64>, Vec<i64>) {
+    let pages = pages_touched(slots, page_size);
+    let page_size = page_size.max(1);
     let every = pages
         .iter()
         .flat_map(|&p| (p * page_size..(p + 1) * page_size).map(|s| s as i64))

@@ -429,7 +429,8 @@ impl PoolSpec {
     /// `data_refs`): 1 where it transposes a page-major tensor to `[layer, page, ...]`
     /// (page_first; MHA page_first_direct on releases that transpose it, `transpose_direct`),
     /// else 0 (for the other page-major layouts dim 0 is the page: SGLang builds those views
-    /// anyway and never reads them); None where no per-layer view exists (MHA page_unified).
+    /// anyway and never reads them); None where no per-layer view exists (MHA page_unified, and
+    /// V4's page layouts: SGLang keeps per-layer V4 buffers only layer_first).
     pub fn layer_view_dim(&self, transpose_direct: bool) -> Option<usize> {
         match (self.kind, self.layout) {
             (PoolKind::Mha | PoolKind::AsymmetricMha, Layout::PageUnified) => None,

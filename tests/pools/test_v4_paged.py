@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from hostkv_rs import TransferError
+from hostkv_rs import LayerIndexError, TransferError
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.sglang import budgets as _budgets
@@ -648,6 +648,31 @@ def test_page_aligned_refusal_of_a_pool_made_with_new():
         pool.backup_from_device_all_layer(None, three, three, "direct")
     with pytest.raises(ValueError, match="page-aligned"):
         pool.load_to_device_per_layer(None, three, three, 0, "direct")
+
+
+def test_page_alignment_follows_the_flag_as_it_is_at_the_call():
+    """The page-alignment refusal reads the pool's `page_aligned_only` when the call is made, so a
+    flag set after construction (as SGLang's unit tests set it) takes effect."""
+    pool, dev = make_pool(P=4)
+    three = torch.arange(3, dtype=torch.int64)
+    pool.page_aligned_only = True
+    before = [t.clone() for t in dev]
+    for call in (
+        lambda: pool.backup_from_device_all_layer(None, three, three, "direct"),
+        lambda: pool.load_to_device_per_layer(None, three, three, 0, "direct"),
+        lambda: pool.backup_tokens_from_device_all_layer(three, three),
+    ):
+        with pytest.raises(ValueError, match="c4_kv expects page-aligned indices"):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(dev, before))
+
+
+@pytest.mark.parametrize("layer_id", [np.uint64(2**64 - 1), 2**70, torch.tensor(7)])
+def test_a_load_layer_past_the_pool_names_its_value(layer_id):
+    pool, _ = make_pool(L=2, P=4)
+    four = torch.arange(4, dtype=torch.int64)
+    with pytest.raises(LayerIndexError, match=rf"c4_kv layer_id {int(layer_id)} out of range"):
+        pool.load_to_device_per_layer(None, four, four, layer_id, "direct")
 
 
 def test_single_released_chunk_is_adopted():

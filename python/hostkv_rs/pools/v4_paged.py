@@ -294,7 +294,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             self.gpu_device,
             spec=self._spec,
             refusal=self._device_refusal,
-            page_aligned_only=self.page_aligned_only,
             has_rows=self._region is not None,
             **bindings,
         )
@@ -459,22 +458,22 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             raise RuntimeError(f"{self.pool_name} host pool has been destroyed")
 
     def _moves(self):
-        """The core's transfers; for a pool made with `__new__` and a few attributes set by hand
-        (SGLang's unit tests), ones that apply only the page-alignment refusal."""
+        """The core's transfers. A pool made with `__new__` and a few attributes set by hand (as
+        SGLang's unit tests make them) has no bytes and no device side: its transfers make the
+        index and page-alignment refusals, and refuse anything past them for want of page
+        rows."""
         transfers = self.__dict__.get("_transfers")
         if transfers is None:
-            transfers = _core.V4Transfers(
-                self.pool_name,
-                self.slot_page_size,
-                0,
-                torch.device("cpu"),
-                page_aligned_only=self.page_aligned_only,
-            )
+            device = torch.device("cpu")
+            transfers = _core.V4Transfers(self.pool_name, self.slot_page_size, 0, device)
         return transfers
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         self._require_live()
-        self._moves().backup(host_indices, device_indices, io_backend)
+        aligned_only = self.page_aligned_only
+        self._moves().backup(
+            host_indices, device_indices, io_backend, page_aligned_only=aligned_only
+        )
 
     def backup_tokens_from_device_all_layer(self, host_indices, device_indices) -> None:
         """Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode
@@ -482,13 +481,20 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         page size is never taken for whole pages. Needs the layer_first C4 rows; a
         page-aligned-only pool refuses it."""
         self._require_live()
-        self._moves().backup_tokens(host_indices, device_indices)
+        aligned_only = self.page_aligned_only
+        self._moves().backup_tokens(host_indices, device_indices, page_aligned_only=aligned_only)
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ):
         self._require_live()
-        self._moves().load(layer_id, host_indices, device_indices, io_backend)
+        self._moves().load(
+            layer_id,
+            host_indices,
+            device_indices,
+            io_backend,
+            page_aligned_only=self.page_aligned_only,
+        )
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 

@@ -107,7 +107,7 @@ impl PyHostPool {
         let page = self.spec_of("page_digests")?.spec.logical_page_size();
         let known = watch
             .digests
-            .known(&crate::digest::pages_of(&slots()?, page).0);
+            .known(&crate::digest::pages_touched(&slots()?, page));
         if !known.is_empty() {
             let every = known
                 .iter()
@@ -127,7 +127,7 @@ impl PyHostPool {
     fn forget(&self, slots: &[i64]) -> PyResult<()> {
         if let Some(watch) = &self.watch {
             let page = self.spec_of("forget_pages")?.spec.logical_page_size();
-            watch.forget(&crate::digest::pages_of(slots, page).0);
+            watch.forget(&crate::digest::pages_touched(slots, page));
         }
         Ok(())
     }

@@ -38,7 +38,6 @@ pub struct PyV4Transfers {
     tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
     /// Why the device buffers cannot be moved as rows (refused by every transfer).
     refusal: Option<String>,
-    page_aligned_only: bool,
     /// The device buffers' `torch.device`.
     device: Py<PyAny>,
     /// Whether the pool holds page rows (a pool of no pages holds none).
@@ -83,12 +82,13 @@ impl PyV4Transfers {
     }
 
     /// The refusals every transfer makes first: device buffers that are not rows, a partial
-    /// page where only whole ones are allowed (`aligned`), a device the engines cannot address.
+    /// page where only whole ones are allowed (`aligned` false: the pool is page-aligned-only and
+    /// the call names a partial page), a device the engines cannot address.
     fn check_device(&self, py: Python<'_>, aligned: bool, n: usize) -> PyResult<()> {
         if let Some(refusal) = &self.refusal {
             return Err(value_err(format!("{} transfer: {refusal}", self.name)));
         }
-        if self.page_aligned_only && !aligned {
+        if !aligned {
             return Err(self.unaligned(n));
         }
         let device = self.device.bind(py);
@@ -134,8 +134,10 @@ impl PyV4Transfers {
         match layers {
             Layers::All => Ok(self.spec()?.spec.layers > 0),
             Layers::One(layer_id) => {
-                layer_key(layer_id)?;
-                self.spec()?.layer(py, layer_id)?;
+                layer_key(layer_id)?; // a bool or a non-integer: the TypeError naming layer_id
+                                      // The layer as a Python int, so that the refusal shows its value whatever its type.
+                let layer = layer_id.call_method0("__index__")?;
+                self.spec()?.layer(py, &layer)?;
                 Ok(true)
             }
         }
@@ -219,12 +221,13 @@ impl PyV4Transfers {
         device: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
         layers: Layers<'_, '_>,
+        page_aligned_only: bool,
     ) -> PyResult<()> {
         let Some((host, dev, n)) = self.indices(host, device)? else {
             return Ok(());
         };
         let whole_pages = n % self.page_size.max(1) == 0;
-        self.check_device(py, whole_pages, n)?;
+        self.check_device(py, whole_pages || !page_aligned_only, n)?;
         let io = io_backend
             .cast::<PyString>()
             .ok()
@@ -258,7 +261,7 @@ impl PyV4Transfers {
 #[pymethods]
 impl PyV4Transfers {
     #[new]
-    #[pyo3(signature = (name, page_size, item_bytes, device, *, spec = None, page = None, ascend = None, tokens = None, refusal = None, page_aligned_only = false, has_rows = false))]
+    #[pyo3(signature = (name, page_size, item_bytes, device, *, spec = None, page = None, ascend = None, tokens = None, refusal = None, has_rows = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
@@ -270,7 +273,6 @@ impl PyV4Transfers {
         ascend: Option<Py<PyDeviceBinding>>,
         tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
         refusal: Option<String>,
-        page_aligned_only: bool,
         has_rows: bool,
     ) -> Self {
         Self {
@@ -282,24 +284,28 @@ impl PyV4Transfers {
             ascend,
             tokens,
             refusal,
-            page_aligned_only,
             device,
             has_rows,
         }
     }
 
-    /// Every layer, device -> host.
+    /// Every layer, device -> host. `page_aligned_only` is the pool's flag as it is at the call
+    /// (SGLang's unit tests set it on pools they build by hand).
+    #[pyo3(signature = (host_indices, device_indices, io_backend, *, page_aligned_only = false))]
     fn backup(
         &self,
         py: Python<'_>,
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
+        page_aligned_only: bool,
     ) -> PyResult<()> {
-        self.slots(py, host_indices, device_indices, io_backend, Layers::All)
+        let (h, d, layers) = (host_indices, device_indices, Layers::All);
+        self.slots(py, h, d, io_backend, layers, page_aligned_only)
     }
 
     /// Host layer `layer_id` -> device.
+    #[pyo3(signature = (layer_id, host_indices, device_indices, io_backend, *, page_aligned_only = false))]
     fn load(
         &self,
         py: Python<'_>,
@@ -307,24 +313,27 @@ impl PyV4Transfers {
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
+        page_aligned_only: bool,
     ) -> PyResult<()> {
-        let layers = Layers::One(layer_id);
-        self.slots(py, host_indices, device_indices, io_backend, layers)
+        let (h, d, layers) = (host_indices, device_indices, Layers::One(layer_id));
+        self.slots(py, h, d, io_backend, layers, page_aligned_only)
     }
 
     /// Every layer of single tokens, device -> host (SGLang 0.5.23's HiSparse decode backup):
     /// each token's C4 value and scale, whatever the index count, so a multiple of the page size
     /// is never taken for whole pages. A page-aligned-only pool refuses it.
+    #[pyo3(signature = (host_indices, device_indices, *, page_aligned_only = false))]
     fn backup_tokens(
         &self,
         py: Python<'_>,
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
+        page_aligned_only: bool,
     ) -> PyResult<()> {
         let Some((host, dev, n)) = self.indices(host_indices, device_indices)? else {
             return Ok(());
         };
-        self.check_device(py, false, n)?;
+        self.check_device(py, !page_aligned_only, n)?;
         // SGLang moves these tokens with its DSV4 kernel, which needs per-layer host rows.
         let kernel = PyString::new(py, "kernel");
         let backend = self.backend(py, kernel.as_any(), "tokens")?;
