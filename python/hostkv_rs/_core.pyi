@@ -22,6 +22,7 @@ __all__ = [
     "PageUnifiedLayout",
     "PoolSpec",
     "TransferError",
+    "V4Transfers",
     "__version__",
     "cgroup_memory_limit",
     "check_device_errors",
