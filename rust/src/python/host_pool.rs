@@ -12,6 +12,7 @@ use super::page_watch::{self, PageWatch};
 #[cfg(feature = "raw-calls")]
 use super::raw::IndexArg;
 use super::spec::PyPoolSpec;
+use crate::digest;
 use crate::engine::{CopyEngine, Unlock};
 use crate::layout::PlaneLayout;
 use crate::request::{
@@ -83,8 +84,8 @@ impl PyHostPool {
             return Ok(());
         };
         let page = self.spec_of("page_digests")?.spec.logical_page_size();
-        let (pages, every) = crate::digest::pages_of(slots, page);
-        let digests = self.page_digests(py, every)?;
+        let pages = digest::pages_touched(slots, page);
+        let digests = self.page_digests(py, digest::page_slots(&pages, page))?;
         watch.record(&pages, &digests);
         Ok(())
     }
@@ -105,15 +106,10 @@ impl PyHostPool {
             return Ok(());
         }
         let page = self.spec_of("page_digests")?.spec.logical_page_size();
-        let known = watch
-            .digests
-            .known(&crate::digest::pages_touched(&slots()?, page));
+        let known = watch.digests.known(&digest::pages_touched(&slots()?, page));
         if !known.is_empty() {
-            let every = known
-                .iter()
-                .flat_map(|&(p, _)| (p * page..(p + 1) * page).map(|s| s as i64))
-                .collect();
-            let now = self.page_digests(py, every)?;
+            let pages: Vec<u64> = known.iter().map(|&(p, _)| p).collect();
+            let now = self.page_digests(py, digest::page_slots(&pages, page))?;
             if let Some((p, _)) = known.iter().zip(now).find(|((_, want), got)| want != got) {
                 return Err(page_watch::changed_page(name, p.0, page));
             }
@@ -127,7 +123,7 @@ impl PyHostPool {
     fn forget(&self, slots: &[i64]) -> PyResult<()> {
         if let Some(watch) = &self.watch {
             let page = self.spec_of("forget_pages")?.spec.logical_page_size();
-            watch.forget(&crate::digest::pages_touched(slots, page));
+            watch.forget(&digest::pages_touched(slots, page));
         }
         Ok(())
     }
