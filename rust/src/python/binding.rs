@@ -196,6 +196,13 @@ pub struct PyDeviceBinding {
 
 /// A layer id as SGLang compares it: an integer (a bool is refused rather than read as 0 or 1).
 pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+    // Past i64 it cannot name a layer of any pool; SGLang's range check fails for it too.
+    Ok(layer_int(layer_id)?.extract::<i64>().unwrap_or(i64::MAX))
+}
+
+/// A layer id as the Python int it stands for (whatever its type, so a refusal can show its
+/// value), or the TypeError naming `layer_id` for a bool or a non-integer.
+pub(super) fn layer_int<'py>(layer_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let refuse = || -> PyResult<PyErr> {
         Ok(PyTypeError::new_err(format!(
             "layer_id must be an integer, got {}",
@@ -205,11 +212,9 @@ pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
     if layer_id.is_instance_of::<pyo3::types::PyBool>() {
         return Err(refuse()?);
     }
-    match layer_id.call_method0("__index__") {
-        // Past i64 it cannot name a layer of any pool; SGLang's range check fails for it too.
-        Ok(int) => Ok(int.extract::<i64>().unwrap_or(i64::MAX)),
-        Err(_) => Err(refuse()?),
-    }
+    layer_id
+        .call_method0("__index__")
+        .or_else(|_| Err(refuse()?))
 }
 
 fn py_tuple_text(values: &[i64]) -> String {

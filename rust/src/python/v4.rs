@@ -8,11 +8,11 @@
 //! can be refused is refused before a byte moves: the indices, the device buffers, the page
 //! alignment, the (layout, io_backend) pair, the layer, then the bindings' own checks.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use super::binding::{index_tensor, layer_key, torch, PyDeviceBinding};
+use super::binding::{index_tensor, layer_int, torch, PyDeviceBinding};
+use super::errors::value_err;
 use super::spec::PyPoolSpec;
 use crate::pool::c4;
 
@@ -38,18 +38,15 @@ pub struct PyV4Transfers {
     tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
     /// Why the device buffers cannot be moved as rows (refused by every transfer).
     refusal: Option<String>,
-    /// The device buffers' `torch.device`.
+    /// The device buffers' `torch.device`, and its type (`"cpu"`, `"cuda"`, ...).
     device: Py<PyAny>,
+    device_type: String,
     /// Whether the pool holds page rows (a pool of no pages holds none).
     has_rows: bool,
 }
 
 /// Both index tensors of a call and their length.
 type Pair<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, usize);
-
-fn value_err(text: String) -> PyErr {
-    PyValueError::new_err(text)
-}
 
 impl PyV4Transfers {
     /// Both index arguments as tensors, or None when there is nothing to move.
@@ -91,14 +88,12 @@ impl PyV4Transfers {
         if !aligned {
             return Err(self.unaligned(n));
         }
-        let device = self.device.bind(py);
-        let kind = device.getattr("type")?.str()?.to_cow()?.into_owned();
-        if kind != "cpu" && kind != "cuda" {
+        if self.device_type != "cpu" && self.device_type != "cuda" {
             // The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
             return Err(value_err(format!(
                 "{}: device buffers must be on CPU or CUDA to transfer, got {}",
                 self.name,
-                device.str()?
+                self.device.bind(py).str()?
             )));
         }
         Ok(())
@@ -134,10 +129,7 @@ impl PyV4Transfers {
         match layers {
             Layers::All => Ok(self.spec()?.spec.layers > 0),
             Layers::One(layer_id) => {
-                layer_key(layer_id)?; // a bool or a non-integer: the TypeError naming layer_id
-                                      // The layer as a Python int, so that the refusal shows its value whatever its type.
-                let layer = layer_id.call_method0("__index__")?;
-                self.spec()?.layer(py, &layer)?;
+                self.spec()?.layer(py, &layer_int(layer_id)?)?;
                 Ok(true)
             }
         }
@@ -192,9 +184,8 @@ impl PyV4Transfers {
             return Err(self.no_rows());
         }
         // The copy engine plans direct copies on the host; kernels read indices on the GPU.
-        let device = self.device.bind(py);
-        let on_gpu = device.getattr("type")?.str()?.to_cow()? == "cuda" && io_backend == "kernel";
-        let (host, dev) = if on_gpu {
+        let (host, dev) = if self.device_type == "cuda" && io_backend == "kernel" {
+            let device = self.device.bind(py);
             let convert = torch(py)?.as_index_array.bind(py);
             (
                 convert.call1((pair.0, device))?,
@@ -267,15 +258,15 @@ impl PyV4Transfers {
         name: String,
         page_size: usize,
         item_bytes: u64,
-        device: Py<PyAny>,
+        device: &Bound<'_, PyAny>,
         spec: Option<Py<PyPoolSpec>>,
         page: Option<Py<PyDeviceBinding>>,
         ascend: Option<Py<PyDeviceBinding>>,
         tokens: Option<(Py<PyDeviceBinding>, Py<PyDeviceBinding>)>,
         refusal: Option<String>,
         has_rows: bool,
-    ) -> Self {
-        Self {
+    ) -> PyResult<Self> {
+        Ok(Self {
             name,
             page_size,
             item_bytes,
@@ -284,9 +275,10 @@ impl PyV4Transfers {
             ascend,
             tokens,
             refusal,
-            device,
+            device_type: device.getattr("type")?.str()?.to_cow()?.into_owned(),
+            device: device.clone().unbind(),
             has_rows,
-        }
+        })
     }
 
     /// Every layer, device -> host. `page_aligned_only` is the pool's flag as it is at the call
