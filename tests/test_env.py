@@ -120,15 +120,11 @@ def test_a_bad_node_count_is_not_swallowed_by_ranks_per_host(monkeypatch):
 _READS = re.compile(r"os\.environ\s*\[|os\.environ\.get|os\.getenv|environ\.get\(|getenv\(")
 
 
-# Modules that still read a variable themselves, and which one: to move into hostkv_rs._env.
-_NOT_YET_MOVED = {"l3/_native.py": "HOSTKV_MOONCAKE_LOG"}
-
-
 def test_the_package_reads_environment_variables_only_in_env_module():
     # Writes (os.environ.setdefault for a third-party library) are not reads of our settings.
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_env.py" or str(path.relative_to(PACKAGE)) in _NOT_YET_MOVED:
+        if path.name == "_env.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if _READS.search(line):
@@ -150,3 +146,17 @@ def test_the_sglang_switch(monkeypatch):
     monkeypatch.setenv("HOSTKV_RS_SGLANG", "maybe")
     with pytest.raises(ValueError, match="HOSTKV_RS_SGLANG='maybe'"):
         _env.sglang_switch()
+
+
+def test_the_mooncake_log_switch(monkeypatch):
+    for value, read in (
+        ("", None),
+        (" 0 ", None),
+        ("1", "1"),
+        ("info", "INFO"),
+        ("Trace", "TRACE"),
+    ):
+        monkeypatch.setenv("HOSTKV_MOONCAKE_LOG", value)
+        assert _env.mooncake_log() == read, value
+    monkeypatch.delenv("HOSTKV_MOONCAKE_LOG")
+    assert _env.mooncake_log() is None

@@ -25,6 +25,7 @@ VARIABLES = {
     "NNODES": "nodes of the job, when SGLANG_NNODES is unset",
     "HOSTKV_RS_SGLANG": "serve SGLang's host pools in every process (hostkv_rs.launch)",
     "HOSTKV_PAGE_DIGEST": "debug check: a load refuses a host page changed since its backup",
+    "HOSTKV_MOONCAKE_LOG": "Mooncake's own logging (hostkv_rs.l3): on, or at the level named",
 }
 
 # Linux numbers NUMA nodes below MAX_NUMNODES (at most 1 << 10).
@@ -162,3 +163,13 @@ def page_digest() -> bool:
     """HOSTKV_PAGE_DIGEST: backups digest the host pages they write and loads verify them (a
     debugging aid for silent host-memory corruption; off by default)."""
     return flag("HOSTKV_PAGE_DIGEST")
+
+
+def mooncake_log() -> str | None:
+    """HOSTKV_MOONCAKE_LOG: None while Mooncake's own logging stays quiet (unset, blank or 0),
+    else the value upper-cased. TRACE, INFO, WARNING or ERROR also pick Mooncake's level; any
+    other value (1, yes, ...) turns its logging on at its default level, so nothing is refused."""
+    value = raw("HOSTKV_MOONCAKE_LOG")
+    if value is None or value == "0":
+        return None
+    return value.upper()

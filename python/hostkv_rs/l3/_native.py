@@ -22,6 +22,8 @@ import sys
 import tempfile
 import urllib.parse
 
+from hostkv_rs import _env
+
 LOG_ENV = "HOSTKV_MOONCAKE_LOG"
 _MC_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
 PROBE_TIMEOUT_S = 3.0
@@ -35,13 +37,13 @@ _NOISE = (
 
 def verbose() -> bool:
     """Whether the user asked for Mooncake's own logging (HOSTKV_MOONCAKE_LOG set, not 0)."""
-    return os.environ.get(LOG_ENV, "").strip() not in ("", "0")
+    return _env.mooncake_log() is not None
 
 
 def quiet_logging_env() -> None:
     """Set Mooncake's log level before its client is made (an explicit MC_LOG_LEVEL wins)."""
-    wanted = os.environ.get(LOG_ENV, "").strip().upper()
-    if verbose():
+    wanted = _env.mooncake_log()
+    if wanted is not None:
         if wanted in _MC_LEVELS:
             os.environ.setdefault("MC_LOG_LEVEL", wanted)
         return
