@@ -243,8 +243,7 @@ def region_bytes(region) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
-def region_view(region, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
-    """A typed, shaped view of `region` starting `offset` bytes in."""
+def region_view(region, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A typed, shaped view of the start of `region`."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    flat = region_bytes(region)
-    return flat[offset : offset + nbytes].view(dtype).view(*shape)
+    return region_bytes(region)[:nbytes].view(dtype).view(*shape)

@@ -42,11 +42,11 @@ def _as_rows(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
     return flat.view(-1, row_bytes)
 
 
-def _region_view(region, shape, offset: int = 0) -> torch.Tensor:
+def _region_view(region, shape) -> torch.Tensor:
     """A uint8 view of `region` (an empty tensor for a pool without bytes)."""
     if region is None:
         return torch.empty(shape, dtype=torch.uint8)
-    return _memory.region_view(region, torch.uint8, shape, offset)
+    return _memory.region_view(region, torch.uint8, shape)
 
 
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
@@ -434,10 +434,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 getattr(self, "gpu_device", None),
             )
 
-        if self._spec.layer_view_dim(False) is not None:
-            host = [_region_view(region, (Nh, SIB), offset=layer * Nh * SIB) for layer in range(L)]
+        scale_rows = _region_view(region, tuple(spec.shape(1)))
+        if spec.layer_view_dim(False) is not None:
+            host = list(scale_rows.unbind(0))  # SGLang's list of per-layer rows
         else:
-            host = _region_view(region, (Nh, L, 1, SIB))
+            host = scale_rows.view(Nh, L, 1, SIB)  # SGLang's shape for both page layouts
         self._scale_region = region
         self.scale_device_buffers = buffers
         self.scale_item_bytes = SIB
