@@ -667,6 +667,25 @@ def test_page_alignment_follows_the_flag_as_it_is_at_the_call():
     assert all(torch.equal(a, b) for a, b in zip(dev, before))
 
 
+@pytest.mark.parametrize(
+    "flag, refused", [(0, False), (None, False), (1, True), (torch.tensor(True), True)]
+)
+def test_a_flag_set_later_is_read_for_its_truth_as_sglang_reads_it(flag, refused):
+    """SGLang tests `if self.page_aligned_only`: any value a caller assigns later counts by its
+    truth, and a whole-page call moves whatever the flag."""
+    pool, _ = make_pool(P=4)
+    pool.page_aligned_only = flag
+    four, three = torch.arange(4, dtype=torch.int64), torch.arange(3, dtype=torch.int64)
+    pool.backup_from_device_all_layer(None, four, four, "direct")
+    pool.load_to_device_per_layer(None, four, four, 0, "direct")
+    if refused:
+        with pytest.raises(ValueError, match="c4_kv expects page-aligned indices"):
+            pool.backup_tokens_from_device_all_layer(three, three)
+    else:  # past the alignment check, to the token path (which needs C4 rows: not these)
+        with pytest.raises(ValueError, match="token-granular transfers need the DSV4 C4 page"):
+            pool.backup_tokens_from_device_all_layer(three, three)
+
+
 @pytest.mark.parametrize("layer_id", [np.uint64(2**64 - 1), 2**70, torch.tensor(7)])
 def test_a_load_layer_past_the_pool_names_its_value(layer_id):
     pool, _ = make_pool(L=2, P=4)

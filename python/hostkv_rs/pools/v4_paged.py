@@ -471,7 +471,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         self._require_live()
-        aligned_only = self.page_aligned_only
+        # Read as SGLang reads it (`if self.page_aligned_only`): the attribute may be reset later.
+        aligned_only = bool(self.page_aligned_only)
         self._moves().backup(
             host_indices, device_indices, io_backend, page_aligned_only=aligned_only
         )
@@ -482,7 +483,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         page size is never taken for whole pages. Needs the layer_first C4 rows; a
         page-aligned-only pool refuses it."""
         self._require_live()
-        aligned_only = self.page_aligned_only
+        aligned_only = bool(self.page_aligned_only)
         self._moves().backup_tokens(host_indices, device_indices, page_aligned_only=aligned_only)
 
     def load_to_device_per_layer(
@@ -494,7 +495,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             host_indices,
             device_indices,
             io_backend,
-            page_aligned_only=self.page_aligned_only,
+            page_aligned_only=bool(self.page_aligned_only),
         )
 
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
