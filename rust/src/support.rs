@@ -125,6 +125,7 @@ const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend)] = &[
     (V4Paged, LayerFirst, Io::Direct, Slots, Backend::Direct),
     (V4Paged, LayerFirst, Io::KernelAscend, Slots, Backend::Direct),
     (V4Paged, PageFirst, Io::Kernel, Slots, Backend::Kernel),
+    (V4Paged, PageFirst, Io::KernelAscend, Slots, Backend::Kernel),
     (V4Paged, PageFirstDirect, Io::Direct, Slots, Backend::Direct),
     (V4Paged, PageFirstDirect, Io::KernelAscend, Slots, Backend::Direct),
     (V4Paged, LayerFirst, Io::Kernel, Tokens, Backend::Kernel),
@@ -270,8 +271,8 @@ fn refusal(
             ),
         },
         (Slots, V4Paged) if io == Io::KernelAscend => format!(
-            "{pool} _host_page_view: kernel_ascend requires layer_first or page_first_direct \
-             layout, got '{layout}'"
+            "{pool} _host_page_view: kernel_ascend requires \
+             layer_first/page_first/page_first_direct layout, got '{layout}'"
         ),
         (Slots, V4Paged) => format!("Unsupported V4 paged host layout/backend: {layout}/{shown}"),
         (Slots, Mha | Mla) => match io {
@@ -367,9 +368,9 @@ mod tests {
                 .to_string()
         };
         assert_eq!(
-            r(V4Paged, PageFirst, Some("kernel_ascend"), Slots),
-            "c4 _host_page_view: kernel_ascend requires layer_first or page_first_direct \
-             layout, got 'page_first'"
+            r(V4Paged, PageHead, Some("kernel_ascend"), Slots),
+            "c4 _host_page_view: kernel_ascend requires layer_first/page_first/page_first_direct \
+             layout, got 'page_head'"
         );
         assert_eq!(
             r(Mla, PageFirstDirect, Some("kernel"), ShardedBackup),
