@@ -361,6 +361,32 @@ def test_page_digests_refuse_a_load_of_a_page_changed_since_its_backup(monkeypat
         host.load_to_device_per_layer(dev, h.clone(), d, 0, backend)
 
 
+@pytest.mark.parametrize("kind, layout", [("mha", "page_first"), ("mla", "layer_first")])
+def test_page_digests_forget_a_page_handed_to_a_new_owner(monkeypatch, kind, layout):
+    # SGLang's zero-copy storage loads (EIC, HF3FS) write a prefetched page into the
+    # `get_data_page` views of slots just allocated, and PD decode writes at the addresses
+    # `get_contiguous_buf_infos` registered once: the slots' earlier backup says nothing then.
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
+    dev, host, layers = _digest_pool(kind, layout)
+    for t in layers:
+        t.normal_()
+    h, d = host.alloc(8), torch.arange(4, 12)
+    host.backup_from_device_all_layer(dev, h, d, "kernel")
+    host.free(h)
+    host.alloc(host.available_size() - 8)  # what is left after the eight just freed
+    again = host.alloc(8)
+    assert sorted(again.tolist()) == sorted(h.tolist())
+    for slot in again[:: host.page_size].tolist():
+        host.get_data_page(slot, flat=False).fill_(3)  # the storage backend fills the page
+    host.load_to_device_per_layer(dev, again, d, 1, "kernel")
+    assert all(bool((layers[1][i] == 3).all()) for i in d.tolist())
+    # Backed up again by the new owner: checked again.
+    host.backup_from_device_all_layer(dev, again, d, "kernel")
+    host.get_data_page(int(again[0]), flat=False)[(0,) * layers[0].dim()] += 1
+    with pytest.raises(RuntimeError, match="changed since its backup"):
+        host.load_to_device_per_layer(dev, again.clone(), d, 1, "kernel")
+
+
 def test_page_digests_are_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
     dev, host, _ = _digest_pool("mha", "page_first")
     assert not host._pool_core.watches_pages

@@ -620,7 +620,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
             raise ValueError(f"need_size must not be negative, got {need_size}")
         if need_size % self.logical_page_size != 0:
             raise AssertionError("The requested size should be a multiple of the page size.")
-        return self._take_slots(need_size)
+        slots = self._take_slots(need_size)
+        core = self.__dict__.get("_pool_core")
+        if slots is not None and core is not None and core.watches_pages:
+            # HOSTKV_PAGE_DIGEST: the new owner may fill these pages by means the core does not
+            # see (a storage backend writing `get_data_page` views, PD's direct-to-host writes
+            # at `get_contiguous_buf_infos` addresses), so digests of their earlier contents go.
+            core.forget_pages(slots.tolist())
+        return slots
 
     @synchronized
     def free(self, indices) -> int:

@@ -4,8 +4,9 @@
 //!
 //! The check lives with the pool's memory (`HostPool`) and runs inside the device binding's
 //! calls, so every path that writes or reads the pool's pages through the core is covered, and a
-//! pool without it pays one branch per call. A page written by other means (a flat page set, or
-//! handed out by address through page metadata) is forgotten until its next backup.
+//! pool without it pays one branch per call. A page written by other means (a flat page set,
+//! handed out by address through page metadata, or allocated to a new owner) is forgotten until
+//! its next backup.
 //!
 //! Lock order: both mutexes are leaves. Neither is held while Python runs or while the GIL is
 //! waited for (digests are taken before locking; a replaced index object is dropped after
