@@ -247,6 +247,12 @@ fn refusal(
 ) -> String {
     let layout = layout_.name();
     match (transfer, kind) {
+        // SGLang has no refusal here: its token copy needs per-layer row pointers, which only
+        // layer_first pools have, and fails on a None table in the others.
+        (Tokens, _) if layout_ != LayerFirst => format!(
+            "Unsupported V4 paged host layout/backend: {layout}/{shown} (single tokens move only \
+             in layer_first pools; whole pages of slot_page_size indices move in every layout)"
+        ),
         (Tokens, _) => format!("Unsupported V4 paged host layout/backend: {layout}/{shown}"),
         (ShardedBackup, _) => match io {
             Io::Kernel => format!("Layer-sharded HiCache backup does not support layout: {layout}"),
@@ -382,7 +388,8 @@ mod tests {
         );
         assert_eq!(
             r(V4Paged, PageFirst, Some("kernel"), Tokens),
-            "Unsupported V4 paged host layout/backend: page_first/kernel"
+            "Unsupported V4 paged host layout/backend: page_first/kernel (single tokens move only \
+             in layer_first pools; whole pages of slot_page_size indices move in every layout)"
         );
         assert_eq!(
             r(Mha, PageFirstDirect, Some("kernel_ascend"), Slots),

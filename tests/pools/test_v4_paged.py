@@ -447,7 +447,11 @@ def test_token_granular_needs_layer_first(layout, backend):
     ):
         with pytest.raises(ValueError) as e:
             call()
-        assert str(e.value) == f"Unsupported V4 paged host layout/backend: {layout}/{backend}"
+        assert str(e.value) == (
+            f"Unsupported V4 paged host layout/backend: {layout}/{backend} (single tokens move "
+            "only in layer_first pools; whole pages of slot_page_size indices move in every "
+            "layout)"
+        )
     assert_unchanged(pool, dev, snap)
 
 
