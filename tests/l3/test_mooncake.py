@@ -295,8 +295,10 @@ def test_page_digests_read_only_the_pools_own_memory():
     assert b"".join(p.tobytes() for p in pieces) == page_bytes(pool, 2)
     from hostkv_rs import _core
 
-    want = _core.digest([memoryview(page_bytes(pool, 2))])
-    assert proof.page_digest(memory, (ptrs, sizes)) == want
+    key = "k2@tag"
+    want = _core.digest([len(key).to_bytes(8, "little") + key.encode() + page_bytes(pool, 2)])
+    assert proof.page_digest(memory, (ptrs, sizes), key) == want
+    assert proof.page_digest(memory, (ptrs, sizes), "k3@tag") != want  # the key is proven too
     memory.check(ptrs, sizes)
     end = host_buffers(pool)[-1]
     for ptr, size in ((end[0] + end[1] - 8, 16), (host_buffers(pool)[0][0] - 64, 16)):
@@ -716,11 +718,11 @@ def test_pages_hashed_out_of_step_with_the_store_save_and_load_whole(make_tier, 
     monkeypatch.setattr(mooncake, "SPLIT_BYTES", 1)
     real, first = proof.page_digest, threading.Event()
 
-    def first_page_last(memory, pages):
+    def first_page_last(memory, pages, key):
         if not first.is_set():
             first.set()
             time.sleep(0.2)  # the other threads hash every later page meanwhile
-        return real(memory, pages)
+        return real(memory, pages, key)
 
     hashers = concurrent.futures.ThreadPoolExecutor(max_workers=3)
     monkeypatch.setattr(proof, "page_digest", first_page_last)
@@ -944,15 +946,22 @@ def test_a_foreign_object_of_the_right_size_is_a_counted_miss_and_the_page_is_ze
     assert snapshot(dst) == with_pages(dst, before, {3: zero, 4: zero})
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "proof" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]  # once per tier and kind
-    # saving the real pages replaces the foreign objects (found again, counted again)
+    # the load removed them: the real pages are stored afresh
+    assert b.exists(keys) == [False, False]
     src = POOLS[case]()
     fill(src, 5)
     a = make_tier("a")
     a.attach(src)
     assert statuses(a.save(keys, slots(src, [1, 2]))) == ["stored", "stored"]
-    assert a.mismatches == {"foreign": 2}
+    assert a.mismatches == {}
     assert all(b.load(keys, slots(dst, [3, 4])))
     assert page_bytes(dst, 3) == page_bytes(src, 1) and page_bytes(dst, 4) == page_bytes(src, 2)
+    # one that a save finds first is replaced there (found, counted)
+    (third,) = fresh_keys(1)
+    assert a.store.put(a.key(third), b"x" * size) == 0
+    assert statuses(a.save([third], slots(src, [3]))) == ["stored"]
+    assert a.mismatches == {"foreign": 1}
+    assert all(b.load([third], slots(dst, [5]))) and page_bytes(dst, 5) == page_bytes(src, 3)
 
 
 @needs_mooncake
@@ -1008,6 +1017,58 @@ def test_a_key_listed_twice_in_one_save_is_refused_and_nothing_is_stored(make_ti
     with pytest.raises(ValueError, match=f"key '{k1}' is listed twice in one save"):
         a.save([k1, k2, k1], slots(pool, [1, 2, 3]))
     assert a.exists([k1, k2]) == [False, False]
+
+
+@needs_mooncake
+def test_a_key_or_a_page_listed_twice_in_one_load_is_refused_and_nothing_moves(make_tier):
+    # Mooncake fills only one destination of a key named twice in one get and reports both.
+    src, dst = POOLS["mha-page_first"](), POOLS["mha-page_first"]()
+    keys, got, b, _ = _round(make_tier, src, dst, n=2)
+    assert got == ["loaded", "loaded"]
+    fill(dst, 7)
+    before = snapshot(dst)
+    with pytest.raises(ValueError, match=f"key '{keys[0]}' is listed twice in one load"):
+        b.load([keys[0], keys[0]], slots(dst, [3, 4]))
+    first = int(slots(dst, [3])[0])
+    with pytest.raises(ValueError, match=f"page at host slot {first} is listed twice in one load"):
+        b.load(keys, slots(dst, [3, 3]))
+    assert snapshot(dst) == before and sum(b.mismatches.values()) == 0
+
+
+@needs_mooncake
+def test_a_failed_object_is_removed_on_load_so_the_next_save_repairs_it(make_tier):
+    # A corrupted body under an intact header: a save that finds its own digest in the header
+    # would skip the page for good; the load that finds it removes it.
+    src, dst = POOLS["mla-page_first"](), POOLS["mla-page_first"]()
+    keys, got, b, _ = _round(make_tier, src, dst, n=1)
+    assert got == ["loaded"]
+    body = _raw_object(b, keys[0])
+    body[-1] ^= 0x01
+    _replace_raw(b, keys[0], body)
+    assert statuses(b.load(keys, slots(dst, [3]))) == ["mismatch"]
+    assert b.mismatches == {"digest": 1} and b.exists(keys) == [False]
+    again = POOLS["mla-page_first"]()  # the same page again, from another pool of the writer's
+    fill(again, 1)
+    assert page_bytes(again, 1) == page_bytes(src, 1)
+    saver = make_tier("a")
+    saver.attach(again)
+    assert statuses(saver.save(keys, slots(again, [1]))) == ["stored"]
+    assert statuses(b.load(keys, slots(dst, [3]))) == ["loaded"]
+    assert page_bytes(dst, 3) == page_bytes(src, 1)
+
+
+@needs_mooncake
+def test_an_intact_object_under_another_key_is_a_miss(make_tier):
+    # The proof covers the object's key: a whole, well-formed page object of the same writer
+    # copied under another key proves nothing about that key's page.
+    src, dst = POOLS["mha-layer_first"](), POOLS["mha-layer_first"]()
+    keys, got, b, _ = _round(make_tier, src, dst, n=2)
+    assert got == ["loaded", "loaded"]
+    _replace_raw(b, keys[1], _raw_object(b, keys[0]))
+    got = b.load(keys, slots(dst, [3, 4]))
+    assert statuses(got) == ["loaded", "mismatch"] and b.mismatches == {"digest": 1}
+    assert page_bytes(dst, 3) == page_bytes(src, 1)
+    assert page_bytes(dst, 4) == bytes(b.format.page_bytes)
 
 
 @needs_mooncake

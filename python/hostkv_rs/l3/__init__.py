@@ -11,7 +11,7 @@
     tier.detach()                                # also done by host_pool.destroy() and GC
 
 Every stored page carries its proof (`hostkv_rs.l3.proof`): a 64-byte header with the XXH3-128
-digest of its bytes and of its writer's identity (model_id, else the SGLang server's model path,
+digest of its key and bytes and of its writer's identity (model_id, else the SGLang server's model path,
 plus the format tag), checked on every load. A page that fails is a miss (Status.MISMATCH,
 counted in `tier.mismatches`, logged once per kind) and is zero-filled in the pool.
 

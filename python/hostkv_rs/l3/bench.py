@@ -149,7 +149,7 @@ def _measure(saver, loader, kind, layout, args) -> list[dict]:
 
         def digest():  # what the proof adds: one hash pass over the same bytes, one thread
             for page in pages:
-                proof.page_digest(memory, page)
+                proof.page_digest(memory, page, "bench")
 
         flat_src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
         flat_dst = torch.empty(nbytes, dtype=torch.uint8).zero_()

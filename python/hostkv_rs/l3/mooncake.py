@@ -158,6 +158,16 @@ MOONCAKE_HINT = (
 )
 
 
+def _refuse_repeats(values, text: str) -> None:
+    """ValueError(`text` formatted with the value and both positions) for the first value listed
+    twice."""
+    seen: dict = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise ValueError(text.format(value, seen[value], i))
+        seen[value] = i
+
+
 def _import_store_class():
     # the log level must be in the environment before the native module is loaded
     _native.quiet_logging_env()
@@ -470,7 +480,7 @@ class MooncakeTier:
             raise L3Error(f"the attached {type(pool).__name__} has been destroyed")
         return pool, self._format
 
-    def _pages(self, keys, host_indices) -> _Op:
+    def _pages(self, keys, host_indices, distinct_pages: bool = False) -> _Op:
         """The request checked: store keys, (ptrs, sizes) per page, views of the pool's bytes."""
         pool, fmt = self._require_pool()
         keys = [str(k) for k in keys]
@@ -487,6 +497,12 @@ class MooncakeTier:
             raise ValueError(
                 f"host_indices must name whole pages: {fmt.slots_per_page} consecutive slots per "
                 "key (the pool's page metadata only reads each page's first slot)"
+            )
+        if distinct_pages:
+            _refuse_repeats(
+                rows[:, 0].tolist(),
+                "the page at host slot {} is listed twice in one load (keys {} and {}); each "
+                "page holds one object",
             )
         ptrs, sizes = pool.get_page_buffer_meta(indices)
         per = fmt.buffers_per_page
@@ -624,21 +640,18 @@ class MooncakeTier:
         writer's, kept and reported (CONFLICT). A key listed twice raises ValueError before
         anything is stored: its two pages cannot both be what the key names."""
         keys = [str(k) for k in keys]
-        seen: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            if key in seen:
-                raise ValueError(
-                    f"key {key!r} is listed twice in one save (pages {seen[key]} and {i}); "
-                    "each key names one page"
-                )
-            seen[key] = i
+        _refuse_repeats(
+            keys, "key {!r} is listed twice in one save (pages {} and {}); each key names one page"
+        )
         return self._by_chunks(keys, host_indices, self._save_chunk)
 
-    def _by_chunks(self, keys, host_indices, run_chunk) -> list[PageResult]:
+    def _by_chunks(
+        self, keys, host_indices, run_chunk, *, distinct_pages: bool = False
+    ) -> list[PageResult]:
         """`run_chunk(op, chunk, results)` over batches of at most `max_batch_bytes` (and
         MAX_BATCH_PAGES pages), filling one result per page."""
         with self._lock:
-            op = self._pages(keys, host_indices)
+            op = self._pages(keys, host_indices, distinct_pages)
             results: list[PageResult | None] = [None] * len(op.keys)
             for chunk in self._chunks(len(op.keys)):
                 op.first = chunk.start
@@ -649,10 +662,18 @@ class MooncakeTier:
         """Address of page `i`'s header slot (one per page of the chunk)."""
         return self._headers.slot(i - op.first)
 
+    def _clear_headers(self, op: _Op, idx) -> None:
+        """Zero the header slots of pages `idx` before the store writes into them: a slot the
+        store leaves alone must not offer an earlier call's header as this one's proof."""
+        view = self._headers.array
+        for i in idx:
+            at = (i - op.first) * proof.HEADER_BYTES
+            view[at : at + proof.HEADER_BYTES] = 0
+
     def _hash(self, op: _Op, idx):
         """Futures of the digests of pages `idx`, computed off this thread."""
         pool = proof.hasher()
-        return [pool.submit(proof.page_digest, op.memory, op.pages[i]) for i in idx]
+        return [pool.submit(proof.page_digest, op.memory, op.pages[i], op.keys[i]) for i in idx]
 
     def _save_chunk(self, op: _Op, chunk, results):
         fmt = op.fmt
@@ -697,6 +718,7 @@ class MooncakeTier:
             return []
         ours = self._hash(op, idx)  # while the headers come
         keys = [op.keys[i] for i in idx]
+        self._clear_headers(op, idx)
         rcs = self._read_headers(keys, [self._header(op, i) for i in idx])
         again, foreign, unavailable = [], [], None
         for i, key, rc, digest in zip(idx, keys, rcs, ours):
@@ -830,8 +852,16 @@ class MooncakeTier:
     def load(self, keys, host_indices) -> list[PageResult]:
         """Fetch each page into the pool's memory at `host_indices` (no copy on this side) and
         check its proof. Only objects of exactly one page object's size are fetched; others leave
-        the pool untouched. A page whose proof fails is zero-filled and reported MISMATCH."""
-        return self._by_chunks(keys, host_indices, self._load_chunk)
+        the pool untouched. A page whose proof fails is zero-filled, reported MISMATCH, and its
+        object removed (no pool of this format can use it; the next save stores the page
+        again). A key or a page listed twice raises ValueError before anything moves: the store
+        fills one destination of a key named twice in one get and reports both, and one page
+        cannot hold two objects."""
+        keys = [str(k) for k in keys]
+        _refuse_repeats(
+            keys, "key {!r} is listed twice in one load (pages {} and {}); each key fills one page"
+        )
+        return self._by_chunks(keys, host_indices, self._load_chunk, distinct_pages=True)
 
     def _load_chunk(self, op: _Op, chunk, results):
         fmt = op.fmt
@@ -866,6 +896,8 @@ class MooncakeTier:
         (hashed while the next group moves). Returns RPC_FAIL when the master did not answer."""
         fmt, store = op.fmt, self.store
         keys = [op.keys[i] for i in group]
+        if self.digests:
+            self._clear_headers(op, group)
         if not self.digests and fmt.buffers_per_page == 1:
             rcs = store.batch_get_into(
                 keys, [op.pages[i][0][0] for i in group], [op.pages[i][1][0] for i in group]
@@ -904,6 +936,7 @@ class MooncakeTier:
         return unavailable
 
     def _verify(self, op: _Op, pending, results) -> None:
+        failed = []
         for i, digest in pending:
             at = (i - op.first) * proof.HEADER_BYTES
             kind, theirs = proof.decode(self._headers.view, at, op.fmt.page_bytes, self._identity)
@@ -913,8 +946,17 @@ class MooncakeTier:
                 results[i] = PageResult(Status.LOADED)
                 continue
             op.zero(i)
-            self._mismatch(kind, op.keys[i], "a miss, page zero-filled")
+            self._mismatch(kind, op.keys[i], "a miss, page zero-filled, object removed")
             results[i] = PageResult(Status.MISMATCH, detail=f"{kind} proof; page zero-filled")
+            failed.append(op.keys[i])
+        if failed:
+            # What save does with such an object under our key: it is no page of this format
+            # (a save that finds its own digest in a header skips the page, so a corrupted body
+            # would otherwise stay a miss for good).
+            try:
+                self.store.batch_remove(failed, True)
+            except Exception:  # the results already say what was loaded
+                logger.warning("removing %d failed L3 object(s) raised", len(failed), exc_info=True)
 
     def remove(self, keys, *, force: bool = False) -> list[PageResult]:
         """Remove each page's object. A page a reader holds a lease on (Mooncake leases objects

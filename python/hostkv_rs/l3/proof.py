@@ -2,17 +2,20 @@
 
     offset  bytes  field
          0      8  magic b"hkvpage\\0"
-         8      2  header version (1), little endian like every field
+         8      2  header version (2), little endian like every field
         10      2  header bytes (64)
         12      4  zero
         16      8  page bytes (the object is header + page)
         24     16  identity digest: XXH3-128 of the writer's model identity and format tag
-        40     16  page digest: XXH3-128 of the page's bytes, buffer after buffer
+        40     16  page digest: XXH3-128 of the object's store key (its UTF-8 length as 8
+                   bytes, then the bytes) and the page's bytes, buffer after buffer
         56      8  check: the low 64 bits of XXH3-128 of bytes 0..56
 
 Why a header inside the object, not a companion key: the digest then travels and is evicted,
 replaced or removed with the bytes it proves, atomically (a companion object can outlive or miss
-its page, and doubles the master's objects and round trips). The page itself still moves
+its page, and doubles the master's objects and round trips). The key is under the digest so that
+an intact object under another key (copied there, or a store-side mix-up) is no proof of this
+key's page (version 1 headers proved the bytes alone; they now read as foreign). The page itself still moves
 zero-copy: the header lives in a small buffer the tier registers beside the pool, and each put or
 get names it as the first piece of a multi-buffer transfer, so no page byte is copied to add it.
 
@@ -35,7 +38,7 @@ from hostkv_rs import _core
 
 HEADER_BYTES = 64
 MAGIC = b"hkvpage\x00"
-HEADER_VERSION = 1
+HEADER_VERSION = 2
 _FIELDS = struct.Struct("<8sHHIQ16s16s")  # bytes 0..56
 _CHECK = struct.Struct("<Q")  # bytes 56..64
 _LOW64 = (1 << 64) - 1
@@ -187,10 +190,12 @@ def _byte_view(owner) -> np.ndarray:
     return np.frombuffer(owner, dtype=np.uint8)
 
 
-def page_digest(memory: PoolBytes, page) -> int:
-    """XXH3-128 of one page's bytes. The views are made here, on a hashing thread, while the
-    caller's thread is inside the store's transfer call without the GIL."""
-    return _core.digest(memory.pieces(page))
+def page_digest(memory: PoolBytes, page, key: str) -> int:
+    """XXH3-128 of store key `key` and one page's bytes (see the header's page digest). The views
+    are made here, on a hashing thread, while the caller's thread is inside the store's transfer
+    call without the GIL."""
+    name = key.encode("utf-8")
+    return _core.digest([len(name).to_bytes(8, "little"), name, *memory.pieces(page)])
 
 
 # One process-wide pool of hashing threads: `_core.digest` runs without the GIL, so pages hash
