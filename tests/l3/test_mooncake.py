@@ -1071,6 +1071,37 @@ def test_an_intact_object_under_another_key_is_a_miss(make_tier):
     assert page_bytes(dst, 4) == bytes(b.format.page_bytes)
 
 
+def test_kv_dtype_names_only_what_the_pool_cannot_say():
+    bf16 = make_mha("page_first", dtype=torch.bfloat16)[0]
+    with pytest.raises(ValueError, match=r"kv_dtype=float16 contradicts .* \(bfloat16\)"):
+        page_format(bf16, kv_dtype=torch.float16)
+    assert page_format(bf16, kv_dtype=torch.bfloat16).tag == page_format(bf16).tag
+
+
+def test_a_page_format_knows_whether_its_tp_rank_was_named():
+    assert not page_format(POOLS["mha-page_first"]()).tp_known
+    assert page_format(POOLS["mha-page_first"](), tp_rank=0, tp_size=1).tp_known
+    assert page_format(POOLS["mla-page_first"]()).tp_known  # latents are the same on every rank
+    # unnamed is rank 0 of 1, as before
+    assert (
+        page_format(POOLS["mha-page_first"]()).tag
+        == page_format(POOLS["mha-page_first"](), tp_rank=0, tp_size=1).tag
+    )
+
+
+@needs_mooncake
+def test_an_mha_pool_without_a_tp_rank_says_so_once(make_tier, caplog):
+    tier = make_tier("a")
+    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
+        for _ in range(2):
+            tier.attach(POOLS["mha-page_first"]())
+            tier.detach()
+        named = make_tier("a", tp_rank=0, tp_size=1)
+        named.attach(POOLS["mha-page_first"]())
+    said = [r for r in caplog.records if "carry no TP rank" in r.getMessage()]
+    assert len(said) == 1 and "tp_rank=" in said[0].getMessage()
+
+
 @needs_mooncake
 def test_a_second_writer_with_other_bytes_is_reported_not_skipped(make_tier, caplog):
     case = "mha-page_first_direct"

@@ -3,7 +3,11 @@
     from hostkv_rs.l3 import MooncakeTier
 
     tier = MooncakeTier.connect(
-        "127.0.0.1:50051", "http://127.0.0.1:8080/metadata", model_id="meta-llama/Llama-3.1-8B"
+        "127.0.0.1:50051",
+        "http://127.0.0.1:8080/metadata",
+        model_id="meta-llama/Llama-3.1-8B",
+        tp_rank=0,  # this process's TP shard (MHA heads differ per rank)
+        tp_size=1,
     )
     tier.attach(host_pool)                       # registers the pool's host memory once
     results = tier.save(keys, host_indices)      # one key per page; a PageResult per page

@@ -91,7 +91,12 @@ def _measure(saver, loader, kind, layout, args) -> list[dict]:
 
     def tier(client, digests):
         return MooncakeTier(
-            client.store, master=client.master, model_id=BENCH_MODEL_ID, digests=digests
+            client.store,
+            master=client.master,
+            model_id=BENCH_MODEL_ID,
+            digests=digests,
+            tp_rank=0,
+            tp_size=1,
         )
 
     # per mode: the saver, the loader (another client), the saving client reading back

@@ -72,13 +72,11 @@ def round_trip(host_pool, host_idx: torch.Tensor, make_pool, say, *, master=None
     other = None
     try:
         # the demo's pages are random bytes of no model: it names itself as their producer
-        saver = MooncakeTier.connect(
-            master, metadata, global_segment_size=segment, model_id=DEMO_MODEL_ID
-        )
+        # one process, so one TP rank: rank 0 of 1, said so
+        shard = {"model_id": DEMO_MODEL_ID, "tp_rank": 0, "tp_size": 1}
+        saver = MooncakeTier.connect(master, metadata, global_segment_size=segment, **shard)
         tiers.append(saver)
-        loader = MooncakeTier.connect(
-            master, metadata, global_segment_size=0, model_id=DEMO_MODEL_ID
-        )
+        loader = MooncakeTier.connect(master, metadata, global_segment_size=0, **shard)
         tiers.append(loader)
         fmt = saver.attach(host_pool)
         say(

@@ -38,6 +38,7 @@ class PageFormat:
     identity: str = ""  # what the header's identity digest is of: model identity and tag
     model_id: str | None = None  # the model identity the tag and header carry, when known
     dtype_known: bool = True  # False: bytes of an unnamed dtype (uint8 storage, no device dtype)
+    tp_known: bool = True  # False: a TP-sharded pool's pages whose TP rank nobody named
 
 
 def _dtype_name(dtype) -> str:
@@ -88,12 +89,26 @@ _SGLANG_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _kv_dtype(pool, kv_dtype) -> tuple[str, bool]:
-    """(name of the dtype the pool's bytes encode, whether that is known). fp8 caches are stored
-    as uint8 (SGLang's store_dtype), so the storage dtype cannot tell e4m3fn from e5m2; the
-    device pool's `dtype` can (SGLang <= 0.5.22), else the server's --kv-cache-dtype (0.5.23's
-    buffer infos carry only the storage dtype)."""
-    if kv_dtype is not None:
-        return _dtype_name(kv_dtype), True
+    """(name of the dtype the pool's bytes encode, whether that is known). `kv_dtype` names it
+    where the pool cannot say; one that contradicts what the pool says is refused (a bf16 pool
+    tagged float16 would load a float16 pool's pages as hits)."""
+    own, known = _pool_kv_dtype(pool)
+    if kv_dtype is None:
+        return own, known
+    given = _dtype_name(kv_dtype)
+    if known and given != own:
+        raise ValueError(
+            f"kv_dtype={given} contradicts the dtype {type(pool).__name__}'s bytes encode "
+            f"({own}); kv_dtype only names it for a pool that cannot say (uint8-stored fp8)"
+        )
+    return given, True
+
+
+def _pool_kv_dtype(pool) -> tuple[str, bool]:
+    """What the pool itself says its bytes encode. fp8 caches are stored as uint8 (SGLang's
+    store_dtype), so the storage dtype cannot tell e4m3fn from e5m2; the device pool's `dtype`
+    can (SGLang <= 0.5.22), else the server's --kv-cache-dtype (0.5.23's buffer infos carry
+    only the storage dtype)."""
     stored = pool.dtype
     meaning = getattr(getattr(pool, "device_pool", None), "dtype", None)
     if isinstance(meaning, torch.dtype):
@@ -171,8 +186,8 @@ def page_format(
     pool,
     *,
     namespace: str = "",
-    tp_rank: int = 0,
-    tp_size: int = 1,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
     pp_rank: int = 0,
     pp_size: int = 1,
     model_id: str | None = None,
@@ -182,7 +197,9 @@ def page_format(
     """The format of `pool`'s pages. `model_id` names the weights that produced them (None: the
     SGLang server's model path when SGLang runs in this process, else no identity); `kv_dtype`
     (a torch dtype or its name) overrides the dtype the bytes encode when the pool cannot say.
-    `digests=False` is the proof-less format the benchmark measures against (its own tag).
+    `tp_rank`/`tp_size` (None: rank 0 of 1, and `tp_known` False for a pool whose heads TP
+    splits) name this TP shard. `digests=False` is the proof-less format the benchmark measures
+    against (its own tag).
     Raises ValueError for a pool without bytes (a logical anchor, an allocator-only pool) and
     RuntimeError for a destroyed one."""
     from hostkv_rs.l3.proof import HEADER_BYTES
@@ -234,8 +251,9 @@ def page_format(
     owned = _owned_device_layers(pool)
     if owned is not None:
         fields.append(owned)
+    tp_named = tp_rank is not None or tp_size is not None
     if tp_sharded:
-        fields.append(f"tp{int(tp_rank)}of{int(tp_size)}")
+        fields.append(f"tp{int(tp_rank or 0)}of{int(1 if tp_size is None else tp_size)}")
     fields.append(f"pp{int(pp_rank)}of{int(pp_size)}")
     if dcp_size != 1:
         fields.append(f"dcp{dcp_rank}of{dcp_size}")
@@ -258,6 +276,7 @@ def page_format(
         identity=f"{model_id or ''}\n{tag}",
         model_id=model_id,
         dtype_known=dtype_known,
+        tp_known=tp_named or not tp_sharded,
     )
 
 

@@ -241,7 +241,8 @@ class MooncakeTier:
     `kv_dtype` names the dtype the pool's bytes encode when the pool cannot say (a uint8-stored
     fp8 cache built from an SGLang 0.5.23 buffer info outside a server). `namespace` prefixes
     every key; `tp_rank`/`tp_size`/`pp_rank`/`pp_size` name this shard (the pool itself knows
-    its DCP rank).
+    its DCP rank; an MHA pool attached without a TP rank is logged once, since TP ranks hold
+    other heads under the same keys).
 
     Counters: `mismatches` (a Counter of loads and saves that found an object under our key
     whose proof failed, by kind: "foreign", "identity", "digest") and `second_writers` (saves
@@ -255,8 +256,8 @@ class MooncakeTier:
         store,
         *,
         namespace: str = "",
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
         max_batch_bytes: int = DEFAULT_BATCH_BYTES,
@@ -418,6 +419,14 @@ class MooncakeTier:
                     "L3 pages of %s carry no model identity (pass model_id= to MooncakeTier): "
                     "another model with the same geometry saving the same keys would load as "
                     "hits",
+                    type(pool).__name__,
+                )
+            if not fmt.tp_known:
+                self._log_once(
+                    "tp",
+                    "L3 pages of %s (its heads are split across TP ranks) carry no TP rank (pass "
+                    "tp_rank= and tp_size= to MooncakeTier): two TP ranks saving the same keys "
+                    "would load each other's heads as hits",
                     type(pool).__name__,
                 )
             if not fmt.dtype_known:
