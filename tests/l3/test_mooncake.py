@@ -1032,7 +1032,13 @@ def test_a_key_or_a_page_listed_twice_in_one_load_is_refused_and_nothing_moves(m
     first = int(slots(dst, [3])[0])
     with pytest.raises(ValueError, match=f"page at host slot {first} is listed twice in one load"):
         b.load(keys, slots(dst, [3, 3]))
+    # two runs that start inside pages overlap them: refused for every operation
+    shifted = slots(dst, [3, 4]) + 1
+    for call in (lambda: b.load(keys, shifted), lambda: b.save(fresh_keys(2), shifted)):
+        with pytest.raises(ValueError, match="starting on a page boundary"):
+            call()
     assert snapshot(dst) == before and sum(b.mismatches.values()) == 0
+    assert b.exists(keys) == [True, True]
 
 
 @needs_mooncake
@@ -1075,7 +1081,13 @@ def test_kv_dtype_names_only_what_the_pool_cannot_say():
     bf16 = make_mha("page_first", dtype=torch.bfloat16)[0]
     with pytest.raises(ValueError, match=r"kv_dtype=float16 contradicts .* \(bfloat16\)"):
         page_format(bf16, kv_dtype=torch.float16)
-    assert page_format(bf16, kv_dtype=torch.bfloat16).tag == page_format(bf16).tag
+    # the same dtype in torch's or SGLang's --kv-cache-dtype spelling, or "auto": the same pages
+    for same in (torch.bfloat16, "bfloat16", "bf16", "auto"):
+        assert page_format(bf16, kv_dtype=same).tag == page_format(bf16).tag, same
+    fp8 = make_mha("page_first", dtype=torch.float8_e4m3fn)[0]
+    assert page_format(fp8, kv_dtype="fp8_e4m3").tag == page_format(fp8).tag
+    with pytest.raises(ValueError, match="kv_dtype=float8_e5m2 contradicts"):
+        page_format(fp8, kv_dtype="fp8_e5m2")
 
 
 def test_a_page_format_knows_whether_its_tp_rank_was_named():
@@ -1087,6 +1099,9 @@ def test_a_page_format_knows_whether_its_tp_rank_was_named():
         page_format(POOLS["mha-page_first"]()).tag
         == page_format(POOLS["mha-page_first"](), tp_rank=0, tp_size=1).tag
     )
+    for rank, size in ((1, None), (None, 2), (2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match="must name a shard together"):
+            page_format(POOLS["mha-page_first"](), tp_rank=rank, tp_size=size)
 
 
 @needs_mooncake

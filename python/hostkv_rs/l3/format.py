@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the meaning of a stored page changes (its byte order, the header or the tag grammar).
-FORMAT_VERSION = "hkv2"
+FORMAT_VERSION = "hkv3"
 NO_MODEL = "mnone"  # the tag's model field when no model identity is known
 
 
@@ -84,8 +84,13 @@ def sglang_model_identity() -> str | None:
     return identity
 
 
-# SGLang's --kv-cache-dtype values for a uint8-stored cache, as torch dtype names.
-_SGLANG_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# SGLang's --kv-cache-dtype spellings, as torch dtype names ("auto": the model's dtype).
+_SGLANG_KV_DTYPES = {
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+}
 
 
 def _kv_dtype(pool, kv_dtype) -> tuple[str, bool]:
@@ -93,9 +98,10 @@ def _kv_dtype(pool, kv_dtype) -> tuple[str, bool]:
     where the pool cannot say; one that contradicts what the pool says is refused (a bf16 pool
     tagged float16 would load a float16 pool's pages as hits)."""
     own, known = _pool_kv_dtype(pool)
-    if kv_dtype is None:
+    given = _dtype_name(kv_dtype) if kv_dtype is not None else "auto"
+    given = _SGLANG_KV_DTYPES.get(given, given)
+    if given == "auto":
         return own, known
-    given = _dtype_name(kv_dtype)
     if known and given != own:
         raise ValueError(
             f"kv_dtype={given} contradicts the dtype {type(pool).__name__}'s bytes encode "
@@ -252,6 +258,11 @@ def page_format(
     if owned is not None:
         fields.append(owned)
     tp_named = tp_rank is not None or tp_size is not None
+    if tp_named and (tp_rank is None or tp_size is None or not 0 <= int(tp_rank) < int(tp_size)):
+        raise ValueError(
+            f"tp_rank={tp_rank} and tp_size={tp_size} must name a shard together, with "
+            "0 <= tp_rank < tp_size"
+        )
     if tp_sharded:
         fields.append(f"tp{int(tp_rank or 0)}of{int(1 if tp_size is None else tp_size)}")
     fields.append(f"pp{int(pp_rank)}of{int(pp_size)}")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import ipaddress
 import logging
@@ -502,16 +503,22 @@ class MooncakeTier:
         if not keys:
             return _Op(pool, fmt, [], [], None)
         rows = indices.to(torch.int64).reshape(len(keys), fmt.slots_per_page)
-        if not torch.equal(rows - rows[:, :1], torch.arange(fmt.slots_per_page).expand_as(rows)):
+        starts = rows[:, 0]
+        if not torch.equal(
+            rows - rows[:, :1], torch.arange(fmt.slots_per_page).expand_as(rows)
+        ) or bool((starts % fmt.slots_per_page).any()):
+            # A run that starts inside a page names parts of two: some pools' page metadata
+            # round it down to the first, others point into it, and two such runs overlap.
             raise ValueError(
                 f"host_indices must name whole pages: {fmt.slots_per_page} consecutive slots per "
-                "key (the pool's page metadata only reads each page's first slot)"
+                "key, starting on a page boundary (the pool's page metadata only reads each "
+                "page's first slot)"
             )
         if distinct_pages:
             _refuse_repeats(
-                rows[:, 0].tolist(),
-                "the page at host slot {} is listed twice in one load (keys {} and {}); each "
-                "page holds one object",
+                starts.tolist(),
+                "the page at host slot {} is listed twice in one load (positions {} and {}); "
+                "each page holds one object",
             )
         ptrs, sizes = pool.get_page_buffer_meta(indices)
         per = fmt.buffers_per_page
@@ -650,7 +657,8 @@ class MooncakeTier:
         anything is stored: its two pages cannot both be what the key names."""
         keys = [str(k) for k in keys]
         _refuse_repeats(
-            keys, "key {!r} is listed twice in one save (pages {} and {}); each key names one page"
+            keys,
+            "key {!r} is listed twice in one save (positions {} and {}); each key names one page",
         )
         return self._by_chunks(keys, host_indices, self._save_chunk)
 
@@ -868,7 +876,8 @@ class MooncakeTier:
         cannot hold two objects."""
         keys = [str(k) for k in keys]
         _refuse_repeats(
-            keys, "key {!r} is listed twice in one load (pages {} and {}); each key fills one page"
+            keys,
+            "key {!r} is listed twice in one load (positions {} and {}); each key fills one page",
         )
         return self._by_chunks(keys, host_indices, self._load_chunk, distinct_pages=True)
 
@@ -949,7 +958,14 @@ class MooncakeTier:
         for i, digest in pending:
             at = (i - op.first) * proof.HEADER_BYTES
             kind, theirs = proof.decode(self._headers.view, at, op.fmt.page_bytes, self._identity)
-            if kind is None and theirs != digest.result():
+            try:
+                ours = digest.result()
+            except (ValueError, RuntimeError, BufferError) as exc:  # bytes not readable: unproven
+                results[i] = PageResult(Status.FAILED, detail=f"hash failed: {exc}")
+                with contextlib.suppress(ValueError):
+                    op.zero(i)  # never left holding bytes nobody checked, where it can be
+                continue
+            if kind is None and theirs != ours:
                 kind = proof.DIGEST
             if kind is None:
                 results[i] = PageResult(Status.LOADED)
@@ -961,7 +977,9 @@ class MooncakeTier:
         if failed:
             # What save does with such an object under our key: it is no page of this format
             # (a save that finds its own digest in a header skips the page, so a corrupted body
-            # would otherwise stay a miss for good).
+            # would otherwise stay a miss for good). Mooncake has no compare-and-remove: an
+            # object another writer put under the key since our get goes too, and is stored
+            # again by the next save.
             try:
                 self.store.batch_remove(failed, True)
             except Exception:  # the results already say what was loaded
