@@ -12,7 +12,6 @@ that process. Without the switch nothing of SGLang is touched.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import os
 import sys
 
@@ -59,14 +58,24 @@ def serve() -> None:
 
 
 class _AfterSglang(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: it lets the normal finders locate `sglang` and runs `serve()` right
-    after the package's `__init__` has executed."""
+    """Finds nothing itself: it asks the finders after it where `sglang` is (sys.path, or the
+    finder of an editable install) and runs `serve()` right after the package's `__init__` has
+    executed. It stays armed until then: a `find_spec("sglang")` probe before the import gets a
+    spec that is never executed, and must not disarm it."""
+
+    served = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "sglang":
+        if fullname != "sglang" or self.served:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
@@ -74,7 +83,11 @@ class _AfterSglang(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_init(module)
-            serve()
+            if not self.served:
+                self.served = True
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                serve()
 
         loader.exec_module = exec_module
         return spec

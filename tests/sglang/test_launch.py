@@ -109,3 +109,63 @@ def test_launch_sglang_command_runs_sglangs_launcher_with_the_hook():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "usage" in proc.stdout.lower()
     assert "serving SGLang" in proc.stderr, proc.stderr[-3000:]
+
+
+def _hooked(tmp_path, code: str, extra_path: str = "") -> subprocess.CompletedProcess:
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    env = launch_env()
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], extra_path])
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=str(tmp_path),
+        check=False,
+    )
+
+
+def test_a_find_spec_probe_before_the_import_leaves_the_hook_armed(tmp_path):
+    # Availability checks (`importlib.util.find_spec("sglang")`) run before the real import in
+    # many launchers; the spec they get is never executed.
+    proc = _hooked(
+        tmp_path,
+        "import importlib.util, hostkv_rs.sglang as s\n"
+        "assert importlib.util.find_spec('sglang') is not None\n"
+        "assert not s.installed()\n"
+        "import sglang\n"
+        "print('installed', s.installed())\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "installed True" in proc.stdout, proc.stdout + proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "serving SGLang" in line]) == 1
+
+
+def test_an_sglang_found_by_an_editable_install_finder_is_served(tmp_path):
+    # pip's editable installs expose a package through a meta-path finder, not a sys.path entry.
+    # The SGLang here is a stand-in without `srt`: what counts is that the hook runs at its
+    # import (and says it cannot serve it), instead of never hearing of it.
+    (tmp_path / "src" / "sglang").mkdir(parents=True)
+    (tmp_path / "src" / "sglang" / "__init__.py").write_text("")
+    proc = _hooked(
+        tmp_path,
+        "import importlib.machinery, sys\n"
+        "class Editable:\n"
+        "    @classmethod\n"
+        "    def find_spec(cls, name, path=None, target=None):\n"
+        "        if name != 'sglang':\n"
+        "            return None\n"
+        f"        return importlib.machinery.PathFinder.find_spec(name, [{str(tmp_path / 'src')!r}])\n"
+        # ahead of sys.path's finder, so that it wins even where a real SGLang is installed
+        "hook = [type(f).__name__ for f in sys.meta_path].index('_AfterSglang')\n"
+        "sys.meta_path.insert(hook + 1, Editable)\n"
+        "for name in [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]:\n"
+        "    del sys.modules[name]\n"
+        "import sglang\n"
+        f"assert sglang.__file__.startswith({str(tmp_path)!r}), sglang.__file__\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not serving SGLang host pools" in proc.stderr, proc.stderr
