@@ -1266,6 +1266,30 @@ def test_a_master_never_stopped_is_stopped_when_its_process_exits():
 
 
 @needs_mooncake
+def test_a_master_whose_ports_another_process_holds_is_never_returned(monkeypatch):
+    # The ports accept (someone else listens there) while this master fails to bind and exits:
+    # start() must not hand back a dead master.
+    import socket
+
+    from hostkv_rs.l3 import master as m
+
+    held = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        held.append(sock)
+    ports = [sock.getsockname()[1] for sock in held]
+    monkeypatch.setattr(m, "_distinct_free_ports", lambda n: ports[:n])
+    try:
+        with pytest.raises(m.MasterError, match="did not come up"):
+            m.LoopbackMaster.start(timeout=10)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@needs_mooncake
 def test_stopped_masters_leave_no_process():
     from hostkv_rs.l3 import master as master_mod
     from hostkv_rs.l3.master import LoopbackMaster

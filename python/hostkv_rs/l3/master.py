@@ -66,6 +66,10 @@ def stop_all(grace: float = 2.0) -> None:
 atexit.register(stop_all)
 
 
+# How long a master whose ports accept must stay up before it counts as started.
+_SETTLE_S = 0.5
+
+
 class MasterError(RuntimeError):
     """The master binary is missing, or it did not come up."""
 
@@ -192,7 +196,15 @@ class LoopbackMaster:
                 if process.poll() is not None:
                     break
                 if _accepts(LOOPBACK, rpc_port) and _accepts(LOOPBACK, http_port):
-                    return master
+                    # Another process may hold a picked port: then the ports accept while this
+                    # master fails to bind and exits. One that is still running a moment later
+                    # bound them itself.
+                    settled = time.monotonic() + _SETTLE_S
+                    while process.poll() is None and time.monotonic() < settled:
+                        time.sleep(0.02)
+                    if process.poll() is None:
+                        return master
+                    break
                 time.sleep(0.02)
             exited_early = process.poll() is not None
             last_log = master.log_tail()
