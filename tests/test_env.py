@@ -44,7 +44,7 @@ def test_numa_node_values(monkeypatch):
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
-        ("SGLANG_HUGEPAGE_SIZE", "3MB", "'2MB' or '1GB' (or unset: base pages)"),
+        ("SGLANG_HUGEPAGE_SIZE", "3MB", "'2MB' or '1GB', any case (or unset: base pages)"),
         ("SGLANG_HUGEPAGE_MODE", "sometimes", "one of 'off', 'prefer', 'required', or unset"),
         ("SGLANG_HUGEPAGE_STRICT", "maybe", "one of '1', 'true', '0', 'false' (any case)"),
     ],
@@ -56,8 +56,19 @@ def test_bad_hugepage_settings_name_the_variable(monkeypatch, name, value, allow
         _pool()
 
 
+def test_a_numa_node_that_does_not_exist_names_the_variable(monkeypatch):
+    monkeypatch.setenv("HOSTKV_NUMA_NODE", "1023")  # valid syntax; no host has that node
+    with pytest.raises(ValueError, match=r"HOSTKV_NUMA_NODE=1023: NUMA node 1023 does not exist"):
+        _pool()
+
+
 def test_hugepage_settings(monkeypatch):
     assert _env.hugepage_settings() == ("", "off")
+    for spelling in ("2Mb", " 2mb ", "2m"):  # SGLang upper-cases the value before it reads it
+        monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", spelling)
+        assert _env.hugepage_settings() == ("2MB", "prefer"), spelling
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "1gB")
+    assert _env.hugepage_settings() == ("1GB", "prefer")
     monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2M")
     assert _env.hugepage_settings() == ("2MB", "prefer")
     monkeypatch.setenv("SGLANG_HUGEPAGE_STRICT", "TRUE")

@@ -34,8 +34,9 @@ _MAX_NUMA_NODES = 1 << 10
 # would not fit the core's 64-bit byte count.
 _MAX_CHUNK_GB = 1 << 30
 _INTEGER = re.compile(r"[+-]?[0-9]+")
-# The spellings the core accepts, each mapped to SGLang's.
-_HUGEPAGE_SIZES = {"2MB": "2MB", "2M": "2MB", "2mb": "2MB", "1GB": "1GB", "1G": "1GB", "1gb": "1GB"}
+# The spellings accepted (upper-cased first, as SGLang's mmap allocator reads the variable), each
+# mapped to SGLang's.
+_HUGEPAGE_SIZES = {"2MB": "2MB", "2M": "2MB", "1GB": "1GB", "1G": "1GB"}
 # "strict" is the core's alias of "required" (SGLANG_HUGEPAGE_STRICT's word).
 _HUGEPAGE_MODES = {"off": "off", "prefer": "prefer", "required": "required", "strict": "required"}
 _TRUE, _FALSE = ("1", "true"), ("0", "false")
@@ -67,16 +68,6 @@ def integer(name: str, default: int | None, *, low: int, high: int, allowed: str
     return number
 
 
-def choice(name: str, choices, default: str, *, allowed: str) -> str:
-    """`name` as one of `choices` (matched after stripping), or `default` when unset."""
-    value = raw(name)
-    if value is None:
-        return default
-    if value not in choices:
-        raise _refuse(name, value, allowed)
-    return value
-
-
 def flag(name: str) -> bool:
     """SGLang's boolean reading ('1'/'true' on, '0'/'false' off, any case); any other value is
     refused rather than silently read as off."""
@@ -106,13 +97,16 @@ def numa_node() -> int | None:
 def hugepage_settings() -> tuple[str, str]:
     """(size, mode): size '' / '2MB' / '1GB'; mode 'off' / 'prefer' / 'required'. Without a
     mode, SGLANG_HUGEPAGE_STRICT picks 'required', else a size alone means 'prefer'."""
-    size_raw = choice(
-        "SGLANG_HUGEPAGE_SIZE",
-        _HUGEPAGE_SIZES,
-        "",
-        allowed="'2MB' or '1GB' (or unset: base pages)",
-    )
-    size = _HUGEPAGE_SIZES.get(size_raw, "")
+    size_value = raw("SGLANG_HUGEPAGE_SIZE")
+    size = ""
+    if size_value is not None:
+        size = _HUGEPAGE_SIZES.get(size_value.upper(), "")
+        if not size:
+            raise _refuse(
+                "SGLANG_HUGEPAGE_SIZE",
+                size_value,
+                "'2MB' or '1GB', any case (or unset: base pages)",
+            )
     mode_value = raw("SGLANG_HUGEPAGE_MODE")
     if mode_value is not None:
         mode = mode_value.lower()

@@ -129,12 +129,19 @@ def alloc_host_region(
     `device`'s GPU, see `registration_device`) when asked and possible. Returns the
     `_core.HostRegion`; it lives as long as any tensor viewing it."""
     size, mode = _hugepage_settings()
-    region = _core.HostRegion(
-        nbytes,
-        hugepage=size if mode != "off" else "",
-        hugepage_mode=mode if mode != "off" else "prefer",
-        numa_node=_numa_node(),
-    )
+    node = _numa_node()
+    try:
+        region = _core.HostRegion(
+            nbytes,
+            hugepage=size if mode != "off" else "",
+            hugepage_mode=mode if mode != "off" else "prefer",
+            numa_node=node,
+        )
+    except ValueError as exc:
+        if node is None or "NUMA node" not in str(exc):
+            raise
+        # The node came from the environment: say which variable to fix.
+        raise ValueError(f"environment variable HOSTKV_NUMA_NODE={node}: {exc}") from None
     _register(region, pin_memory, registration_granularity, device=device)
     return region
 
