@@ -327,7 +327,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
         return self._pool_core.contiguous_buf_infos()
 
     def get_hybrid_pool_buffer(self):
-        return [] if self.kv_buffer is None else [self.kv_buffer]
+        if self.kv_buffer is None and not getattr(self, "_destroyed", False):
+            return []  # an allocator-only pool has no bytes to register
+        return [self._live_buffer()]
 
     # ----------------------------------------------------------------- transfers
 
