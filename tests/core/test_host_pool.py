@@ -94,6 +94,15 @@ def test_region_options_and_errors():
     with pytest.raises(ValueError, match="NUMA node 4000 does not exist"):
         _core.HostRegion(4096, numa_node=4000)
     assert _core.HostRegion(4096, numa_node=0).numa_node == 0
+    # register_cuda's sizes are checked by name before CUDA is asked (no OverflowError)
+    for kwargs, text in (
+        ({"granularity": -1}, "granularity must lie in [0, 2**64), got -1"),
+        ({"chunk_limit": 2**64}, "chunk_limit must lie in [0, 2**64), got 18446744073709551616"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(text)):
+            r.register_cuda(**kwargs)
+    with pytest.raises(TypeError, match="not an \\(owner, byte_offset\\) pair"):
+        _core.HostRegion.adopt((torch.zeros(16, dtype=torch.uint8), 4))
 
 
 def test_hugepage_required_fails_cleanly_or_gets_hugepages():

@@ -71,6 +71,12 @@ impl PyHostRegion {
                 "HostRegion.adopt takes a CPU tensor, not a HostRegion",
             ));
         }
+        if tensor.cast::<pyo3::types::PyTuple>().is_ok() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "HostRegion.adopt takes a CPU tensor (its view of the storage is the region), \
+                 not an (owner, byte_offset) pair",
+            ));
+        }
         let mem = super::memory::host_memory(tensor, "adopted memory")?;
         let nbytes: u64 = tensor.getattr("nbytes")?.extract()?;
         // SAFETY: `host_memory` checked a contiguous CPU tensor whose `nbytes` lie inside its
@@ -115,14 +121,24 @@ impl PyHostRegion {
 
     /// Pins the region for `device` (a CUDA ordinal: the pool's GPU; None: this thread's current
     /// context, else GPU 0).
-    #[pyo3(signature = (granularity = 0, chunk_limit = 256 << 30, device = None))]
+    /// `granularity` (bytes a chunk must not split) and `chunk_limit` (the most bytes one
+    /// registration call takes) are read by name, as every other argument, so a negative or
+    /// huge value is a ValueError naming it, not an OverflowError.
+    #[pyo3(signature = (granularity = None, chunk_limit = None, device = None))]
     fn register_cuda(
         &self,
         py: Python<'_>,
-        granularity: usize,
-        chunk_limit: usize,
+        granularity: Option<&Bound<'_, PyAny>>,
+        chunk_limit: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let bytes = |value: Option<&Bound<'_, PyAny>>, name: &str, default: usize| {
+            value
+                .map(|v| int_in(v, name, 0, usize::MAX as u128, "[0, 2**64)").map(|n| n as usize))
+                .unwrap_or(Ok(default))
+        };
+        let granularity = bytes(granularity, "granularity", 0)?;
+        let chunk_limit = bytes(chunk_limit, "chunk_limit", 256 << 30)?;
         let device = device
             .map(|d| int_in(d, "device", 0, i32::MAX as u128, "[0, 2**31)"))
             .transpose()?
