@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _env
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost, _core, _env
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.sglang import budgets as _budgets
 
@@ -60,6 +60,23 @@ def test_a_numa_node_that_does_not_exist_names_the_variable(monkeypatch):
     monkeypatch.setenv("HOSTKV_NUMA_NODE", "1023")  # valid syntax; no host has that node
     with pytest.raises(ValueError, match=r"HOSTKV_NUMA_NODE=1023: NUMA node 1023 does not exist"):
         _pool()
+
+
+def test_required_hugepages_need_a_size(monkeypatch):
+    # Required without a size would silently get base pages.
+    monkeypatch.setenv("SGLANG_HUGEPAGE_MODE", "required")
+    with pytest.raises(
+        ValueError, match="SGLANG_HUGEPAGE_MODE='required': expected SGLANG_HUGEPAGE_SIZE"
+    ):
+        _env.hugepage_settings()
+    monkeypatch.delenv("SGLANG_HUGEPAGE_MODE")
+    monkeypatch.setenv("SGLANG_HUGEPAGE_STRICT", "1")
+    with pytest.raises(
+        ValueError, match="SGLANG_HUGEPAGE_STRICT='1': expected SGLANG_HUGEPAGE_SIZE"
+    ):
+        _env.hugepage_settings()
+    with pytest.raises(ValueError, match="'required' needs a hugepage size"):
+        _core.HostRegion(4096, hugepage_mode="required")
 
 
 def test_hugepage_settings(monkeypatch):

@@ -114,8 +114,19 @@ def hugepage_settings() -> tuple[str, str]:
             raise _refuse(
                 "SGLANG_HUGEPAGE_MODE", mode_value, "one of 'off', 'prefer', 'required', or unset"
             )
-        return size, _HUGEPAGE_MODES[mode]
+        mode = _HUGEPAGE_MODES[mode]
+        if mode == "required" and not size:
+            raise _refuse(
+                "SGLANG_HUGEPAGE_MODE", mode_value, "SGLANG_HUGEPAGE_SIZE ('2MB' or '1GB') set too"
+            )
+        return size, mode
     if flag("SGLANG_HUGEPAGE_STRICT"):
+        if not size:
+            raise _refuse(
+                "SGLANG_HUGEPAGE_STRICT",
+                raw("SGLANG_HUGEPAGE_STRICT") or "",
+                "SGLANG_HUGEPAGE_SIZE set too",
+            )
         return size, "required"
     return size, "prefer" if size else "off"
 

@@ -463,6 +463,13 @@ impl HostRegion {
 
     /// Maps `nbytes` (0 allowed: no mapping, address 0) as `opts` asks.
     pub fn new(nbytes: usize, opts: RegionOptions) -> Result<Self> {
+        if opts.mode == HugePageMode::Required && opts.hugepage == HugePage::None {
+            // Nothing to require: base pages would pass silently for a caller who asked for
+            // hugepages.
+            return Err(Error::unsupported(
+                "hugepage_mode 'required' needs a hugepage size ('2MB' or '1GB')",
+            ));
+        }
         let mut region = Self {
             ptr: std::ptr::null_mut(),
             nbytes,
