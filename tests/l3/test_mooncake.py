@@ -1104,17 +1104,23 @@ def test_a_page_format_knows_whether_its_tp_rank_was_named():
             page_format(POOLS["mha-page_first"](), tp_rank=rank, tp_size=size)
 
 
-@needs_mooncake
-def test_an_mha_pool_without_a_tp_rank_says_so_once(make_tier, caplog):
+def _attach_warnings(make_tier, caplog, case: str, **named) -> list[str]:
+    """The tier's warnings while one unnamed tier attaches two `case` pools in turn and a tier
+    given `named` attaches a third."""
     tier = make_tier("a")
     with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
         for _ in range(2):
-            tier.attach(POOLS["mha-page_first"]())
+            tier.attach(POOLS[case]())
             tier.detach()
-        named = make_tier("a", tp_rank=0, tp_size=1)
-        named.attach(POOLS["mha-page_first"]())
-    said = [r for r in caplog.records if "carry no TP rank" in r.getMessage()]
-    assert len(said) == 1 and "tp_rank=" in said[0].getMessage()
+        make_tier("a", **named).attach(POOLS[case]())
+    return [r.getMessage() for r in caplog.records]
+
+
+@needs_mooncake
+def test_an_mha_pool_without_a_tp_rank_says_so_once(make_tier, caplog):
+    logged = _attach_warnings(make_tier, caplog, "mha-page_first", tp_rank=0, tp_size=1)
+    said = [m for m in logged if "carry no TP rank" in m]
+    assert len(said) == 1 and "tp_rank=" in said[0]
 
 
 @needs_mooncake
@@ -1164,15 +1170,9 @@ def test_pages_without_proof_never_mix_with_proven_ones(make_tier):
 
 @needs_mooncake
 def test_a_tier_without_a_model_identity_says_so_once(make_tier, caplog):
-    tier = make_tier("a")
-    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
-        for _ in range(2):
-            tier.attach(POOLS["mla-page_first"]())
-            tier.detach()
-        named = make_tier("a", model_id="org/m")
-        named.attach(POOLS["mla-page_first"]())
-    said = [r for r in caplog.records if "no model identity" in r.getMessage()]
-    assert len(said) == 1 and "model_id=" in said[0].getMessage()
+    logged = _attach_warnings(make_tier, caplog, "mla-page_first", model_id="org/m")
+    said = [m for m in logged if "no model identity" in m]
+    assert len(said) == 1 and "model_id=" in said[0]
 
 
 # ----------------------------------------------------------------- no master left behind

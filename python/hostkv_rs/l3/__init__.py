@@ -15,9 +15,10 @@
     tier.detach()                                # also done by host_pool.destroy() and GC
 
 Every stored page carries its proof (`hostkv_rs.l3.proof`): a 64-byte header with the XXH3-128
-digest of its key and bytes and of its writer's identity (model_id, else the SGLang server's model path,
-plus the format tag), checked on every load. A page that fails is a miss (Status.MISMATCH,
-counted in `tier.mismatches`, logged once per kind) and is zero-filled in the pool.
+digest of its key and bytes and of its writer's identity (model_id, else the SGLang server's model
+path, plus the format tag), checked on every load. A page that fails is a miss (Status.MISMATCH,
+counted in `tier.mismatches`, logged once per kind), is zero-filled in the pool, and its object
+is removed.
 
 Needs the optional extra `mooncake`: `pip install ".[mooncake]"` in the hostkv_rs checkout (the
 package is not on PyPI; it pulls mooncake-transfer-engine-non-cuda, which also needs the Debian

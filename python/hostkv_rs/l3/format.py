@@ -263,8 +263,9 @@ def page_format(
             f"tp_rank={tp_rank} and tp_size={tp_size} must name a shard together, with "
             "0 <= tp_rank < tp_size"
         )
+    rank, size = (int(tp_rank), int(tp_size)) if tp_named else (0, 1)
     if tp_sharded:
-        fields.append(f"tp{int(tp_rank or 0)}of{int(1 if tp_size is None else tp_size)}")
+        fields.append(f"tp{rank}of{size}")
     fields.append(f"pp{int(pp_rank)}of{int(pp_size)}")
     if dcp_size != 1:
         fields.append(f"dcp{dcp_rank}of{dcp_size}")

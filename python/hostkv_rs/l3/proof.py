@@ -15,9 +15,10 @@ Why a header inside the object, not a companion key: the digest then travels and
 replaced or removed with the bytes it proves, atomically (a companion object can outlive or miss
 its page, and doubles the master's objects and round trips). The key is under the digest so that
 an intact object under another key (copied there, or a store-side mix-up) is no proof of this
-key's page (version 1 headers proved the bytes alone; they now read as foreign). The page itself still moves
-zero-copy: the header lives in a small buffer the tier registers beside the pool, and each put or
-get names it as the first piece of a multi-buffer transfer, so no page byte is copied to add it.
+key's page (version 1 headers proved the bytes alone; they now read as foreign). The page itself
+still moves zero-copy: the header lives in a small buffer the tier registers beside the pool, and
+each put or get names it as the first piece of a multi-buffer transfer, so no page byte is copied
+to add it.
 
 The digests come from `hostkv_rs._core.digest` (Rust, without the GIL) over byte views of the
 pool's own HostRegions or tensors, sliced with bounds checks (`PoolBytes`): no hash starts from a
