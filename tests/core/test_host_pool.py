@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import re
+import subprocess
+import sys
 
 import numpy as np
 import psutil
@@ -510,3 +512,76 @@ def test_stream_copy_copies_bytes_and_refuses_what_it_cannot_copy():
         _core.stream_copy(dst[:5], src[:6])
     with pytest.raises(ValueError, match="read-only"):
         _core.stream_copy(memoryview(bytes(4)), src[:4])
+
+
+# A storage backend's allocator whose memory is an ordinary (resizable) torch storage, large
+# enough that freeing it unmaps it: a write through a stale address then faults, not corrupts.
+_STALE_STORAGE = """
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+from hostkv_rs.pools import base
+
+class Alloc:
+    def allocate(self, dims, dtype, device):
+        return torch.zeros(dims, dtype=dtype)
+
+base.get_allocator_from_storage = lambda *args, **kwargs: Alloc()
+dev = MHATokenToKVPool(4096, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=4)
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "LAYOUT", allocator_type="shm")
+assert host._host_regions[0].hugepage_tier == "adopted"
+h = host.alloc(64)
+d = torch.arange(16, 80)
+host.backup_from_device_all_layer(dev, h, d, "kernel")
+storage = host.kv_buffer[0].untyped_storage()
+CHANGE
+for call in (
+    lambda: host.backup_from_device_all_layer(dev, h, d, "kernel"),
+    lambda: host.load_to_device_per_layer(dev, h, d, 0, "kernel"),
+    lambda: host.get_page_buffer_meta(h[::16]),
+):
+    try:
+        call()
+        print("ACCEPTED")
+    except ValueError as exc:
+        print("REFUSED", exc)
+"""
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(
+    "change",
+    ["storage.resize_(0)", "storage.resize_(storage.nbytes() * 2)", "storage.share_memory_()"],
+)
+def test_adopted_memory_whose_storage_was_freed_or_moved_is_never_used(layout, change):
+    """A storage allocator's tensor is adopted, not copied: once its storage lets go of that
+    memory (resize_, share_memory_) every transfer and address hand-out is refused instead of
+    writing freed memory."""
+    script = _STALE_STORAGE.replace("LAYOUT", layout).replace("CHANGE", change)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("REFUSED") for line in lines), done.stdout
+    assert "no longer holds the memory it was built over" in lines[0]
+    assert "host pool plane 0" in lines[0]
+
+
+def test_an_adopted_region_refuses_its_buffer_and_pinning_once_its_storage_moved():
+    tensor = torch.zeros(64, dtype=torch.uint8)
+    region = _core.HostRegion.adopt(tensor)
+    assert torch.frombuffer(region, dtype=torch.uint8).numel() == 64
+    tensor.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"HostRegion \(adopted memory\).*64 bytes at"):
+        memoryview(region)
+    with pytest.raises(ValueError, match="no longer holds"):
+        region.register_cuda()
+    # A core built over the tensor itself (a torch storage) checks the same way.
+    host = torch.zeros(32, dtype=torch.uint8)
+    core = _core.HostPool.from_geometry("layer_first", 1, 4, 1, [8], [host])
+    assert core.plane_addrs == [host.data_ptr()]
+    host.untyped_storage().resize_(64)
+    dev = torch.arange(32, dtype=torch.uint8)
+    arg = (torch.arange(4).data_ptr(), 4, 8, False)
+    with pytest.raises(ValueError, match="host pool plane 0: the torch storage"):
+        core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)

@@ -950,6 +950,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
         checked."""
         buffer = self.kv_buffer
         allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
+        # The regions themselves where they are what `kv_buffer` views: memory the core mapped
+        # cannot be freed or moved under it, so its calls skip the torch-storage checks that
+        # tensors and adopted storages get.
+        regions = list(getattr(self, "_host_regions", None) or ())
+        if len(regions) == len(allocations) and all(
+            r.nbytes > 0 and r.address == t.data_ptr() for r, t in zip(regions, allocations)
+        ):
+            allocations = regions
         watch = _env.page_digest()
         if watch and self._spec.page_unified_layout is not None:
             logger.warning("HOSTKV_PAGE_DIGEST: %s page_unified pages are not checked", self)

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 #[cfg(feature = "raw-calls")]
 use super::args;
 use super::errors::{to_py, transfer_err};
-use super::memory::{host_memory, HostMemory};
+use super::memory::{host_memory, HostMemory, StorageWatch};
 use super::page_watch::{self, PageWatch};
 #[cfg(feature = "raw-calls")]
 use super::raw::IndexArg;
@@ -40,6 +40,9 @@ pub struct PyHostPool {
     pub(crate) spec: Option<Py<PyPoolSpec>>,
     /// What keeps each plane's memory alive (see `memory`); never read, only held.
     _owners: Vec<Py<PyAny>>,
+    /// The torch storages planes lie in, by plane (none for `HostRegion` memory mapped by the
+    /// core): checked before every use of the planes' bytes.
+    storages: Vec<(usize, StorageWatch)>,
     /// The digests of its pages, for a pool built with `watch_pages` (`HOSTKV_PAGE_DIGEST`).
     watch: Option<PageWatch>,
 }
@@ -54,6 +57,7 @@ impl PyHostPool {
     ) -> PyResult<Self> {
         let mut addrs = Vec::with_capacity(planes.len());
         let mut owners = Vec::with_capacity(planes.len());
+        let mut storages = Vec::new();
         for (p, (pl, mem)) in planes.iter().zip(memory).enumerate() {
             if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
                 return Err(PyValueError::new_err(format!(
@@ -63,14 +67,25 @@ impl PyHostPool {
             }
             addrs.push(mem.addr);
             owners.push(mem.owner);
+            storages.extend(mem.watch.map(|w| (p, w)));
         }
         Ok(Self {
             geom: geom_of(addrs),
             planes,
             spec,
             _owners: owners,
+            storages,
             watch: None,
         })
+    }
+
+    /// Refuses any use of the planes' bytes once a torch storage they lie in was resized,
+    /// freed or moved (see `memory`).
+    pub(crate) fn check_memory(&self, py: Python<'_>) -> PyResult<()> {
+        for (p, storage) in &self.storages {
+            storage.check(py, &format!("host pool plane {p}"))?;
+        }
+        Ok(())
     }
 
     /// Whether this pool's pages are watched (`HOSTKV_PAGE_DIGEST`).
@@ -220,6 +235,7 @@ impl PyHostPool {
         stream: u64,
         view: Option<&HostGeometry>,
     ) -> PyResult<()> {
+        self.check_memory(py)?;
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
             rows,
@@ -379,6 +395,7 @@ impl PyHostPool {
     /// pages unchanged during the call (a page written meanwhile hashes as a change).
     pub(crate) fn page_digests(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<Vec<u128>> {
         let spec = &self.spec_of("page_digests")?.spec;
+        self.check_memory(py)?;
         let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
         let (ptrs, sizes) = spec
             .page_meta(&self.geom.plane_base, &starts)
@@ -405,6 +422,7 @@ impl PyHostPool {
     /// `indices` lists (every page's first slot; logical slots under DCP).
     fn page_meta(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("page_meta")?.spec;
+        self.check_memory(py)?;
         let starts = spec.page_starts(&indices).map_err(|e| to_py(py, e))?;
         let meta = spec
             .page_meta(&self.geom.plane_base, &starts)
@@ -421,6 +439,7 @@ impl PyHostPool {
         split_factor: u64,
     ) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("split_heads_meta")?.spec;
+        self.check_memory(py)?;
         let meta = spec
             .split_heads_meta(&self.geom.plane_base, &indices, split_factor)
             .map_err(|e| to_py(py, e))?;
@@ -431,6 +450,7 @@ impl PyHostPool {
     /// `get_contiguous_buf_infos` (MLA, V4) of this pool's bytes.
     fn contiguous_buf_infos(&self, py: Python<'_>) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("contiguous_buf_infos")?.spec;
+        self.check_memory(py)?;
         spec.contiguous_buf_infos(self.geom.plane_base[0])
             .map_err(|e| to_py(py, e))
     }

@@ -5,7 +5,15 @@
 //! and write freed memory. A plane is given as a `HostRegion`, a CPU torch tensor (the core then
 //! holds the tensor's storage, so swapping the tensor's storage later does not free what the core
 //! points at), or `(owner, byte_offset)` of either.
+//!
+//! Holding a torch storage keeps the storage object alive, not its allocation: `resize_` frees
+//! or moves the bytes of a resizable storage, and `share_memory_` moves any CPU storage's bytes
+//! into shared memory, both in place. So a core over a torch storage (a tensor given directly,
+//! or a `HostRegion` that adopted one) keeps a `StorageWatch` and checks, before every use of the
+//! bytes, that the storage still holds the allocation it was given. Memory a `HostRegion`
+//! mapped itself cannot move, and needs no watch.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -18,6 +26,43 @@ pub(crate) struct HostMemory {
     pub addr: u64,
     pub len: u64,
     pub owner: Py<PyAny>,
+    /// The torch storage the bytes lie in, where one does (see the module's notes).
+    pub watch: Option<StorageWatch>,
+}
+
+/// A torch storage and the allocation (data pointer, byte size) a core was given in it.
+pub(crate) struct StorageWatch {
+    storage: Py<PyAny>,
+    data: u64,
+    nbytes: u64,
+}
+
+impl StorageWatch {
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> Self {
+        Self {
+            storage: self.storage.clone_ref(py),
+            data: self.data,
+            nbytes: self.nbytes,
+        }
+    }
+
+    /// Refuses use of the bytes once the storage no longer holds the allocation it held when the
+    /// core took it (freed, resized or moved: the old bytes may be unmapped or reused). A change
+    /// made by another thread while a copy runs without the GIL is seen by the next call.
+    pub(crate) fn check(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        let storage = self.storage.bind(py);
+        let data: u64 = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        if data == self.data && nbytes == self.nbytes {
+            return Ok(());
+        }
+        Err(value_err(format!(
+            "{what}: the torch storage it lies in no longer holds the memory it was built over \
+             ({} bytes at {:#x}, now {nbytes} bytes at {data:#x}: resized, freed or moved into \
+             shared memory); a host pool's memory must stay where it is while the pool lives",
+            self.nbytes, self.data
+        )))
+    }
 }
 
 pub(crate) fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
@@ -45,16 +90,18 @@ pub(crate) fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMe
         addr: whole.addr + offset,
         len: whole.len - offset,
         owner: whole.owner,
+        watch: whole.watch,
     })
 }
 
 fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
     if let Ok(region) = owner.cast::<PyHostRegion>() {
-        let inner = &region.get().inner;
+        let region = region.get();
         return Ok(HostMemory {
-            addr: inner.addr(),
-            len: inner.len() as u64,
+            addr: region.inner.addr(),
+            len: region.inner.len() as u64,
             owner: owner.clone().unbind(),
+            watch: region.watch.as_ref().map(|w| w.clone_ref(owner.py())),
         });
     }
     if !owner.hasattr("untyped_storage")? {
@@ -86,6 +133,11 @@ fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
     Ok(HostMemory {
         addr,
         len: nbytes - start,
+        watch: Some(StorageWatch {
+            storage: storage.clone().unbind(),
+            data: base,
+            nbytes,
+        }),
         owner: storage.unbind(),
     })
 }

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 use super::args::int_in;
 use super::errors::to_py;
+use super::memory::StorageWatch;
 use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
 
 #[pyclass(frozen, module = "hostkv_rs._core", name = "HostRegion")]
@@ -16,6 +17,8 @@ pub struct PyHostRegion {
     /// What keeps adopted memory allocated (a CPU tensor's storage); None for memory mapped
     /// here.
     owner: Option<Py<PyAny>>,
+    /// Adopted memory's torch storage, checked before the bytes are handed out or pinned.
+    pub(crate) watch: Option<StorageWatch>,
 }
 
 #[pymethods]
@@ -58,6 +61,7 @@ impl PyHostRegion {
         Ok(Self {
             inner: region,
             owner: None,
+            watch: None,
         })
     }
 
@@ -86,6 +90,7 @@ impl PyHostRegion {
         Ok(Self {
             inner,
             owner: Some(mem.owner),
+            watch: mem.watch,
         })
     }
 
@@ -137,6 +142,7 @@ impl PyHostRegion {
                 .map(|v| int_in(v, name, 0, usize::MAX as u128, "[0, 2**64)").map(|n| n as usize))
                 .unwrap_or(Ok(default))
         };
+        self.check(py)?;
         let granularity = bytes(granularity, "granularity", 0)?;
         let chunk_limit = bytes(chunk_limit, "chunk_limit", 256 << 30)?;
         let device = device
@@ -177,6 +183,7 @@ impl PyHostRegion {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
+        slf.get().check(slf.py())?;
         let region = &slf.get().inner;
         // A zero-length buffer still needs a non-null pointer for some consumers.
         let buf = if region.is_empty() {
@@ -204,6 +211,16 @@ impl PyHostRegion {
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
         // PyBuffer_FillInfo allocates nothing, and PyBuffer_Release drops the owner reference.
+    }
+}
+
+impl PyHostRegion {
+    /// Refuses adopted memory whose storage no longer holds it.
+    pub(crate) fn check(&self, py: Python<'_>) -> PyResult<()> {
+        match &self.watch {
+            Some(watch) => watch.check(py, "HostRegion (adopted memory)"),
+            None => Ok(()),
+        }
     }
 }
 
