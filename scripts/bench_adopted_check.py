@@ -2,7 +2,10 @@
 an MHA pool over Rust regions (no check) and over a storage allocator's tensors (the check),
 interleaved, median of 7 rounds of 2000 calls."""
 
-import statistics, time, torch
+import statistics
+import time
+
+import torch
 from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
 from hostkv_rs.pools import base
 
@@ -30,14 +33,18 @@ def pool(adopted):
 pools = {name: pool(name == "adopted") for name in ("regions", "adopted")}
 h, d = torch.tensor([5]), torch.tensor([7])
 res = {(n, op): [] for n in pools for op in ("load", "backup")}
+
+
+def call(host, dev, op):
+    if op == "load":
+        return lambda: host.load_to_device_per_layer(dev, h, d, 3, "kernel")
+    return lambda: host.backup_from_device_all_layer(dev, h, d, "kernel")
+
+
 for _ in range(7):
     for n, (host, dev) in pools.items():
         for op in ("load", "backup"):
-            f = (
-                (lambda: host.load_to_device_per_layer(dev, h, d, 3, "kernel"))
-                if op == "load"
-                else (lambda: host.backup_from_device_all_layer(dev, h, d, "kernel"))
-            )
+            f = call(host, dev, op)
             t = time.perf_counter()
             for _ in range(2000):
                 f()
