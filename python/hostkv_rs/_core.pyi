@@ -74,8 +74,8 @@ class HostRegion:
         cls,
         nbytes: int,
         *,
-        hugepage: str = "",
-        hugepage_mode: str = "prefer",
+        hugepage: str | None = None,
+        hugepage_mode: str | None = None,
         numa_node: int | None = None,
         pretouch_threads: int | None = None,
     ) -> HostRegion: ...

@@ -91,6 +91,12 @@ def test_region_options_and_errors():
         _core.HostRegion(4096, hugepage="3MB")
     with pytest.raises(ValueError, match="Unsupported hugepage mode"):
         _core.HostRegion(4096, hugepage_mode="sometimes")
+    # None is each default; another type is a TypeError naming the parameter.
+    assert _core.HostRegion(4096, hugepage=None, hugepage_mode=None).hugepage_tier == "base"
+    with pytest.raises(TypeError, match=r"hugepage must be a string \('' for base pages"):
+        _core.HostRegion(4096, hugepage=2)
+    with pytest.raises(TypeError, match="hugepage_mode must be a string .*got True"):
+        _core.HostRegion(4096, hugepage_mode=True)
     with pytest.raises(ValueError, match=re.escape("nbytes must lie in [0, 2**63), got -1")):
         _core.HostRegion(-1)
     with pytest.raises(ValueError, match="NUMA node 4000 does not exist"):

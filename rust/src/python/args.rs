@@ -36,6 +36,26 @@ pub(crate) fn int_in(
     }
 }
 
+/// A string argument, `default` for None; a TypeError naming the parameter and what it takes
+/// for anything else (the binding layer's own message names only the types).
+pub(crate) fn str_or(
+    value: Option<&Bound<'_, PyAny>>,
+    name: &str,
+    default: &str,
+    allowed: &str,
+) -> PyResult<String> {
+    match value.filter(|v| !v.is_none()) {
+        None => Ok(default.to_owned()),
+        Some(v) => match v.cast::<pyo3::types::PyString>() {
+            Ok(s) => Ok(s.to_str()?.to_owned()),
+            Err(_) => Err(type_err(format!(
+                "{name} must be a string ({allowed}), got {}",
+                v.repr()?
+            ))),
+        },
+    }
+}
+
 /// How both index arrays of a transfer are read (`crate::index_map`): None (every element as
 /// is), `("dcp", dcp_size, dcp_rank)`, `("page_rows", page_size)`, `("c4_value",)` or
 /// `("c4_scale",)`.

@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::args::int_in;
+use super::args::{int_in, str_or};
 use super::errors::to_py;
 use super::memory::StorageWatch;
 use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
@@ -24,16 +24,24 @@ pub struct PyHostRegion {
 #[pymethods]
 impl PyHostRegion {
     #[new]
-    #[pyo3(signature = (nbytes, *, hugepage = "", hugepage_mode = "prefer", numa_node = None, pretouch_threads = None))]
+    /// `hugepage`/`hugepage_mode` None: the defaults ("": base pages; "prefer").
+    #[pyo3(signature = (nbytes, *, hugepage = None, hugepage_mode = None, numa_node = None, pretouch_threads = None))]
     fn new(
         py: Python<'_>,
         nbytes: &Bound<'_, PyAny>,
-        hugepage: &str,
-        hugepage_mode: &str,
+        hugepage: Option<&Bound<'_, PyAny>>,
+        hugepage_mode: Option<&Bound<'_, PyAny>>,
         numa_node: Option<&Bound<'_, PyAny>>,
         pretouch_threads: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let nbytes = int_in(nbytes, "nbytes", 0, i64::MAX as u128, "[0, 2**63)")? as usize;
+        let hugepage = str_or(hugepage, "hugepage", "", "'' for base pages, '2MB', '1GB'")?;
+        let hugepage_mode = str_or(
+            hugepage_mode,
+            "hugepage_mode",
+            "prefer",
+            "'prefer' or 'required'",
+        )?;
         let numa_node = numa_node
             .map(|n| int_in(n, "numa_node", 0, u32::MAX as u128, "[0, 2**32)"))
             .transpose()?
@@ -49,8 +57,8 @@ impl PyHostRegion {
             )? as usize,
         };
         let opts = RegionOptions {
-            hugepage: HugePage::parse(hugepage).map_err(|e| to_py(py, e))?,
-            mode: HugePageMode::parse(hugepage_mode).map_err(|e| to_py(py, e))?,
+            hugepage: HugePage::parse(&hugepage).map_err(|e| to_py(py, e))?,
+            mode: HugePageMode::parse(&hugepage_mode).map_err(|e| to_py(py, e))?,
             numa_node,
             pretouch_threads,
         };
