@@ -1310,3 +1310,55 @@ def test_no_master_started_by_these_tests_is_left_running():
 
     left = [m.pid for m in master_mod._LIVE if m.pid not in _SESSION_MASTERS]
     assert left == [], f"mooncake_master processes still running: {left}"
+
+
+class _DiskReplica:
+    """A replica descriptor of an object offloaded to disk: `object_size` its size, or None for
+    one whose descriptor gives no size (a local-disk replica)."""
+
+    def __init__(self, object_size):
+        self.object_size = object_size
+
+    def is_memory_replica(self):
+        return False
+
+    def is_disk_replica(self):
+        return self.object_size is not None
+
+    def get_disk_descriptor(self):
+        return self
+
+
+class _DiskOnlyStore:
+    """The session's store, but every object it finds is described as a disk replica."""
+
+    def __init__(self, store, object_size):
+        self._store, self._size = store, object_size
+
+    def batch_get_replica_desc(self, keys):
+        found = self._store.batch_get_replica_desc(keys)
+        return {key: [_DiskReplica(self._size)] for key, replicas in found.items() if replicas}
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@needs_mooncake
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_page_offloaded_to_disk_is_found_skipped_on_save_and_loaded(make_tier, sized):
+    # Mooncake may keep an object only on disk (SSD offload, DFS): its descriptor states the
+    # size there, or none; either way it is the page, not an object of the wrong size to remove.
+    src, dst = POOLS["mla-page_first"](), POOLS["mla-page_first"]()
+    keys, got, b, _ = _round(make_tier, src, dst, n=2)
+    assert got == ["loaded", "loaded"]
+    fill(dst, 2)
+    size = b._require_pool()[1].object_bytes if sized else None
+    b.store = _DiskOnlyStore(b.store, size)
+    assert b.exists(keys) == [True, True]
+    assert statuses(b.load(keys, slots(dst, [3, 4]))) == ["loaded", "loaded"]
+    assert page_bytes(dst, 3) == page_bytes(src, 1)
+    assert page_bytes(dst, 4) == page_bytes(src, 2)
+    b.detach()
+    b.attach(src)
+    assert statuses(b.save(keys, slots(src, [1, 2]))) == ["skipped", "skipped"]
+    assert b.mismatches == {} and b.second_writers == 0

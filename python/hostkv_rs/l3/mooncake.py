@@ -80,6 +80,10 @@ _CODE_NAMES = {
 # Codes of a get that fail before any byte reaches the destination buffer.
 _NOTHING_MOVED = {OBJECT_NOT_FOUND, INVALID_PARAMS, RPC_FAIL, -703, -400}
 
+# An object stored only on a replica whose size is not exposed (a local-disk replica): fetched
+# and checked like one of the right size (its get returns its byte count, and the proof
+# decides), never taken for the wrong size and removed.
+UNKNOWN_SIZE = -1
 DEFAULT_SEGMENT_BYTES = 1 << 30
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -157,6 +161,21 @@ MOONCAKE_HINT = (
     'pip install ".[mooncake]" in the hostkv_rs checkout (the mooncake-transfer-engine-non-cuda '
     "wheel; its native libraries also need the Debian packages libibverbs1 and libnuma1)"
 )
+
+
+def _replica_size(replica) -> int | None:
+    """The object size a replica descriptor states: a memory replica's buffer size, or a disk
+    (SSD offload, DFS) replica's object size; None where the descriptor gives none."""
+    if replica.is_memory_replica():
+        return int(replica.get_memory_descriptor().buffer_descriptor.size)
+    if getattr(replica, "is_disk_replica", lambda: False)():
+        return int(replica.get_disk_descriptor().object_size)
+    return None
+
+
+def _fits(size: int | None, fmt) -> bool:
+    """Whether a stored object of `size` may be one page object of `fmt`."""
+    return size == fmt.object_bytes or size == UNKNOWN_SIZE
 
 
 def _refuse_repeats(values, text: str) -> None:
@@ -605,19 +624,18 @@ class MooncakeTier:
         return codes
 
     def _sizes(self, store_keys) -> dict[str, int]:
-        """Object size per present key (absent from the result: not found)."""
+        """Object size per present key (absent from the result: not found; UNKNOWN_SIZE: only
+        replicas whose size this client does not expose)."""
         if not store_keys:
             return {}
         found = self.store.batch_get_replica_desc(store_keys)
         sizes = {}
         for key, replicas in found.items():
-            for replica in replicas:
-                if replica.is_memory_replica():
-                    sizes[key] = int(replica.get_memory_descriptor().buffer_descriptor.size)
-                    break
-            else:
-                if replicas:  # a disk replica only; its size is not exposed here
-                    sizes[key] = -1
+            known = [s for s in map(_replica_size, replicas) if s is not None]
+            if known:
+                sizes[key] = known[0]
+            elif replicas:
+                sizes[key] = UNKNOWN_SIZE
         return sizes
 
     def _stored_sizes(self, store_keys, results=None) -> tuple[list[int], dict[str, int]]:
@@ -648,7 +666,7 @@ class MooncakeTier:
             if not store_keys:
                 return []
             _codes, sizes = self._stored_sizes(store_keys)
-            return [sizes.get(k) == fmt.object_bytes for k in store_keys]
+            return [_fits(sizes.get(k), fmt) for k in store_keys]
 
     def save(self, keys, host_indices) -> list[PageResult]:
         """Store each page under its key from the pool's memory (no copy on this side). Pages
@@ -698,7 +716,7 @@ class MooncakeTier:
         codes, sizes = self._stored_sizes(ckeys, results)
         todo, replace, present = [], [], []
         for i, key, code in zip(chunk, ckeys, codes):
-            if code == 1 and sizes.get(key) == fmt.object_bytes:
+            if code == 1 and _fits(sizes.get(key), fmt):
                 present.append(i)
             else:
                 todo.append(i)
@@ -890,7 +908,7 @@ class MooncakeTier:
             size = sizes.get(key)
             if size is None:
                 results[i] = PageResult(Status.MISSING, OBJECT_NOT_FOUND)
-            elif size != fmt.object_bytes:
+            elif not _fits(size, fmt):
                 results[i] = PageResult(
                     Status.WRONG_SIZE,
                     detail=f"object has {size} bytes, a page object {fmt.object_bytes}",
