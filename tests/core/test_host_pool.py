@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -520,57 +521,106 @@ def test_stream_copy_copies_bytes_and_refuses_what_it_cannot_copy():
         _core.stream_copy(memoryview(bytes(4)), src[:4])
 
 
-# A storage backend's allocator whose memory is an ordinary (resizable) torch storage, large
-# enough that freeing it unmaps it: a write through a stale address then faults, not corrupts.
+# A pool whose host memory is then freed or moved under it by torch (CHANGE, on the storage of
+# its first buffer). ALLOC "storage": a storage backend's allocator whose memory is an ordinary
+# (resizable) torch storage, large enough that freeing it unmaps it (a write through a stale
+# address then faults, not corrupts); "default": hostkv_rs's own regions. Each call prints
+# REFUSED or ACCEPTED; the flat-page paths of V4 follow torch, which raises its own error.
 _STALE_STORAGE = """
 import torch
-from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
-from hostkv_rs.pools import base
+from hostkv_rs import (DeepSeekV4PagedHostPool, MHATokenToKVPool, MHATokenToKVPoolHost,
+                       MLATokenToKVPool, MLATokenToKVPoolHost)
+from hostkv_rs.pools import base, v4_paged
 
 class Alloc:
     def allocate(self, dims, dtype, device):
         return torch.zeros(dims, dtype=dtype)
 
-base.get_allocator_from_storage = lambda *args, **kwargs: Alloc()
-dev = MHATokenToKVPool(4096, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=4)
-host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "LAYOUT", allocator_type="shm")
-assert host._host_regions[0].hugepage_tier == "adopted"
-h = host.alloc(64)
-d = torch.arange(16, 80)
+if "ALLOC" == "storage":
+    base.get_allocator_from_storage = v4_paged.get_allocator_from_storage = (
+        lambda *args, **kwargs: Alloc()
+    )
+kind = "KIND"
+if kind == "v4":
+    dev = [torch.zeros(64, 656, dtype=torch.uint8) for _ in range(4)]
+    host = DeepSeekV4PagedHostPool("c4_kv", dev, 656, 256, 4, layout="LAYOUT", allocator_type="shm")
+    h, d, dev = torch.arange(4, 8), torch.arange(4), None
+    buffer = host._flat
+else:
+    Dev, Host = (MHATokenToKVPool, MHATokenToKVPoolHost) if kind == "mha" else (
+        MLATokenToKVPool, MLATokenToKVPoolHost)
+    dims = dict(head_num=2, head_dim=64) if kind == "mha" else dict(kv_lora_rank=96, qk_rope_head_dim=32)
+    dev = Dev(4096, 16, torch.bfloat16, layer_num=4, **dims)
+    host = Host(dev, 2.0, 0, 16, "LAYOUT", allocator_type="shm")
+    h, d = host.alloc(64), torch.arange(16, 80)
+    buffer = host.kv_buffer[0] if kind == "mha" else host.kv_buffer
+adopted = host._host_regions[0] if kind != "v4" else host._region
+assert (adopted.hugepage_tier == "adopted") == ("ALLOC" == "storage"), adopted.hugepage_tier
 host.backup_from_device_all_layer(dev, h, d, "kernel")
-storage = host.kv_buffer[0].untyped_storage()
+storage = buffer.untyped_storage()
 CHANGE
 for call in (
     lambda: host.backup_from_device_all_layer(dev, h, d, "kernel"),
     lambda: host.load_to_device_per_layer(dev, h, d, 0, "kernel"),
-    lambda: host.get_page_buffer_meta(h[::16]),
+    lambda: host.get_page_buffer_meta(h[:: host.page_size]),
 ):
     try:
         call()
         print("ACCEPTED")
     except ValueError as exc:
         print("REFUSED", exc)
+if kind == "v4":
+    for call in (lambda: host.get_data_page(1), lambda: host.set_from_flat_data_page(1, host.get_dummy_flat_data_page())):
+        try:
+            call()
+            print("FLAT ACCEPTED")
+        except RuntimeError as exc:
+            print("FLAT REFUSED BY TORCH", exc)
 """
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize(
-    "change",
-    ["storage.resize_(0)", "storage.resize_(storage.nbytes() * 2)", "storage.share_memory_()"],
+    ("kind", "layout"),
+    [("mha", "layer_first"), ("mha", "page_first"), ("mla", "page_first"), ("v4", "page_first")],
 )
-def test_adopted_memory_whose_storage_was_freed_or_moved_is_never_used(layout, change):
-    """A storage allocator's tensor is adopted, not copied: once its storage lets go of that
-    memory (resize_, share_memory_) every transfer and address hand-out is refused instead of
-    writing freed memory."""
-    script = _STALE_STORAGE.replace("LAYOUT", layout).replace("CHANGE", change)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+@pytest.mark.parametrize(
+    ("alloc", "change"),
+    [
+        ("storage", "storage.resize_(0)"),
+        ("storage", "storage.resize_(storage.nbytes() * 2)"),
+        ("storage", "storage.share_memory_()"),
+        # A view of a region cannot be resized, but can be moved.
+        ("default", "storage.share_memory_()"),
+    ],
+)
+def test_host_memory_whose_storage_was_freed_or_moved_is_never_used(kind, layout, alloc, change):
+    """A pool's buffers are torch tensors over its memory (the allocator's own, adopted, or
+    views of hostkv_rs's regions): once their storage lets go of that memory (resize_,
+    share_memory_, which torch.multiprocessing also calls) every transfer and address hand-out
+    is refused instead of writing freed memory or memory `kv_buffer` no longer shows."""
+    script = (
+        _STALE_STORAGE.replace("LAYOUT", layout)
+        .replace("CHANGE", change)
+        .replace("ALLOC", alloc)
+        .replace("KIND", kind)
     )
-    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    lines = done.stdout.splitlines()
-    assert len(lines) == 3 and all(line.startswith("REFUSED") for line in lines), done.stdout
-    assert "no longer holds the memory it was built over" in lines[0]
-    assert "host pool plane 0" in lines[0]
+    for extent in ("auto", "python"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "HOSTKV_TENSOR_EXTENT": extent},
+        )
+        assert done.returncode == 0, (extent, done.returncode, done.stderr[-3000:])
+        lines = done.stdout.splitlines()
+        assert len(lines) == (5 if kind == "v4" else 3), done.stdout
+        assert all(line.startswith("REFUSED") for line in lines[:3]), done.stdout
+        assert "no longer holds the memory it was built over" in lines[0]
+        assert "host pool plane 0" in lines[0]
+        if kind == "v4" and change == "storage.resize_(0)":
+            assert all(line.startswith("FLAT REFUSED BY TORCH") for line in lines[3:]), lines
 
 
 def test_an_adopted_region_refuses_its_buffer_and_pinning_once_its_storage_moved():

@@ -950,14 +950,10 @@ class HostKVCache(SlotFreeList, abc.ABC):
         checked."""
         buffer = self.kv_buffer
         allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
-        # The regions themselves where they are what `kv_buffer` views: memory the core mapped
-        # cannot be freed or moved under it, so its calls skip the torch-storage checks that
-        # tensors and adopted storages get.
-        regions = list(getattr(self, "_host_regions", None) or ())
-        if len(regions) == len(allocations) and all(
-            r.nbytes > 0 and r.address == t.data_ptr() for r, t in zip(regions, allocations)
-        ):
-            allocations = regions
+        # The tensors themselves, not their regions: the core then checks on every call that
+        # their storages still hold the memory (`resize_` or `share_memory_`, also done by
+        # torch.multiprocessing when a tensor is sent to another process, would leave
+        # `kv_buffer` and the core's bytes apart, or the bytes freed).
         watch = _env.page_digest()
         if watch and self._spec.page_unified_layout is not None:
             logger.warning("HOSTKV_PAGE_DIGEST: %s page_unified pages are not checked", self)

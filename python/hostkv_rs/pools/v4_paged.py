@@ -42,13 +42,6 @@ def _as_rows(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
     return flat.view(-1, row_bytes)
 
 
-def _region_view(region, shape) -> torch.Tensor:
-    """A uint8 view of `region` (an empty tensor for a pool without bytes)."""
-    if region is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    return _memory.region_view(region, torch.uint8, shape)
-
-
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     """Host mirror of a DeepSeek V4 paged KV/indexer sub-pool, in page-row units."""
 
@@ -184,8 +177,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # One allocation in the core's layout, layer_first included (SGLang makes one per layer
         # there; a core plane is one contiguous allocation).
         self._region = None
+        rows = torch.empty(0, dtype=torch.uint8)
         if requested_bytes > 0:
-            _, self._region = _memory.alloc_pool_memory(
+            rows, self._region = _memory.alloc_pool_memory(
                 self.allocator,
                 torch.uint8,
                 self._spec.shape(0),
@@ -193,12 +187,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 self._spec.registration_unit(0),
                 self.gpu_device,
             )
-        # The core's pool over the page rows (an empty one for a pool of no pages).
-        self._pool = _core.HostPool(self._spec, [self._bytes()])
+        # The page rows as one flat tensor, which every view of them shares (its storage is
+        # the allocator's where a storage backend's allocator made it), and the core's pool
+        # over it (an empty one for a pool of no pages), which checks on every call that the
+        # storage still holds that memory.
+        self._flat = rows.view(-1)
+        self._pool = _core.HostPool(self._spec, [self._flat])
         self.fd = getattr(self.allocator, "fd", None)
 
         L, Nh, IB = self.layer_num, num_host_pages, item_bytes
-        self._flat = _region_view(self._region, (self._spec.plane_nbytes[0],))
         self.data_refs = []
         self.kv_buffer = self._flat.view(self._spec.shape(0))
         if self._spec.layer_view_dim(False) is not None:
@@ -259,10 +256,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"({nbytes} bytes, contiguous={buf.is_contiguous()})"
                 )
         return refusal
-
-    def _bytes(self):
-        """The page rows' memory, as the core takes it."""
-        return self._region if self._region is not None else torch.empty(0, dtype=torch.uint8)
 
     def _bind(self, scales=None):
         """The pool's transfers in the core (`_core.V4Transfers`: every check, in SGLang's order,
@@ -423,9 +416,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             1,
             name=self.pool_name,
         )
-        region = None
+        region, scale_flat = None, torch.empty(0, dtype=torch.uint8)
         if nbytes > 0:
-            _, region = _memory.alloc_pool_memory(
+            scale_flat, region = _memory.alloc_pool_memory(
                 self.allocator,
                 torch.uint8,
                 (nbytes,),
@@ -434,7 +427,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 getattr(self, "gpu_device", None),
             )
 
-        scale_rows = _region_view(region, tuple(spec.shape(1)))
+        scale_rows = scale_flat.view(tuple(spec.shape(1)))
         if spec.layer_view_dim(False) is not None:
             host = list(scale_rows.unbind(0))  # SGLang's list of per-layer rows
         else:
@@ -449,7 +442,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             # binding moves the page rows alone.
             # The bindings over the old core are dropped, not released: a transfer still running
             # through one finishes over the same memory.
-            self._spec, self._pool = spec, _core.HostPool(spec, [self._region, region])
+            self._spec, self._pool = spec, _core.HostPool(spec, [self._flat, scale_flat])
             self._transfers = self._bind(scales=buffers)
 
     # ---- transfers --------------------------------------------------------------------------

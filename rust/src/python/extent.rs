@@ -520,6 +520,43 @@ impl TorchLayout {
     }
 }
 
+/// A storage's allocation as a snapshot read it: what a host pool's memory is checked against
+/// on every call without asking Python (see `memory::StorageWatch`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StorageAllocation {
+    layout: TorchLayout,
+    storage_impl: usize,
+    words: [u64; ALLOCATION_WORDS],
+}
+
+impl Extent {
+    /// The allocation of this extent's storage, to compare later through `layout`.
+    pub(crate) fn allocation(&self, layout: &TorchLayout) -> StorageAllocation {
+        StorageAllocation {
+            layout: *layout,
+            storage_impl: self.storage_impl,
+            words: self.allocation,
+        }
+    }
+}
+
+impl StorageAllocation {
+    /// Whether the storage still holds the allocation the snapshot read (data pointer, its
+    /// deleter and context, byte size).
+    ///
+    /// # Safety
+    /// The caller holds the GIL and a Python storage object of this `StorageImpl` (taken in the
+    /// same GIL hold as the snapshot, so it is the snapshot's), which keeps it allocated.
+    pub(crate) unsafe fn unchanged(&self) -> bool {
+        let base = self.storage_impl + self.layout.data;
+        (0..self.layout.allocation_words()).all(|k| {
+            // SAFETY: per this function's contract the `StorageImpl` is live; the words from
+            // its data pointer through its byte size are aligned fields inside it.
+            unsafe { read_word(base + k * 8) == self.words[k] }
+        })
+    }
+}
+
 /// One word of a live torch object.
 ///
 /// # Safety

@@ -83,7 +83,7 @@ impl PyHostPool {
     /// freed or moved (see `memory`).
     pub(crate) fn check_memory(&self, py: Python<'_>) -> PyResult<()> {
         for (p, storage) in &self.storages {
-            storage.check(py, &format!("host pool plane {p}"))?;
+            storage.check(py, || format!("host pool plane {p}"))?;
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ use pyo3::types::PyTuple;
 
 use super::args::int_in;
 use super::errors::{type_err, value_err};
+use super::extent::{self, StorageAllocation};
 use super::region::PyHostRegion;
 
 /// Bytes a core may touch, from `addr`, and the object that owns them.
@@ -35,6 +36,9 @@ pub(crate) struct StorageWatch {
     storage: Py<PyAny>,
     data: u64,
     nbytes: u64,
+    /// The allocation as read from torch's objects (`extent`), so the check on each call asks
+    /// Python nothing; None where those reads are off or did not agree with Python.
+    read: Option<StorageAllocation>,
 }
 
 impl StorageWatch {
@@ -43,13 +47,21 @@ impl StorageWatch {
             storage: self.storage.clone_ref(py),
             data: self.data,
             nbytes: self.nbytes,
+            read: self.read,
         }
     }
 
     /// Refuses use of the bytes once the storage no longer holds the allocation it held when the
     /// core took it (freed, resized or moved: the old bytes may be unmapped or reused). A change
     /// made by another thread while a copy runs without the GIL is seen by the next call.
-    pub(crate) fn check(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+    /// `what` names the memory in the refusal (built only then: this runs on every call).
+    pub(crate) fn check(&self, py: Python<'_>, what: impl FnOnce() -> String) -> PyResult<()> {
+        // SAFETY: the GIL is held, and `self.storage` is the Python storage object of the
+        // snapshot's `StorageImpl`, taken with it (see `watch`), which it keeps allocated.
+        if self.read.is_some_and(|read| unsafe { read.unchanged() }) {
+            return Ok(());
+        }
+        // Changed words may still be the same memory (a deleter context replaced): Python says.
         let storage = self.storage.bind(py);
         let data: u64 = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
         let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
@@ -57,10 +69,12 @@ impl StorageWatch {
             return Ok(());
         }
         Err(value_err(format!(
-            "{what}: the torch storage it lies in no longer holds the memory it was built over \
+            "{}: the torch storage it lies in no longer holds the memory it was built over \
              ({} bytes at {:#x}, now {nbytes} bytes at {data:#x}: resized, freed or moved into \
              shared memory); a host pool's memory must stay where it is while the pool lives",
-            self.nbytes, self.data
+            what(),
+            self.nbytes,
+            self.data
         )))
     }
 }
@@ -133,11 +147,34 @@ fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
     Ok(HostMemory {
         addr,
         len: nbytes - start,
-        watch: Some(StorageWatch {
-            storage: storage.clone().unbind(),
-            data: base,
-            nbytes,
-        }),
+        watch: Some(watch(owner, &storage, base, nbytes)?),
         owner: storage.unbind(),
+    })
+}
+
+/// The watch of `tensor`'s `storage` (just taken from it, with the GIL held throughout), which
+/// holds `nbytes` at `data`: with the allocation read from torch's objects where that read
+/// agrees with Python.
+fn watch(
+    tensor: &Bound<'_, PyAny>,
+    storage: &Bound<'_, PyAny>,
+    data: u64,
+    nbytes: u64,
+) -> PyResult<StorageWatch> {
+    let read = match extent::layout(tensor.py())? {
+        Some(layout) => {
+            let reported = extent::reported(tensor)?;
+            layout
+                .snapshot(&reported)
+                .filter(|_| reported.storage_data == data && reported.storage_nbytes == nbytes)
+                .map(|snapshot| snapshot.allocation(&layout))
+        }
+        None => None,
+    };
+    Ok(StorageWatch {
+        storage: storage.clone().unbind(),
+        data,
+        nbytes,
+        read,
     })
 }

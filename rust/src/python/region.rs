@@ -226,7 +226,7 @@ impl PyHostRegion {
     /// Refuses adopted memory whose storage no longer holds it.
     pub(crate) fn check(&self, py: Python<'_>) -> PyResult<()> {
         match &self.watch {
-            Some(watch) => watch.check(py, "HostRegion (adopted memory)"),
+            Some(watch) => watch.check(py, || "HostRegion (adopted memory)".to_owned()),
             None => Ok(()),
         }
     }
