@@ -77,6 +77,9 @@ pub struct PoolSpec {
     pub dcp_rank: u64,
     /// Names the pool in V4's error texts.
     pub name: String,
+    /// The SGLang release the pool follows (None: the newest), for the answers that changed
+    /// between releases.
+    pub release: Option<crate::support::Release>,
     planes: Vec<PlaneLayout>,
 }
 
@@ -261,6 +264,7 @@ impl PoolSpec {
             dcp_size: dcp_size as u64,
             dcp_rank: dcp_rank as u64,
             name: name.to_owned(),
+            release: None,
             planes,
         })
     }
@@ -801,6 +805,21 @@ impl PoolSpec {
                 vec![s * t; l as usize],
                 vec![t; l as usize],
             )),
+            // 0.5.20+ lists the pointers of `data_refs`, which the page layouts leave empty,
+            // and still sizes `kv_buffer[i]` for each layer i: page row i's bytes.
+            (PoolKind::V4Paged, _) if self.release.is_none_or(|r| r >= (0, 5, 20)) => {
+                if s < l {
+                    // SGLang fails indexing kv_buffer[i] there.
+                    return Err(Error::value(format!(
+                        "{} get_contiguous_buf_infos: kv_buffer has {s} page rows but the pool \
+                         has {l} layers (layout {:?})",
+                        self.name,
+                        self.layout.name()
+                    )));
+                }
+                Ok((Vec::new(), vec![l * t; l as usize], vec![t; l as usize]))
+            }
+            // Before 0.5.20 SGLang fails there on `data_ptrs = None`.
             (PoolKind::V4Paged, layout) => Err(Error::value(format!(
                 "{} get_contiguous_buf_infos requires layer_first layout, got {}",
                 self.name,

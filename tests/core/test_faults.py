@@ -21,7 +21,7 @@ from hostkv_rs import (
     MLATokenToKVPool,
     MLATokenToKVPoolHost,
 )
-from hostkv_rs.pools import base
+from hostkv_rs.pools import base, v4_paged
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.slots import SLOT_TABLE_BYTES
 from hostkv_rs.sglang import budgets as _budgets
@@ -249,6 +249,7 @@ def test_an_allocator_only_pool_counts_its_slot_tables(monkeypatch, no_cgroup):
 
 def test_v4_slot_tables_and_staging_count(monkeypatch, no_cgroup):
     monkeypatch.setattr(base, "host_memory_budget_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(v4_paged, "sglang_release", lambda: (0, 5, 21))  # a CPU staging buffer
     buffers = [torch.zeros(4, 8, dtype=torch.uint8)]
     rows, tables, staging = 100 * 8, 100 * 16 * SLOT_TABLE_BYTES, 64 * 8
     _machine(monkeypatch, rows + tables + staging - 1)

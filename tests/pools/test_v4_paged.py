@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import LayerIndexError, TransferError
+from hostkv_rs.pools import v4_paged
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.sglang import budgets as _budgets
@@ -200,7 +201,7 @@ def test_device_buffer_that_is_not_whole_rows_is_built_then_refused_by_transfers
     refused = {"short_row": 1, "strided": 0, "one_byte": 0}[case]
     layout = "page_first" if case == "one_byte" else "layer_first"
     pool = DeepSeekV4PagedHostPool("c4_kv", buffers, 10, 2, 4, layout=layout)
-    if layout == "page_first":
+    if pool.staging_buffer is not None:
         assert pool.staging_buffer.shape == (2, len(buffers), 10)
     host_before = pool._flat.clone()
     device_before = [b.clone() for b in buffers]
@@ -817,12 +818,25 @@ def test_contiguous_buf_infos():
     assert lens == [5 * 40] * 3
     assert items == [40] * 3
     for layout in ("page_first", "page_first_direct"):
-        pool, _ = make_pool(layout)
-        with pytest.raises(ValueError) as e:
+        # SGLang 0.5.20+: no per-layer pointers (no data_refs), and kv_buffer[i]'s bytes (page
+        # row i: L rows) for each layer i.
+        pool, _ = make_pool(layout, L=3, item=40, pages=5)
+        assert pool.get_contiguous_buf_infos() == ([], [3 * 40] * 3, [40] * 3)
+        pool, _ = make_pool(layout, L=3, item=40, pages=2)  # SGLang: kv_buffer[2] IndexError
+        with pytest.raises(ValueError, match="kv_buffer has 2 page rows but the pool has 3"):
             pool.get_contiguous_buf_infos()
-        assert str(e.value) == (
-            f"c4_kv get_contiguous_buf_infos requires layer_first layout, got {layout}"
-        )
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_contiguous_buf_infos_of_page_layouts_before_0_5_20_are_refused(monkeypatch, layout):
+    # 0.5.18-0.5.19 fail there on `data_ptrs = None`.
+    monkeypatch.setattr(v4_paged, "sglang_release", lambda: (0, 5, 19))
+    pool, _ = make_pool(layout)
+    with pytest.raises(ValueError) as e:
+        pool.get_contiguous_buf_infos()
+    assert str(e.value) == (
+        f"c4_kv get_contiguous_buf_infos requires layer_first layout, got {layout}"
+    )
 
 
 def test_is_stride_page_aligned():
@@ -1011,9 +1025,29 @@ def tokens(pages, P):
 # ---- construction ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("release", "kernels", "made"),
+    [
+        ((0, 5, 21), False, True),  # made whatever the platform
+        ((0, 5, 22), False, False),  # 0.5.22+: where SGLang's HiCache device kernels run
+        ((0, 5, 22), True, True),
+        (None, False, False),  # no SGLang: the newest release's rule
+        (None, True, True),
+    ],
+)
+def test_page_first_makes_sglangs_staging_buffer_where_the_release_does(
+    monkeypatch, release, kernels, made
+):
+    monkeypatch.setattr(v4_paged, "sglang_release", lambda: release)
+    monkeypatch.setattr(v4_paged, "hicache_device_kernels", lambda: kernels)
+    pool, _ = make_contract_pool("page_first", L=3, item=48, pages=5)
+    assert (pool.staging_buffer is not None) == made
+
+
 @pytest.mark.parametrize("pages, cap", [(5, 5), (70, 64)])
-def test_page_first_allocates_sglangs_staging_buffer(pages, cap):
+def test_page_first_allocates_sglangs_staging_buffer(monkeypatch, pages, cap):
     # §3.1: (min(Nh, 64), L, item_bytes) uint8 on the device buffers' device, JIT or not.
+    monkeypatch.setattr(v4_paged, "sglang_release", lambda: (0, 5, 21))
     pool, dev = make_contract_pool("page_first", L=3, item=48, pages=pages)
     assert pool.can_use_write_back_jit is False
     assert pool.staging_buffer.shape == (cap, 3, 48)

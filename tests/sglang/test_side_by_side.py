@@ -234,6 +234,24 @@ def meta_diffs(theirs, ours) -> list[str]:
             diffs,
             same_meta,
         )
+    if hasattr(theirs, "get_contiguous_buf_infos"):
+        t = outcome(theirs.get_contiguous_buf_infos)
+        o = outcome(ours.get_contiguous_buf_infos)
+        if t[0] == "raise":
+            # SGLang fails there on a missing pointer table (TypeError); ours says why.
+            if o[0] != "raise":
+                diffs.append(f"get_contiguous_buf_infos: SGLang raises {t[1]!r}; ours returns")
+        else:
+
+            def same_infos(t, o):
+                (tp, tl, ti), (op, ol, oi) = t, o
+                if (list(tl), list(ti)) != (list(ol), list(oi)):
+                    return f"lengths {list(ol)}, {list(oi)} != {list(tl)}, {list(ti)}"
+                lt = [H.locate(p, tb) for p in tp]
+                lo = [H.locate(p, ob) for p in op]
+                return None if lt == lo else f"pointers (buffer, offset) {lo} != {lt}"
+
+            _cmp_outcomes("get_contiguous_buf_infos", t, o, diffs, same_infos)
     if hasattr(theirs, "get_page_buffer_element_size"):
         _cmp_outcomes(
             "get_page_buffer_element_size",
@@ -654,6 +672,11 @@ def test_v4_pools(layout, v4_calls, hk, gen):
             diffs.append(f"{what}: {d}")
         for d in flat_page_diffs(theirs, ours, gen) + trace_diffs(call.theirs(), call.ours()):
             diffs.append(f"{what}: {d}")
+        if call.name == "DeepSeekV4PagedHostPool":
+            t, o = theirs.staging_buffer, ours.staging_buffer
+            shapes = [None if b is None else (tuple(b.shape), b.dtype) for b in (t, o)]
+            if shapes[0] != shapes[1]:
+                diffs.append(f"{what}: staging_buffer {shapes[1]} != SGLang's {shapes[0]}")
         planes = list(getattr(theirs, "device_buffers", None) or [])
         for d in transfer_diffs(call.theirs(), call.ours(), None, planes):
             diffs.append(f"{what}: {d}")

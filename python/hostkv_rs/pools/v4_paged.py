@@ -27,6 +27,7 @@ from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.pools.indices import check_storage
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang.budgets import budget_source_text
+from hostkv_rs.sglang.sources import hicache_device_kernels, sglang_release
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +154,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             [item_bytes],
             1,
             name=pool_name,
+            release=sglang_release(),
         )
         # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
         # a staging buffer on a CPU device count against the memory there is as well.
         staging = self._spec.staging_shape
+        release = sglang_release()
+        if (release is None or release >= (0, 5, 22)) and not hicache_device_kernels():
+            staging = None  # 0.5.22+ makes it only where its device kernels run
         staging_bytes = 0
         if staging is not None and self.gpu_device.type == "cpu":
             staging_bytes = staging[0] * staging[1] * staging[2]
@@ -224,7 +229,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.can_use_write_back_jit = False
         # SGLang allocates the page_first staging buffer on the device buffers' device even
         # though its write-back JIT may stay off (and hostkv_rs never turns it on), so callers
-        # and memory budgets see the same buffer.
+        # and memory budgets see the same buffer (0.5.22+: on CUDA and ROCm platforms only).
         self.staging_buffer = None
         if staging is not None:
             self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self.gpu_device)
@@ -326,8 +331,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
 
     def get_contiguous_buf_infos(self):
-        """Per-layer page-row buffers for PD direct-to-host transfer (layer_first only: the page
-        layouts have no per-layer host buffers, SGLang fails there on `data_ptrs = None`)."""
+        """Per-layer page-row buffers for PD direct-to-host transfer. The page layouts have no
+        per-layer host buffers: SGLang 0.5.20+ lists no pointers and `kv_buffer[i]`'s bytes for
+        each layer i; before, it failed on `data_ptrs = None` (refused here, with why)."""
         self._require_live()
         return self._pool.contiguous_buf_infos()
 
@@ -415,6 +421,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             [self.item_bytes, SIB],
             1,
             name=self.pool_name,
+            release=sglang_release(),
         )
         region, scale_flat = None, torch.empty(0, dtype=torch.uint8)
         if nbytes > 0:

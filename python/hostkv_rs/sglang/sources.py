@@ -23,6 +23,18 @@ def sglang_release() -> tuple[int, int, int] | None:
     return parsed if parsed is not None else _distribution_release()
 
 
+def hicache_device_kernels() -> bool:
+    """Whether SGLang's platform has its HiCache device kernels (0.5.22+ asks before making the
+    V4 write-back staging buffer): CUDA and ROCm. SGLang's own answer where it imports, else
+    whether torch sees a GPU."""
+    try:
+        from sglang.srt.platforms import current_platform
+
+        return bool(current_platform.capabilities.hicache_device_kernels)
+    except (ImportError, AttributeError):
+        return torch.cuda.is_available()
+
+
 @functools.cache
 def _distribution_release() -> tuple[int, int, int] | None:
     try:

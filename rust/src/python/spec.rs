@@ -67,7 +67,7 @@ impl PyPoolSpec {
         let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
         // The SGLang release the pool follows may not have this layout yet.
         crate::support::check_release(kind, layout, release).map_err(|e| to_py(py, e))?;
-        let spec = PoolSpec::grouped(
+        let mut spec = PoolSpec::grouped(
             kind,
             layout,
             num_layers,
@@ -82,6 +82,7 @@ impl PyPoolSpec {
             name,
         )
         .map_err(|e| to_py(py, e))?;
+        spec.release = release;
         Ok(Self { spec })
     }
 
