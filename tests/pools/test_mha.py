@@ -870,3 +870,15 @@ def test_is_stride_page_aligned_checks_both_buffers():
     odd, _ = make_asym("page_first_direct", 64, torch.bfloat16, heads=2, head_dim=32, v_head_dim=4)
     # V page 64*5*2*4*2 = 5120, not a multiple of 4096
     assert odd.is_stride_page_aligned() is False
+
+
+def test_get_mha_host_pool_cls_takes_the_device_pool_or_buffer_info_by_either_name():
+    # 0.5.23 names the parameter buffer_info; earlier releases device_pool.
+    dp = duck_mha_pool()
+    assert get_mha_host_pool_cls(dp) is MHATokenToKVPoolHost
+    assert get_mha_host_pool_cls(buffer_info=dp) is MHATokenToKVPoolHost
+    assert get_mha_host_pool_cls(device_pool=dp) is MHATokenToKVPoolHost
+    with pytest.raises(TypeError, match="got neither"):
+        get_mha_host_pool_cls()
+    with pytest.raises(TypeError, match="got both"):
+        get_mha_host_pool_cls(dp, buffer_info=dp)

@@ -399,10 +399,18 @@ def _sglang_mxfp8_host_cls():
     return MHATokenToKVPoolMXFP8Host
 
 
-def get_mha_host_pool_cls(device_pool) -> type:
+def get_mha_host_pool_cls(device_pool=None, *, buffer_info=None) -> type:
     """The host pool class SGLang builds for an MHA device pool (<= 0.5.22) or an
-    `MHABufferInfo` (0.5.23): asymmetric when `head_dim != v_head_dim`, SGLang's own MXFP8 host
-    pool for MXFP8 scales (hostkv_rs does not mirror scales; one log line says so)."""
+    `MHABufferInfo` (0.5.23, whose parameter is named `buffer_info`; either name takes either):
+    asymmetric when `head_dim != v_head_dim`, SGLang's own MXFP8 host pool for MXFP8 scales
+    (hostkv_rs does not mirror scales; one log line says so)."""
+    if (device_pool is None) == (buffer_info is None):
+        given = "both" if device_pool is not None else "neither"
+        raise TypeError(
+            "get_mha_host_pool_cls() takes one device pool or buffer info (device_pool or "
+            f"buffer_info), got {given}"
+        )
+    device_pool = buffer_info if device_pool is None else device_pool
     asymmetric = device_pool.head_dim != getattr(device_pool, "v_head_dim", device_pool.head_dim)
     if is_buffer_info(device_pool):
         scales = getattr(device_pool, "scales", None)
