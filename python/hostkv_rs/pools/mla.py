@@ -326,10 +326,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
         self._require_bytes()
         return self._pool_core.contiguous_buf_infos()
 
-    def get_hybrid_pool_buffer(self):
-        if self.kv_buffer is None and not getattr(self, "_destroyed", False):
-            return []  # an allocator-only pool has no bytes to register
-        return [self._live_buffer()]
+    # No get_hybrid_pool_buffer: SGLang's MLA pool has none, and its storage backends ask for
+    # it (`hasattr`/`getattr`) to tell sidecar pools from KV pools (NIXL's zero-copy choice).
 
     # ----------------------------------------------------------------- transfers
 
