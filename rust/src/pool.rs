@@ -565,6 +565,8 @@ impl PoolSpec {
                     "{n} indices is not a multiple of the logical page size {lp}"
                 )));
             }
+            // SGLang refuses page_unified after its length assert, before reading an index.
+            self.refuse_unified()?;
             return indices
                 .iter()
                 .step_by(lp as usize)
@@ -577,6 +579,7 @@ impl PoolSpec {
                 "{n} indices is not a multiple of the page size {p}"
             )));
         }
+        self.refuse_unified()?;
         let s = self.rows as i64;
         let mut out = Vec::with_capacity((n / p) as usize);
         for &t in indices.iter().step_by(p as usize) {

@@ -114,9 +114,15 @@ def test_what_sglang_0_5_23_does_not_move_is_refused_with_its_texts():
         lambda: host.get_data_page(0),
         lambda: host.set_from_flat_data_page(0, host.get_dummy_flat_data_page()),
         lambda: host.get_page_buffer_meta(h),
+        # The layout is refused before any index is read (SGLang's order), only after the
+        # whole-pages assert.
+        lambda: host.get_page_buffer_meta(h + 1),
+        lambda: host.get_page_buffer_meta(h + 10**9),
     ):
         with pytest.raises(ValueError, match="^Unsupported layout: page_unified$"):
             call()
+    with pytest.raises(AssertionError):
+        host.get_page_buffer_meta(h[:-1])
     assert torch.equal(bits(host.kv_buffer), before)
     # Layout-independent, as in SGLang: (2, L, P, H, D) zeros.
     assert host.get_dummy_flat_data_page().numel() == 2 * L * P * H * D
