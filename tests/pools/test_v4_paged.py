@@ -1352,3 +1352,9 @@ def test_meta_device_buffers_build_but_cannot_transfer():
         pool.backup_from_device_all_layer(None, tokens([0], 2), tokens([1], 2), "direct")
     with pytest.raises(ValueError, match="must be on CPU or CUDA"):
         pool.load_to_device_per_layer(None, tokens([0], 2), tokens([1], 2), 0, "direct")
+
+
+def test_without_device_buffers_gpu_device_is_the_device_argument_as_given():
+    # SGLang: `device_buffers[0].device if device_buffers else device` (a string here).
+    pool = DeepSeekV4PagedHostPool("c4_kv", [], 48, 3, 2)
+    assert pool.gpu_device == "cpu"

@@ -128,7 +128,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.end_layer = self.layer_num
         new_pool_lock(self)
         self.device_buffers = device_buffers
-        self.gpu_device = device_buffers[0].device if device_buffers else torch.device(device)
+        # SGLang's attribute: the buffers' device, else the `device` argument as given (a
+        # string); `_gpu` is the same as a torch.device, for our own use.
+        self.gpu_device = device_buffers[0].device if device_buffers else device
+        self._gpu = torch.device(self.gpu_device)
         self._device_refusal = self._device_rows_refusal(
             device_buffers, item_bytes, "device buffer"
         )
@@ -163,7 +166,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if (release is None or release >= (0, 5, 22)) and not hicache_device_kernels():
             staging = None  # 0.5.22+ makes it only where its device kernels run
         staging_bytes = 0
-        if staging is not None and self.gpu_device.type == "cpu":
+        if staging is not None and self._gpu.type == "cpu":
             staging_bytes = staging[0] * staging[1] * staging[2]
         _memory.check_allocations_fit(
             f"V4 paged pool {pool_name}",
@@ -190,7 +193,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 self._spec.shape(0),
                 pin_memory,
                 self._spec.registration_unit(0),
-                self.gpu_device,
+                self._gpu,
             )
         # The page rows as one flat tensor, which every view of them shares (its storage is
         # the allocator's where a storage backend's allocator made it), and the core's pool
@@ -219,8 +222,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             layout,
         )
 
-        self.device_ptrs = ptr_table(device_buffers, self.gpu_device)
-        self.data_ptrs = ptr_table(self.data_refs, self.gpu_device) if self.data_refs else None
+        self.device_ptrs = ptr_table(device_buffers, self._gpu)
+        self.data_ptrs = ptr_table(self.data_refs, self._gpu) if self.data_refs else None
         self.scale_kv_buffer = None
         self.scale_device_buffers = None
         self.scale_item_bytes = 0
@@ -232,7 +235,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # and memory budgets see the same buffer (0.5.22+: on CUDA and ROCm platforms only).
         self.staging_buffer = None
         if staging is not None:
-            self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self.gpu_device)
+            self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self._gpu)
         self._destroyed = False
         self._transfers = self._bind()
         self.clear()
@@ -248,9 +251,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
-            if buf.device != self.gpu_device:
+            expected = torch.device(self.gpu_device)
+            if buf.device != expected:
                 raise ValueError(
-                    f"{self.pool_name}: {what} {i} is on {buf.device}, expected {self.gpu_device}"
+                    f"{self.pool_name}: {what} {i} is on {buf.device}, expected {expected}"
                 )
             nbytes = buf.numel() * buf.element_size()
             check_storage(buf, f"{self.pool_name}: {what} {i}")
@@ -289,7 +293,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             self.pool_name,
             self.slot_page_size,
             self.item_bytes,
-            self.gpu_device,
+            torch.device(self.gpu_device),
             spec=self._spec,
             refusal=self._device_refusal,
             has_rows=self._region is not None,
