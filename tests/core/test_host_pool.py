@@ -641,3 +641,25 @@ def test_an_adopted_region_refuses_its_buffer_and_pinning_once_its_storage_moved
     arg = (torch.arange(4).data_ptr(), 4, 8, False)
     with pytest.raises(ValueError, match="host pool plane 0: the torch storage"):
         core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
+
+
+def test_a_tensor_subclass_naming_another_storage_is_watched_through_the_one_named():
+    # `untyped_storage()` of this subclass answers with another storage object over the same
+    # bytes: the core holds (and checks) that one, never the tensor's own through torch's objects.
+    data = bytearray(1 << 16)
+    named = torch.frombuffer(data, dtype=torch.uint8)
+
+    class OtherStorage(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.untyped_storage:
+                return named.untyped_storage()
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    tensor = torch.frombuffer(data, dtype=torch.uint8).as_subclass(OtherStorage)
+    region = _core.HostRegion.adopt(tensor)
+    assert memoryview(region).nbytes == 1 << 16
+    named.untyped_storage().share_memory_()
+    with pytest.raises(ValueError, match="no longer holds the memory it was built over"):
+        memoryview(region)

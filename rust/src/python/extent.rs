@@ -541,6 +541,11 @@ impl Extent {
 }
 
 impl StorageAllocation {
+    /// The `StorageImpl` it was read through.
+    pub(crate) fn storage_impl(&self) -> usize {
+        self.storage_impl
+    }
+
     /// Whether the storage still holds the allocation the snapshot read (data pointer, its
     /// deleter and context, byte size).
     ///

@@ -152,9 +152,12 @@ fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
     })
 }
 
-/// The watch of `tensor`'s `storage` (just taken from it, with the GIL held throughout), which
-/// holds `nbytes` at `data`: with the allocation read from torch's objects where that read
-/// agrees with Python.
+/// The watch of `tensor`'s `storage` (taken from it), which holds `nbytes` at `data`: with the
+/// allocation read from torch's objects where that read agrees with Python and is of the very
+/// storage held. A tensor subclass may answer `untyped_storage()` with another storage object
+/// over the same bytes, and the held object keeps only its own `StorageImpl` alive: the read is
+/// used only when the held object is exactly a `torch.UntypedStorage` whose `_cdata` (its
+/// `StorageImpl`'s address) is the one the read went through.
 fn watch(
     tensor: &Bound<'_, PyAny>,
     storage: &Bound<'_, PyAny>,
@@ -163,11 +166,21 @@ fn watch(
 ) -> PyResult<StorageWatch> {
     let read = match extent::layout(tensor.py())? {
         Some(layout) => {
+            let py = tensor.py();
+            let plain = storage
+                .get_type()
+                .is(py.import("torch")?.getattr("UntypedStorage")?);
+            let held: Option<usize> = if plain {
+                storage.getattr(intern!(py, "_cdata"))?.extract().ok()
+            } else {
+                None
+            };
             let reported = extent::reported(tensor)?;
             layout
                 .snapshot(&reported)
                 .filter(|_| reported.storage_data == data && reported.storage_nbytes == nbytes)
                 .map(|snapshot| snapshot.allocation(&layout))
+                .filter(|read| held.is_some_and(|impl_| read.storage_impl() == impl_))
         }
         None => None,
     };
