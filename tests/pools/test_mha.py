@@ -531,7 +531,8 @@ def test_mtp_draft_with_more_than_one_layer_is_refused_at_backup():
 
 
 class _SlotsOnly(HostKVCache):
-    """What a caller needs to reuse the allocator: SGLang's two geometry hooks and nothing else."""
+    """A subclass with only SGLang's two geometry hooks: the transfers and flat pages are abstract
+    too, as in SGLang, so it cannot be built."""
 
     def get_size_per_token(self):
         self.layer_num = 1
@@ -541,24 +542,30 @@ class _SlotsOnly(HostKVCache):
         return torch.zeros(self.size, 8, dtype=torch.uint8)
 
 
-def test_allocator_only_subclass_and_abstract_methods():
+class _NoTransfers(_SlotsOnly):
+    """The allocator alone: every transfer and flat page raises."""
+
+    def load_to_device_per_layer(self, *args, **kwargs):
+        raise NotImplementedError()
+
+    backup_from_device_all_layer = get_data_page = load_to_device_per_layer
+    get_dummy_flat_data_page = set_from_flat_data_page = load_to_device_per_layer
+
+
+def test_sglangs_seven_abstract_methods():
+    assert HostKVCache.__abstractmethods__ == {
+        "backup_from_device_all_layer",
+        "get_data_page",
+        "get_dummy_flat_data_page",
+        "get_size_per_token",
+        "init_kv_buffer",
+        "load_to_device_per_layer",
+        "set_from_flat_data_page",
+    }
     dp = duck_mha_pool()
-    pool = _SlotsOnly(dp, 1.0, 0, P, "layer_first", True, "cpu")
-    assert (pool.size, pool.page_num) == (80, 5)
-    assert pool.alloc(2 * P).tolist() == list(range(2 * P))
-    idx = torch.arange(P)
-    for call in (
-        lambda: pool.load_to_device_per_layer(dp, idx, idx, 0, "kernel"),
-        lambda: pool.load_to_device_per_layer(dp, idx, idx, 0, "kernel", is_draft=True),
-        lambda: pool.backup_from_device_all_layer(dp, idx, idx, "kernel"),
-        lambda: pool.get_data_page(0),
-        lambda: pool.get_dummy_flat_data_page(),
-        lambda: pool.set_from_flat_data_page(0, torch.zeros(1)),
-    ):
-        with pytest.raises(NotImplementedError):
-            call()
-    with pytest.raises(TypeError):
-        HostKVCache(dp, 1.0, 0, P, "layer_first", True, "cpu")
+    for cls in (_SlotsOnly, HostKVCache):
+        with pytest.raises(TypeError, match="abstract method"):
+            cls(dp, 1.0, 0, P, "layer_first", True, "cpu")
 
 
 def test_budget_hook_under_sglang_name(monkeypatch):
@@ -715,7 +722,11 @@ def test_meta_flat_page_is_refused_and_changes_nothing():
 def test_dcp_slot_space_on_a_pool_without_transfers():
     """§1.3 / §4.1: page_size arrives widened; size/page_size are per rank, slots are logical."""
     dp = duck_mha_pool()
-    pool = _SlotsOnly(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 1)
+
+    class _Dcp(_NoTransfers):
+        dcp_aware_transfers = True
+
+    pool = _Dcp(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 1)
     assert (pool.dcp_size, pool.dcp_rank, pool.page_size) == (2, 1, P)
     assert (pool.size, pool.page_num) == (80, 5)
     assert (pool.logical_size, pool.logical_page_size) == (160, 2 * P)
@@ -727,17 +738,10 @@ def test_dcp_slot_space_on_a_pool_without_transfers():
     assert pool.maybe_dcp_kernel_indices(slots).tolist() == list(range(P))
     assert pool.free(slots) == 2 * P
     with pytest.raises(ValueError, match="dcp_rank"):
-        _SlotsOnly(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 2)
+        _Dcp(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 2)
     # Pools whose transfers do not translate logical slots still refuse DCP.
-
-    class _Transfers(_SlotsOnly):
-        def load_to_device_per_layer(self, *args, **kwargs):
-            return None
-
     with pytest.raises(NotImplementedError, match="decode context parallelism"):
-        _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0)
-    _Transfers.dcp_aware_transfers = True
-    assert _Transfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0).size == 80
+        _NoTransfers(dp, 1.0, 0, 2 * P, "layer_first", True, "cpu", "default", 2, 0)
 
 
 @pytest.mark.parametrize("layer_id", [-1, L, 10**19])

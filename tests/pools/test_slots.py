@@ -276,6 +276,10 @@ class BarePool(HostKVCache):
     def init_kv_buffer(self):
         return None
 
+    # SGLang's other abstract methods; the allocator never calls them.
+    load_to_device_per_layer = backup_from_device_all_layer = None
+    get_data_page = get_dummy_flat_data_page = set_from_flat_data_page = None
+
 
 def test_allocator_works_for_subclasses_that_skip_init():
     pool = BarePool(16, 4)

@@ -426,14 +426,10 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     @classmethod
     def _dcp_ready(cls) -> bool:
-        """DCP only changes the slot space; the allocator handles that. A pool may accept it if
-        its transfers translate logical slots, or if it has no transfers of its own."""
-        if cls.dcp_aware_transfers:
-            return True
-        return (
-            cls.load_to_device_per_layer is HostKVCache.load_to_device_per_layer
-            and cls.backup_from_device_all_layer is HostKVCache.backup_from_device_all_layer
-        )
+        """DCP only changes the slot space; the allocator handles that. A pool accepts it if its
+        transfers translate logical slots (every concrete pool has transfers: they are
+        abstract)."""
+        return bool(cls.dcp_aware_transfers)
 
     def _host_capacity(self, host_to_device_ratio, host_size, host_token_capacity):
         """(size, page_num): an exact `host_token_capacity` (0.5.23; page-aligned, no padding
@@ -486,25 +482,29 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """Allocate and return `kv_buffer` (sets `token_stride_size` / `layout_dim`)."""
         raise NotImplementedError()
 
-    # SGLang declares these abstract; here they raise like an abstract method would when called,
-    # so that an allocator-only subclass (two abstract methods) can still be built.
+    # Abstract in SGLang too (its seven): a subclass missing one is refused when built.
 
+    @abc.abstractmethod
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
     ) -> None:
         raise NotImplementedError()
 
+    @abc.abstractmethod
     def backup_from_device_all_layer(
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         raise NotImplementedError()
 
+    @abc.abstractmethod
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         raise NotImplementedError()
 
+    @abc.abstractmethod
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         raise NotImplementedError()
 
+    @abc.abstractmethod
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         raise NotImplementedError()
 
