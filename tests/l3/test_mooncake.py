@@ -1362,3 +1362,26 @@ def test_a_page_offloaded_to_disk_is_found_skipped_on_save_and_loaded(make_tier,
     b.attach(src)
     assert statuses(b.save(keys, slots(src, [1, 2]))) == ["skipped", "skipped"]
     assert b.mismatches == {} and b.second_writers == 0
+
+
+@needs_mooncake
+def test_an_unsized_object_that_is_no_page_is_removed_on_load_so_a_save_repairs_it(make_tier):
+    # A local-disk replica states no size: the object is fetched, and one that turns out not to
+    # be a page object (here a short one) is removed, as save removes a wrong-size object.
+    src, dst = POOLS["mla-page_first"](), POOLS["mla-page_first"]()
+    keys, got, b, _ = _round(make_tier, src, dst, n=1)
+    assert got == ["loaded"]
+    _replace_raw(b, keys[0], bytes(_raw_object(b, keys[0])[:-8]))
+    store = b.store
+    b.store = _DiskOnlyStore(store, None)
+    assert b.exists(keys) == [True]
+    assert statuses(b.load(keys, slots(dst, [3]))) == ["failed"]
+    b.store = store
+    assert list(store.batch_is_exist([b.key(keys[0])])) == [0], "the object was kept"
+    again = POOLS["mla-page_first"]()  # the same page, from another pool of the writer's
+    fill(again, 1)
+    saver = make_tier("a")
+    saver.attach(again)
+    assert statuses(saver.save(keys, slots(again, [1]))) == ["stored"]
+    assert statuses(b.load(keys, slots(dst, [3]))) == ["loaded"]
+    assert page_bytes(dst, 3) == page_bytes(src, 1)

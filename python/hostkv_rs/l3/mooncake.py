@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -235,6 +235,8 @@ class _Op:
     pages: list  # (ptrs, sizes) per page
     memory: proof.PoolBytes | None
     first: int = 0  # index of the current chunk's first page (header slot 0)
+    # pages whose stored object's size was not known before their get (UNKNOWN_SIZE)
+    unsized: set = field(default_factory=set)
 
     def pieces(self, i: int):
         return self.memory.pieces(self.pages[i])
@@ -915,6 +917,8 @@ class MooncakeTier:
                 )
             else:
                 todo.append(i)
+                if size == UNKNOWN_SIZE:
+                    op.unsized.add(i)
         if not todo:
             return
         unavailable, pending = None, []
@@ -948,9 +952,14 @@ class MooncakeTier:
                 [[self._header(op, i), *op.pages[i][0]] for i in group],
                 [[proof.HEADER_BYTES, *op.pages[i][1]] for i in group],
             )
-        unavailable, whole = None, []
+        unavailable, whole, unusable = None, [], []
         for i, rc in zip(group, rcs):
             rc = int(rc)
+            if i in op.unsized and rc not in (fmt.object_bytes, OBJECT_NOT_FOUND, RPC_FAIL):
+                # An object whose size was not known is not one page object of this format (a
+                # short read, or too large for the page): as save does with a wrong-size
+                # object, remove it, or every later load would fail on it and no save repair it.
+                unusable.append(op.keys[i])
             if rc == fmt.object_bytes:
                 if self.digests:
                     whole.append(i)
@@ -969,6 +978,12 @@ class MooncakeTier:
                 detail = "pool untouched"
             results[i] = PageResult(Status.FAILED, min(0, rc), detail=f"got {rc} bytes; {detail}")
         pending.extend(zip(whole, self._hash(op, whole)))
+        if unusable:
+            logger.warning("removing %d stored object(s) of the wrong size", len(unusable))
+            try:
+                self.store.batch_remove(unusable, True)
+            except Exception:  # the results already say what was loaded
+                logger.warning("removing L3 object(s) raised", exc_info=True)
         return unavailable
 
     def _verify(self, op: _Op, pending, results) -> None:
