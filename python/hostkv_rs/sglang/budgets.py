@@ -9,6 +9,7 @@ that patches that name, or `host_memory_budget_bytes` here, steers every check.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from hostkv_rs import _env
 from hostkv_rs.pools import memory as _memory
+from hostkv_rs.sglang.sources import sglang_release
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +28,29 @@ logger = logging.getLogger(__name__)
 HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
 
 
+_SGLANG_BASE = "sglang.srt.mem_cache.pool_host.base"
+
+
 def ranks_per_host() -> int:
-    """Ranks that share this host's memory: world_size // nnodes when torch.distributed runs."""
+    """Ranks that share this host's memory, as the installed SGLang release counts them: its own
+    `ranks_per_host` (0.5.19+: the world group's or the launch world's size // its nnodes), none
+    in 0.5.18 (its budget is not split). Without SGLang: world_size // SGLANG_NNODES (or NNODES)
+    when torch.distributed runs."""
+    release = sglang_release()
+    if release is not None:
+        try:
+            base = importlib.import_module(_SGLANG_BASE)
+        except ImportError as exc:
+            logger.debug("ranks_per_host: SGLang's pool base does not import (%s)", exc)
+        else:
+            sglang_ranks = getattr(base, "ranks_per_host", None)
+            if sglang_ranks is None:
+                return 1  # 0.5.18: every rank may take the whole host's budget
+            return max(int(sglang_ranks()), 1)
+    return _ranks_from_environment()
+
+
+def _ranks_from_environment() -> int:
     try:
         import torch.distributed as dist
 
