@@ -555,3 +555,46 @@ def test_dcp_flat_pages(layout, hk):
         assert "not yet DCP-aware" in str(t_page[1])
         _cmp("set_from_flat_data_page (get_data_page's refusal)", t_page, o_set, diffs)
     _assert_none(diffs, f"MLA dcp {layout}")
+
+
+# ---- what SGLang's storage backends ask of a pool by name, and the host budget's rank split
+
+
+def test_mha_get_hybrid_pool_buffer_exists_from_0_5_21(hk):
+    """SGLang's MHA pool has `get_hybrid_pool_buffer` from 0.5.21; its storage backends ask
+    for it by name (Mooncake counts the buffers it returns, NIXL picks zero-copy by it), so ours
+    has it exactly where SGLang's has it."""
+    H.publish(page_size=16)
+    call = H.recorded_kv_host_call(H.mha_device(page=16), use_mla=False, layout="layer_first")
+    theirs, ours = call.theirs(), call.ours()
+    assert hasattr(theirs, "get_hybrid_pool_buffer") == H.at_least(0, 5, 21)
+    assert hasattr(ours, "get_hybrid_pool_buffer") == hasattr(theirs, "get_hybrid_pool_buffer")
+    if H.at_least(0, 5, 21):
+        got = ours.get_hybrid_pool_buffer()
+        assert [b.data_ptr() for b in got] == [ours.k_buffer.data_ptr(), ours.v_buffer.data_ptr()]
+    # The asymmetric pool keeps its (K, V) list in every release: SGLang's before 0.5.21 has
+    # none, and its storage backends then take the tuple kv_buffer for one tensor.
+    asym = H.recorded_kv_host_call(
+        H.mha_device(page=16, head_dim=16, v_head_dim=8), use_mla=False, layout="page_first"
+    ).ours()
+    assert [b.data_ptr() for b in asym.get_hybrid_pool_buffer()] == [
+        asym.k_buffer.data_ptr(),
+        asym.v_buffer.data_ptr(),
+    ]
+
+
+@pytest.mark.parametrize("sglang_says", [1, 3])
+def test_the_host_budget_is_split_as_the_release_splits_it(hk, monkeypatch, sglang_says):
+    """0.5.18 never splits the host budget over co-located ranks; 0.5.19+ split it by SGLang's
+    own `ranks_per_host` (the world group's or launch world's size over its node count), which
+    ours asks rather than counting again."""
+    from hostkv_rs.sglang import budgets
+    from sglang.srt.mem_cache.pool_host import base as ph_base
+
+    if hasattr(ph_base, "ranks_per_host"):
+        monkeypatch.setattr(ph_base, "ranks_per_host", lambda: sglang_says)
+        assert budgets.ranks_per_host() == sglang_says
+    else:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 8)
+        assert budgets.ranks_per_host() == 1

@@ -31,6 +31,7 @@ from hostkv_rs.sglang.sources import (
     scale_layout_value,
     scales_reason,
     sglang_release,
+    since,
 )
 
 logger = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
     def v_buffer(self):
         return self._live_buffer()[1]
 
+    @since(0, 5, 21)
     def get_hybrid_pool_buffer(self):
         return [self.k_buffer, self.v_buffer]
 
@@ -365,6 +367,12 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize
 
     _spec_kind = "mha_asymmetric"
+
+    def get_hybrid_pool_buffer(self):
+        # In every release, where SGLang's has it only from 0.5.21: before, its storage
+        # backends find no such method and hand the (K, V) tuple kv_buffer on as one tensor
+        # (Mooncake's registration then fails on it).
+        return [self.k_buffer, self.v_buffer]
 
     def init_kv_buffer(self):
         # K and V in two allocations, each with its own item size (and registration unit).

@@ -23,6 +23,33 @@ def sglang_release() -> tuple[int, int, int] | None:
     return parsed if parsed is not None else _distribution_release()
 
 
+class since:
+    """A pool method SGLang added in `release`: on an older installed release it is absent (an
+    AttributeError, so `hasattr` is False), as SGLang's own pool there has none. SGLang's
+    storage backends ask for some by name and take another path without them."""
+
+    def __init__(self, *release: int):
+        self.release = release
+
+    def __call__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+        return self
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        found = sglang_release()
+        if found is not None and found < self.release:
+            added = ".".join(map(str, self.release))
+            raise AttributeError(
+                f"{(owner or type(obj)).__name__!r} object has no attribute {self.name!r} "
+                f"(SGLang {'.'.join(map(str, found))} has none; it came in {added})"
+            )
+        return self.func.__get__(obj, owner)
+
+
 def hicache_device_kernels() -> bool:
     """Whether SGLang's platform has its HiCache device kernels (0.5.22+ asks before making the
     V4 write-back staging buffer): CUDA and ROCm. SGLang's own answer where it imports, else
