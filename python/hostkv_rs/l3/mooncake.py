@@ -956,9 +956,11 @@ class MooncakeTier:
         for i, rc in zip(group, rcs):
             rc = int(rc)
             if i in op.unsized and rc not in (fmt.object_bytes, OBJECT_NOT_FOUND, RPC_FAIL):
-                # An object whose size was not known is not one page object of this format (a
-                # short read, or too large for the page): as save does with a wrong-size
-                # object, remove it, or every later load would fail on it and no save repair it.
+                # An object whose size was not known and that does not arrive as one page object
+                # (another byte count; Mooncake answers a size mismatch with TRANSFER_FAIL):
+                # as save does with a wrong-size object, remove it, or every later load would
+                # fail on it and no save repair it. A transient failure costs a re-save: these
+                # are cached pages.
                 unusable.append(op.keys[i])
             if rc == fmt.object_bytes:
                 if self.digests:

@@ -550,8 +550,8 @@ impl StorageAllocation {
     /// deleter and context, byte size).
     ///
     /// # Safety
-    /// The caller holds the GIL and a Python storage object of this `StorageImpl` (taken in the
-    /// same GIL hold as the snapshot, so it is the snapshot's), which keeps it allocated.
+    /// The caller holds the GIL and a Python storage object of this very `StorageImpl` (its
+    /// `_cdata`, compared when the watch was made), which keeps it allocated.
     pub(crate) unsafe fn unchanged(&self) -> bool {
         let base = self.storage_impl + self.layout.data;
         (0..self.layout.allocation_words()).all(|k| {

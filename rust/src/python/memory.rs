@@ -56,8 +56,9 @@ impl StorageWatch {
     /// made by another thread while a copy runs without the GIL is seen by the next call.
     /// `what` names the memory in the refusal (built only then: this runs on every call).
     pub(crate) fn check(&self, py: Python<'_>, what: impl FnOnce() -> String) -> PyResult<()> {
-        // SAFETY: the GIL is held, and `self.storage` is the Python storage object of the
-        // snapshot's `StorageImpl`, taken with it (see `watch`), which it keeps allocated.
+        // SAFETY: the GIL is held, and `self.storage` is a plain `torch.UntypedStorage` of the
+        // read's very `StorageImpl` (its `_cdata`, compared in `watch`), which keeps it
+        // allocated.
         if self.read.is_some_and(|read| unsafe { read.unchanged() }) {
             return Ok(());
         }
