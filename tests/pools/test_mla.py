@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hostkv_rs import MLATokenToKVPool, MLATokenToKVPoolHost
+from hostkv_rs.pools.args import NoKVBytesError
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from reference import (
     LAYERS,
@@ -153,6 +154,12 @@ def test_dummy_mode(caplog):
     assert host.free(slots) == 32
     assert host.get_contiguous_buf_infos() == ([], [], [])
     idx = torch.arange(16)
+    # No pages: SGLang's pool fails on its None kv_buffer with an AttributeError (meta) or a
+    # TypeError (flat pages); ours says why, as an error of all three kinds.
+    for call in (lambda: host.get_page_buffer_meta(idx), lambda: host.get_data_page(0)):
+        with pytest.raises(NoKVBytesError, match="holds no KV bytes") as e:
+            call()
+        assert all(isinstance(e.value, t) for t in (RuntimeError, AttributeError, TypeError))
     with pytest.raises(AssertionError, match=re.escape("load on a dummy (non-src MLA) host pool")):
         host.load_to_device_per_layer(dp, idx, idx + 16, 0, "kernel")
     with pytest.raises(

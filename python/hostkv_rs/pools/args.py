@@ -24,6 +24,12 @@ class NoHeadSplitError(ValueError, AttributeError):
     AttributeError SGLang's pools raise there (they have no split-heads method)."""
 
 
+class NoKVBytesError(RuntimeError, AttributeError, TypeError):
+    """A page asked of a pool that holds no KV bytes (allocator-only, or destroyed): a
+    RuntimeError saying so, and the AttributeError or TypeError SGLang's pools raise on their
+    `None` kv_buffer for the same call (`.data_ptr()`, subscripting)."""
+
+
 def as_int(name: str, value) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")

@@ -23,6 +23,7 @@ from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import (
     FlatPageError,
     NoHeadSplitError,
+    NoKVBytesError,
     as_int,
     finite_number,
     finite_product,
@@ -970,7 +971,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     def _require_bytes(self):
         if getattr(self, "kv_buffer", None) is None:
-            raise RuntimeError(
+            raise NoKVBytesError(
                 f"{type(self).__name__} holds no KV bytes (dummy mode or destroyed); it has no pages"
             )
 
