@@ -82,7 +82,7 @@ _NOTHING_MOVED = {OBJECT_NOT_FOUND, INVALID_PARAMS, RPC_FAIL, -703, -400}
 
 # An object stored only on a replica whose size is not exposed (a local-disk replica): fetched
 # and checked like one of the right size (its get returns its byte count, and the proof
-# decides), never taken for the wrong size and removed.
+# decides), and removed only once its get shows it is no page object.
 UNKNOWN_SIZE = -1
 DEFAULT_SEGMENT_BYTES = 1 << 30
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
@@ -526,7 +526,7 @@ class MooncakeTier:
         rows = indices.to(torch.int64).reshape(len(keys), fmt.slots_per_page)
         starts = rows[:, 0]
         if not torch.equal(
-            rows - rows[:, :1], torch.arange(fmt.slots_per_page).expand_as(rows)
+            rows - starts[:, None], torch.arange(fmt.slots_per_page).expand_as(rows)
         ) or bool((starts % fmt.slots_per_page).any()):
             # A run that starts inside a page names parts of two: some pools' page metadata
             # round it down to the first, others point into it, and two such runs overlap.
@@ -982,10 +982,7 @@ class MooncakeTier:
         pending.extend(zip(whole, self._hash(op, whole)))
         if unusable:
             logger.warning("removing %d stored object(s) of the wrong size", len(unusable))
-            try:
-                self.store.batch_remove(unusable, True)
-            except Exception:  # the results already say what was loaded
-                logger.warning("removing L3 object(s) raised", exc_info=True)
+            self._remove_after_load(unusable)
         return unavailable
 
     def _verify(self, op: _Op, pending, results) -> None:
@@ -1015,10 +1012,15 @@ class MooncakeTier:
             # would otherwise stay a miss for good). Mooncake has no compare-and-remove: an
             # object another writer put under the key since our get goes too, and is stored
             # again by the next save.
-            try:
-                self.store.batch_remove(failed, True)
-            except Exception:  # the results already say what was loaded
-                logger.warning("removing %d failed L3 object(s) raised", len(failed), exc_info=True)
+            self._remove_after_load(failed)
+
+    def _remove_after_load(self, keys) -> None:
+        """Remove objects a load found to be no page of this format. The load's results already
+        say what arrived, so a removal that raises is logged, not raised."""
+        try:
+            self.store.batch_remove(keys, True)
+        except Exception:
+            logger.warning("removing %d failed L3 object(s) raised", len(keys), exc_info=True)
 
     def remove(self, keys, *, force: bool = False) -> list[PageResult]:
         """Remove each page's object. A page a reader holds a lease on (Mooncake leases objects
