@@ -129,9 +129,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         new_pool_lock(self)
         self.device_buffers = device_buffers
         # SGLang's attribute: the buffers' device, else the `device` argument as given (a
-        # string); `_gpu` is the same as a torch.device, for our own use.
+        # string); `gpu` is the same as a torch.device, for the checks here.
         self.gpu_device = device_buffers[0].device if device_buffers else device
-        self._gpu = torch.device(self.gpu_device)
+        gpu = torch.device(self.gpu_device)
         self._device_refusal = self._device_rows_refusal(
             device_buffers, item_bytes, "device buffer"
         )
@@ -148,6 +148,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{_memory.gb(available_bytes)} GB free.{budget_source_text(source)}"
             )
         # The geometry in the core: refuses another layout with SGLang's text.
+        release = sglang_release()
         self._spec = _core.PoolSpec(
             "v4_paged",
             layout,
@@ -157,16 +158,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             [item_bytes],
             1,
             name=pool_name,
-            release=sglang_release(),
+            release=release,
         )
         # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
         # a staging buffer on a CPU device count against the memory there is as well.
         staging = self._spec.staging_shape
-        release = sglang_release()
         if (release is None or release >= (0, 5, 22)) and not hicache_device_kernels():
             staging = None  # 0.5.22+ makes it only where its device kernels run
         staging_bytes = 0
-        if staging is not None and self._gpu.type == "cpu":
+        if staging is not None and gpu.type == "cpu":
             staging_bytes = staging[0] * staging[1] * staging[2]
         _memory.check_allocations_fit(
             f"V4 paged pool {pool_name}",
@@ -193,7 +193,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 self._spec.shape(0),
                 pin_memory,
                 self._spec.registration_unit(0),
-                self._gpu,
+                gpu,
             )
         # The page rows as one flat tensor, which every view of them shares (its storage is
         # the allocator's where a storage backend's allocator made it), and the core's pool
@@ -222,8 +222,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             layout,
         )
 
-        self.device_ptrs = ptr_table(device_buffers, self._gpu)
-        self.data_ptrs = ptr_table(self.data_refs, self._gpu) if self.data_refs else None
+        self.device_ptrs = ptr_table(device_buffers, gpu)
+        self.data_ptrs = ptr_table(self.data_refs, gpu) if self.data_refs else None
         self.scale_kv_buffer = None
         self.scale_device_buffers = None
         self.scale_item_bytes = 0
@@ -235,7 +235,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # and memory budgets see the same buffer (0.5.22+: on CUDA and ROCm platforms only).
         self.staging_buffer = None
         if staging is not None:
-            self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=self._gpu)
+            self.staging_buffer = torch.empty(staging, dtype=self.dtype, device=gpu)
         self._destroyed = False
         self._transfers = self._bind()
         self.clear()
@@ -248,10 +248,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         contiguous whole rows is taken, as SGLang takes it (its unit tests build pools over
         one-byte buffers), and refused by the first transfer."""
         refusal = None
+        expected = torch.device(self.gpu_device)
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"{self.pool_name}: {what} {i} is not a tensor")
-            expected = torch.device(self.gpu_device)
             if buf.device != expected:
                 raise ValueError(
                     f"{self.pool_name}: {what} {i} is on {buf.device}, expected {expected}"
