@@ -83,7 +83,7 @@ def host_memory_budget_scope(budget_bytes: int):
 def _sglang_scope_budget(requested_bytes: int) -> int | None:
     """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
     against one snapshot), book there too, as SGLang's pools do."""
-    base = sys.modules.get("sglang.srt.mem_cache.pool_host.base")
+    base = sys.modules.get(_SGLANG_BASE)
     scope = getattr(base, "_host_memory_budget", None)
     if scope is None or scope.get() is None:
         return None
