@@ -669,13 +669,19 @@ impl PoolSpec {
 
     /// SGLang's asserts of `get_split_heads_page_buffer_meta`, in its order: the layout, then the
     /// split, both before any index is read.
-    fn check_split_heads(&self, split_factor: u64) -> Result<()> {
+    /// SGLang's first assert of `get_split_heads_page_buffer_meta`, before the split is read.
+    pub fn check_split_heads_layout(&self) -> Result<()> {
         if self.kind != PoolKind::Mha || self.layout != Layout::PageHead {
             return Err(Error::assertion(format!(
                 "get_split_heads_page_buffer_meta requires layout='page_head', got {}",
                 self.layout.name()
             )));
         }
+        Ok(())
+    }
+
+    fn check_split_heads(&self, split_factor: u64) -> Result<()> {
+        self.check_split_heads_layout()?;
         if split_factor == 0 || self.heads % split_factor != 0 {
             return Err(Error::assertion(format!(
                 "head_num ({}) must be a multiple of split_factor ({split_factor})",

@@ -681,6 +681,18 @@ def test_split_factor_must_be_positive(split_factor):
         host.get_page_buffer_element_size(split_factor)
 
 
+@pytest.mark.parametrize("split_factor", [-1, 0, 2**70])
+def test_the_layout_is_refused_before_the_split_factor_is_read(split_factor):
+    """SGLang asserts page_head first: another layout gets that AssertionError whatever the
+    split (its page_head pools then fail on a bad one, where ours raise the ValueError above)."""
+    host, _ = make_mha("layer_first", 4, heads=2)
+    text = "get_split_heads_page_buffer_meta requires layout='page_head', got layer_first"
+    with pytest.raises(AssertionError, match=re.escape(text)):
+        host.get_split_heads_page_buffer_meta(torch.arange(4), split_factor)
+    with pytest.raises(AssertionError, match=re.escape(text)):
+        host.get_page_buffer_element_size(split_factor)
+
+
 def test_a_split_factor_past_u64_is_sglangs_assert():
     host, _ = make_mha("page_head", 4, heads=2)
     with pytest.raises(AssertionError, match=re.escape(f"split_factor ({2**64})")):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools.args import device_side_of, positive_int, required
+from hostkv_rs.pools.args import as_int, device_side_of, required
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layers_device,
@@ -347,12 +347,7 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""
-        split_factor = positive_int("split_factor", split_factor)
-        if split_factor >= 2**64:
-            # Past the core's u64; it could never divide head_num anyway (SGLang's assert).
-            raise AssertionError(
-                f"head_num ({self.head_num}) must be a multiple of split_factor ({split_factor})"
-            )
+        split_factor = as_int("split_factor", split_factor)
         self._require_bytes()
         return self._pool_core.split_heads_meta(index_list(indices), split_factor)
 

@@ -431,14 +431,31 @@ impl PyHostPool {
         Ok(meta)
     }
 
-    /// `get_split_heads_page_buffer_meta` (MHA page_head).
+    /// `get_split_heads_page_buffer_meta` (MHA page_head): the layout is checked before the
+    /// split, as SGLang asserts it first.
     fn split_heads_meta(
         &self,
         py: Python<'_>,
         indices: Vec<i64>,
-        split_factor: u64,
+        split_factor: &Bound<'_, pyo3::types::PyInt>,
     ) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let spec = &self.spec_of("split_heads_meta")?.spec;
+        spec.check_split_heads_layout().map_err(|e| to_py(py, e))?;
+        if split_factor.le(0)? {
+            return Err(PyValueError::new_err(format!(
+                "split_factor must be positive, got {split_factor}"
+            )));
+        }
+        // Past u64 it cannot divide the head count: SGLang's assert, with the value given.
+        let Ok(split_factor) = split_factor.extract::<u64>() else {
+            return Err(to_py(
+                py,
+                crate::error::Error::assertion(format!(
+                    "head_num ({}) must be a multiple of split_factor ({split_factor})",
+                    self.geom.heads
+                )),
+            ));
+        };
         self.check_memory(py)?;
         let meta = spec
             .split_heads_meta(&self.geom.plane_base, &indices, split_factor)
