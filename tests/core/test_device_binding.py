@@ -209,6 +209,8 @@ def _child(code: str, extent: str) -> subprocess.CompletedProcess:
         ),
         # The storage freed outright.
         ("layer.untyped_storage().resize_(0)", "torch.arange(0, 4)", "fewer than its shape"),
+        # Restrided in place: same storage, offset and count, rows no longer packed.
+        ("layer.transpose_(1, 2)", "torch.arange(16, 48)", "must be contiguous"),
     ],
 )
 def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(
@@ -244,6 +246,7 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
         "sizes",
         "device",
         "negative",
+        "contiguous",
     ]
     code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
     done = _child(code, "python")
@@ -444,3 +447,130 @@ def test_an_index_tensor_without_memory_is_refused_not_read(extent):
     done = _child(_NO_MEMORY_INDEX, extent)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "REFUSED index tensor: the tensor's storage has no memory" in done.stdout, done.stdout
+
+
+class _Lying(torch.Tensor):
+    """A subclass whose `data_ptr()` names memory it does not own (`_LIE_AT`), and which says
+    it starts where its storage does."""
+
+    def data_ptr(self):
+        return _LIE_AT.data_ptr()
+
+    def storage_offset(self):
+        return 0
+
+
+_LIE_AT = torch.zeros(4096, dtype=torch.uint8)
+
+
+def test_a_device_layer_of_a_tensor_subclass_is_refused_before_its_methods_are_trusted():
+    """The binding writes through a device layer's pointer: a subclass could report one it does
+    not own (this one made a load write 512 bytes into another tensor)."""
+    dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
+    dev.k_buffer[1] = dev.k_buffer[1].as_subclass(_Lying)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    _LIE_AT.zero_()
+    h, d = host.alloc(16), torch.arange(16, 32)
+    host.kv_buffer.fill_(1)
+    with pytest.raises(TypeError, match="expected a plain torch.Tensor, got the subclass _Lying"):
+        host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    assert not _LIE_AT.any()
+    # The plain tensor over the same memory is served.
+    dev.k_buffer[1] = dev.k_buffer[1].as_subclass(torch.Tensor)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+
+
+def test_an_index_tensor_subclass_is_read_from_its_storage_not_its_methods():
+    """A subclass's own methods used to say where the indices were read from (here the start
+    of their storage, so the load wrote device rows 0..15 instead of the listed 16..31)."""
+    dev, host = _pools()
+    h = host.alloc(16)
+    host.kv_buffer.view(torch.uint8).fill_(7)
+    for t in (*dev.k_buffer, *dev.v_buffer):
+        t.zero_()
+    d = torch.arange(32)[16:].as_subclass(_Lying)
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    for t in (dev.k_buffer[1], dev.v_buffer[1]):
+        rows = t.view(torch.uint8).view(t.shape[0], -1)
+        assert (rows[16:32] == 7).all()
+        assert not rows[:16].any() and not rows[32:].any()
+    host.backup_from_device_all_layer(dev, h.as_subclass(_Lying), d, "kernel")
+    assert (host.k_buffer.view(torch.uint8) != 0).any()
+
+
+def test_host_memory_given_as_a_tensor_subclass_is_read_from_its_storage():
+    """A plane or a region adopted from a subclass takes the address torch holds for it, not
+    the one its methods report."""
+    owner = torch.arange(64, dtype=torch.uint8).as_subclass(_Lying)
+    region = _core.HostRegion.adopt(owner)
+    assert region.address == owner.untyped_storage().data_ptr() != _LIE_AT.data_ptr()
+    with pytest.raises(TypeError, match="a CPU torch tensor"):
+        _core.HostRegion.adopt(object())
+
+
+# Python code the caller controls, run while a transfer reads its arguments: an attribute set on
+# a plain tensor object (which shadows the method of that name), and an index array whose
+# conversion frees a device layer. Each in its own process: both used to end in a write to
+# memory the call did not own (a crash, or another tensor's bytes changed).
+_HOOKS = r"""
+import numpy as np
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+victim = torch.zeros(1 << 16, dtype=torch.uint8)
+dev = MHATokenToKVPool(4096, 16, torch.float32, head_num=2, head_dim=8, layer_num=2)
+if "CASE" == "attribute":
+    for t in (*dev.k_buffer, *dev.v_buffer):
+        t.data_ptr = lambda: victim.data_ptr()
+        t.is_contiguous = lambda *a, **k: True
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+h = host.alloc(64)
+host.kv_buffer.fill_(7)
+rows = torch.arange(64, 128)
+if "CASE" == "conversion":
+    host.load_to_device_per_layer(dev, h, rows, 0, "kernel")  # checked and cached
+
+    class Frees(np.ndarray):
+        @property
+        def flags(self):
+            dev.k_buffer[0].untyped_storage().resize_(0)
+            return np.ndarray.flags.__get__(self)
+
+    rows = rows.numpy().view(Frees)
+try:
+    host.load_to_device_per_layer(dev, h, rows, 0, "kernel")
+except ValueError as exc:
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED", bool((dev.k_buffer[0][64:128] == 7).all()))
+print("VICTIM", int(victim.count_nonzero()))
+"""
+
+
+@pytest.mark.parametrize("extent", ["auto", "python"])
+@pytest.mark.parametrize(
+    ("case", "outcome"),
+    [
+        ("attribute", "ACCEPTED True"),
+        ("conversion", "REFUSED device pool plane 0 layer 0: the tensor's storage holds 0 bytes"),
+    ],
+)
+def test_caller_code_run_during_a_call_cannot_choose_or_free_what_it_writes(case, outcome, extent):
+    """Facts are asked of torch through the types' methods, and the device pointers are read
+    after the index arrays (whose conversion may run Python), with nothing run in between."""
+    done = _child(_HOOKS.replace("CASE", case), extent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert outcome in done.stdout and "VICTIM 0" in done.stdout, done.stdout
+
+
+def test_a_negative_view_device_layer_is_refused():
+    """Its bytes are the un-negated values: copying them would load -x where the host has x."""
+    dev = MHATokenToKVPool(64, 16, torch.float32, head_num=2, head_dim=8, layer_num=2)
+    dev.k_buffer[0] = torch._neg_view(dev.k_buffer[0])
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+    h, d = host.alloc(16), torch.arange(16, 32)
+    with pytest.raises(ValueError, match="a negative or conjugate view cannot be a device layer"):
+        host.load_to_device_per_layer(dev, h, d, 0, "kernel")
+    with pytest.raises(ValueError, match="a negative or conjugate view cannot be a device layer"):
+        host.backup_from_device_all_layer(dev, h, d, "kernel")

@@ -641,11 +641,40 @@ def test_an_adopted_region_refuses_its_buffer_and_pinning_once_its_storage_moved
     arg = (torch.arange(4).data_ptr(), 4, 8, False)
     with pytest.raises(ValueError, match="host pool plane 0: the torch storage"):
         core.backup("kernel", [dev.data_ptr()], 4, arg, arg, "cpu", 0)
+    # Addresses are handed out under the same check.
+    with pytest.raises(ValueError, match="host pool plane 0: the torch storage"):
+        _ = core.plane_addrs
+    with pytest.raises(ValueError, match="no longer holds"):
+        _ = region.address
 
 
-def test_a_tensor_subclass_naming_another_storage_is_watched_through_the_one_named():
+def test_host_memory_is_located_by_torch_not_by_attributes_set_on_the_tensor():
+    """A plain tensor's (or its storage's) own attributes shadow the methods of those names: a
+    storage allocator's tensor that said its memory was elsewhere used to be adopted there."""
+
+    class Elsewhere:
+        def data_ptr(self):
+            return 0x10000
+
+        def nbytes(self):
+            return 1 << 30
+
+    tensor = torch.zeros(4, 64, dtype=torch.uint8)
+    tensor.untyped_storage = lambda: Elsewhere()
+    tensor.data_ptr = lambda: 0x10000
+    tensor.untyped_storage_of_torch = torch.Tensor.untyped_storage(tensor)
+    tensor.untyped_storage_of_torch.nbytes = lambda: 1 << 30
+    core = _core.HostPool.from_geometry("layer_first", 1, 4, 1, [64], [tensor])
+    assert core.plane_addrs == [torch.Tensor.data_ptr(tensor)]
+    region = _core.HostRegion.adopt(tensor)
+    assert region.address == torch.Tensor.data_ptr(tensor)
+    assert memoryview(region).nbytes == 256
+
+
+def test_a_tensor_subclass_naming_another_storage_is_watched_through_its_own():
     # `untyped_storage()` of this subclass answers with another storage object over the same
-    # bytes: the core holds (and checks) that one, never the tensor's own through torch's objects.
+    # bytes: the core reads the plain tensor instead, so it holds and checks the tensor's own
+    # storage, never the one the subclass names.
     data = bytearray(1 << 16)
     named = torch.frombuffer(data, dtype=torch.uint8)
 
@@ -660,6 +689,9 @@ def test_a_tensor_subclass_naming_another_storage_is_watched_through_the_one_nam
     tensor = torch.frombuffer(data, dtype=torch.uint8).as_subclass(OtherStorage)
     region = _core.HostRegion.adopt(tensor)
     assert memoryview(region).nbytes == 1 << 16
-    named.untyped_storage().share_memory_()
+    named.untyped_storage().share_memory_()  # copies the named storage away: ours stays put
+    assert memoryview(region).nbytes == 1 << 16
+    with torch._C.DisableTorchFunctionSubclass():
+        tensor.untyped_storage().share_memory_()
     with pytest.raises(ValueError, match="no longer holds the memory it was built over"):
         memoryview(region)

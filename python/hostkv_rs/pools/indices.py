@@ -96,6 +96,18 @@ def check_storage(tensor: torch.Tensor, what: str) -> None:
         )
 
 
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain `torch.Tensor` whose methods only torch answers, for reading its
+    values through its address. A subclass's own methods (or its `__torch_function__`), and an
+    attribute set on the object itself (`t.data_ptr = ...`), could report an address or a shape
+    its storage does not have, and the core would read there. The alias (made with subclass
+    overrides off) shares the storage, sizes and offset."""
+    if type(tensor) is torch.Tensor and not tensor.__dict__:
+        return tensor
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.as_subclass(tensor, torch.Tensor)
+
+
 def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     """Return a contiguous 1-D int32/int64 tensor holding `indices`, on `device` when given.
 
@@ -104,6 +116,8 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     truncated, and so are tensors on the meta device, which hold no values. The returned tensor
     must be kept alive until the transfer call returns.
     """
+    if isinstance(indices, torch.Tensor):
+        indices = plain_tensor(indices)
     if (
         isinstance(indices, torch.Tensor)
         and indices.dtype in _ACCEPTED

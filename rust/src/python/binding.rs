@@ -4,9 +4,10 @@
 //! hands over only the layers this rank owns). The binding maps controller layer ids to (host
 //! layer, device tensor), checks every tensor on first use (type, device, contiguity, storage,
 //! dtype, head split, row bytes), and then serves each transfer with only the layer id and the two
-//! index tensors: per call it re-reads the `data_ptr()` of the tensors it touches (SGLang reads
-//! the device pointer when it copies, so a tensor whose storage was swapped is checked again),
-//! checks the index tensors, and runs the engine it chose when it was built.
+//! index tensors: per call it checks the index tensors, then re-reads the extent of the tensors
+//! it touches (SGLang reads the device pointer when it copies, so a tensor whose storage was
+//! swapped is checked again), and runs the engine it chose when it was built. Nothing runs
+//! Python between that last read and the copy (`prepare`).
 //!
 //! Controller layer ids: a target layer is the device pool's local layer id; packed MTP draft `i`
 //! comes as `device_layer_num + i` with `is_draft=True`. Host layers: the owned target layers in
@@ -26,6 +27,7 @@ use super::errors::to_py;
 use super::extent;
 use super::host_pool::PyHostPool;
 use super::spec::PyPoolSpec;
+use super::tensor_calls;
 use crate::config;
 use crate::engine::{self, CopyEngine};
 use crate::error::{Error, PlanError};
@@ -35,7 +37,8 @@ use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op
 
 /// The torch objects a binding compares against, looked up once per process.
 pub(super) struct Torch {
-    tensor: Py<PyType>,
+    pub(super) tensor: Py<PyType>,
+    parameter: Py<PyType>,
     int32: Py<PyAny>,
     int64: Py<PyAny>,
     pub(super) cpu: Py<PyAny>,
@@ -43,6 +46,8 @@ pub(super) struct Torch {
     /// other dtypes, strided or device-resident tensors), with their exact refusals.
     pub(super) as_index_array: Py<PyAny>,
     check_storage: Py<PyAny>,
+    /// `hostkv_rs.pools.indices.plain_tensor`: a subclass's tensor as exactly a torch.Tensor.
+    pub(super) plain_tensor: Py<PyAny>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -53,58 +58,74 @@ pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
         let indices = py.import("hostkv_rs.pools.indices")?;
         Ok(Torch {
             tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            parameter: torch
+                .getattr("nn")?
+                .getattr("Parameter")?
+                .cast_into::<PyType>()?
+                .unbind(),
             int32: torch.getattr("int32")?.unbind(),
             int64: torch.getattr("int64")?.unbind(),
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
             as_index_array: indices.getattr("as_index_array")?.unbind(),
             check_storage: indices.getattr("check_storage")?.unbind(),
+            plain_tensor: indices.getattr("plain_tensor")?.unbind(),
         })
     })
 }
 
 /// What one device tensor was when it was checked: a transfer uses the checked pointer and rows
-/// only while the tensor still has this data pointer and byte size and its storage this byte
-/// size. The storage object is held, so the storage it names cannot be freed behind the check:
-/// a tensor `set_` to other memory changes its pointer (two live storages do not share an
-/// address), a tensor resized on its storage changes its byte size, and a storage resized,
-/// freed or reallocated in place changes the storage's byte size; any of these sends the
-/// binding through the full check again.
+/// only while the tensor still has this data pointer, byte size, shape and strides and its
+/// storage this byte size. The storage object is held, so the storage it names cannot be freed
+/// behind the check: a tensor `set_` to other memory changes its pointer (two live storages do
+/// not share an address), a tensor resized on its storage changes its byte size, one restrided
+/// in place (`as_strided_`, `transpose_`) its strides, and a storage resized, freed or
+/// reallocated in place changes the storage's byte size; any of these sends the binding through
+/// the full check again.
 ///
 /// Where this process's torch layout was found (`extent.rs`), the same facts are read straight
-/// from the tensor's and the storage's C++ objects, a few loads per tensor; otherwise three
-/// cheap Python calls per touched tensor, no allocation (the two methods are bound once, here:
-/// the abi3 build has no vectorcall of a method by name, so binding one per call would
-/// allocate it every time).
+/// from the tensor's and the storage's C++ objects, a few loads per tensor; otherwise a few
+/// Python calls per touched tensor, each through the type's method (`tensor_calls`).
 struct Snap {
     ptr: u64,
     tensor_nbytes: u64,
     storage_nbytes: u64,
-    /// `tensor.data_ptr`, bound.
-    data_ptr: Py<PyAny>,
-    /// `storage.nbytes`, bound to the held storage (which keeps the storage alive).
-    storage_nbytes_of: Py<PyAny>,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    /// The tensor's storage, held so that it cannot be freed behind the check.
+    storage: Py<PyAny>,
     /// The extent as torch's objects hold it, where it could be read and agreed with Python.
     read: Option<(extent::TorchLayout, extent::Extent)>,
 }
 
 impl Snap {
-    fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
-        let data_ptr = tensor.getattr(intern!(py, "data_ptr"))?;
-        let storage_nbytes_of = storage.getattr(intern!(py, "nbytes"))?;
+    /// `tensor`, asked through the type's methods (see `tensor_calls`); `shape` as checked.
+    fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>, shape: Vec<i64>) -> PyResult<Self> {
+        let m = tensor_calls::methods(py)?;
+        let storage = m.ask(&m.untyped_storage, tensor)?;
+        let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
+        // Read from torch's objects only where the snapshot also sees an in-place restride:
+        // through the contiguity flag (this tensor was checked contiguous), or else the sizes
+        // and strides themselves, read as Python says them.
         let read = match extent::layout(py)? {
             Some(layout) => {
                 let reported = extent::reported(tensor)?;
-                layout.snapshot(&reported).map(|e| (layout, e))
+                layout
+                    .snapshot(&reported)
+                    .filter(|e| {
+                        e.contiguous()
+                            || e.shape_and_strides() == Some((shape.clone(), strides.clone()))
+                    })
+                    .map(|e| (layout, e))
             }
             None => None,
         };
         Ok(Self {
-            ptr: data_ptr.call0()?.extract()?,
+            ptr: m.ask(&m.data_ptr, tensor)?.extract()?,
             tensor_nbytes: tensor.getattr(intern!(py, "nbytes"))?.extract()?,
-            storage_nbytes: storage_nbytes_of.call0()?.extract()?,
-            data_ptr: data_ptr.unbind(),
-            storage_nbytes_of: storage_nbytes_of.unbind(),
+            storage_nbytes: m.ask(&m.storage_nbytes, &storage)?.extract()?,
+            shape,
+            strides,
+            storage: storage.unbind(),
             read,
         })
     }
@@ -113,10 +134,11 @@ impl Snap {
     fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
         if let Some((layout, extent)) = &self.read {
             // SAFETY: `extent` was read through `layout` by `snapshot`; the GIL is held; the
-            // binding holds `tensor` and this snapshot holds its storage (`storage_nbytes_of`).
+            // binding holds `tensor` and this snapshot holds its storage.
             return Ok(unsafe { layout.unchanged(extent) });
         }
-        let ptr: u64 = self.data_ptr.bind(py).call0()?.extract()?;
+        let m = tensor_calls::methods(py)?;
+        let ptr: u64 = m.ask(&m.data_ptr, tensor)?.extract()?;
         if ptr != self.ptr {
             return Ok(false);
         }
@@ -124,8 +146,13 @@ impl Snap {
         if nbytes != self.tensor_nbytes {
             return Ok(false);
         }
-        let storage_nbytes: u64 = self.storage_nbytes_of.bind(py).call0()?.extract()?;
-        Ok(storage_nbytes == self.storage_nbytes)
+        let storage_nbytes: u64 = m.ask(&m.storage_nbytes, self.storage.bind(py))?.extract()?;
+        if storage_nbytes != self.storage_nbytes {
+            return Ok(false);
+        }
+        let shape: Vec<i64> = tensor.getattr(intern!(py, "shape"))?.extract()?;
+        let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
+        Ok(shape == self.shape && strides == self.strides)
     }
 }
 
@@ -243,12 +270,14 @@ impl PyDeviceBinding {
     /// Every tensor checked, as `check_device_layers` did in Python, with its texts.
     fn check_all(&self, py: Python<'_>) -> PyResult<CheckedDevice> {
         let t = torch(py)?;
+        let m = tensor_calls::methods(py)?;
         let mut snaps = Vec::with_capacity(self.tensors.len());
         let mut rows: Vec<Option<i64>> = vec![None; self.count];
         let mut device: Option<Bound<'_, PyAny>> = None;
         let mut device_type = String::new();
+        // First that they are tensors on one device (a property of the whole set), then each.
         for plane in 0..self.nplanes() {
-            for (layer, layer_rows) in rows.iter_mut().enumerate() {
+            for layer in 0..self.count {
                 let tensor = self.tensor(plane, layer).bind(py);
                 let where_ = format!("{} plane {plane} layer {layer}", self.what);
                 if !tensor.is_instance(t.tensor.bind(py))? {
@@ -285,19 +314,49 @@ impl PyDeviceBinding {
                     }
                     Some(_) => {}
                 }
+            }
+        }
+        for plane in 0..self.nplanes() {
+            for (layer, layer_rows) in rows.iter_mut().enumerate() {
+                let tensor = self.tensor(plane, layer).bind(py);
+                let where_ = format!("{} plane {plane} layer {layer}", self.what);
+                let kind = tensor.get_type();
+                if !kind.is(t.tensor.bind(py)) && !kind.is(t.parameter.bind(py)) {
+                    // Its pointer and shape are what this binding writes through, and a
+                    // subclass's own methods (or `__torch_function__`) could report memory it
+                    // does not own.
+                    return Err(PyTypeError::new_err(format!(
+                        "{where_}: expected a plain torch.Tensor, got the subclass {} (pass \
+                         `t.as_subclass(torch.Tensor)`)",
+                        kind.name()?
+                    )));
+                }
                 let shape: Vec<i64> = tensor.getattr("shape")?.extract()?;
                 if shape.is_empty() {
                     return Err(PyValueError::new_err(format!(
                         "{where_}: expected a tensor with a token dimension"
                     )));
                 }
-                if !tensor.call_method0("is_contiguous")?.is_truthy()? {
+                if !m.ask(&m.is_contiguous, tensor)?.is_truthy()? {
                     return Err(PyValueError::new_err(format!(
                         "{where_}: device layer tensors must be contiguous"
                     )));
                 }
-                t.check_storage.bind(py).call1((tensor, &where_))?;
-                let element: i64 = tensor.call_method0("element_size")?.extract()?;
+                if m.ask(&m.is_neg, tensor)?.is_truthy()?
+                    || m.ask(&m.is_conj, tensor)?.is_truthy()?
+                {
+                    // Its stored values are not the ones it reads as: a copy of its bytes would
+                    // move the un-negated (un-conjugated) values.
+                    return Err(PyValueError::new_err(format!(
+                        "{where_}: a negative or conjugate view cannot be a device layer \
+                         (resolve it first: `t.resolve_neg()`, `t.resolve_conj()`)"
+                    )));
+                }
+                // Our storage check asks a fresh alias, whose methods only torch answers.
+                t.check_storage
+                    .bind(py)
+                    .call1((m.alias(tensor)?, &where_))?;
+                let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
                 let row_bytes = shape[1..]
                     .iter()
                     .fold(element as i128, |acc, &d| acc * d as i128);
@@ -328,7 +387,7 @@ impl PyDeviceBinding {
                     )));
                 }
                 *layer_rows = Some(layer_rows.map_or(shape[0], |r| r.min(shape[0])));
-                snaps.push(Snap::take(py, tensor)?);
+                snaps.push(Snap::take(py, tensor, shape)?);
             }
         }
         let cuda = match (&device, device_type.as_str()) {
@@ -471,38 +530,76 @@ impl PyDeviceBinding {
         })
     }
 
-    /// Runs one core call with both index arrays in the form the core reads.
-    #[allow(clippy::too_many_arguments)]
-    fn run(
+    /// One call's device pointers, row bound, engine and index arrays, in this order of reading:
+    /// the indices first (converting one may run Python: a list's or an array's conversion, or
+    /// any hook it calls, which could free or move a device layer), the device pointers last, so
+    /// that no Python runs between the final pointer check and the copy. The engine and where the
+    /// indices are read depend on the device, which the last check stands in for until the
+    /// pointers are read (and the indices are read again in the rare case it changed).
+    fn prepare<'py>(
         &self,
-        py: Python<'_>,
-        core: &PyHostPool,
+        py: Python<'py>,
         backend: Backend,
-        op: Op,
-        ptrs: Vec<u64>,
-        rows: usize,
-        host: &Bound<'_, PyAny>,
-        device: &Bound<'_, PyAny>,
+        positions: &[usize],
+        host: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+        plan_only: bool,
+    ) -> PyResult<Prepared<'py>> {
+        let last = self.lock_checked(py)?.clone();
+        let mut cuda = match last {
+            Some(checked) => checked.cuda.as_ref().map(|d| d.clone_ref(py)),
+            None => self.device_ptrs(py, positions)?.2,
+        };
+        for _ in 0..3 {
+            let queue = self.engine(py, &cuda, plan_only)?;
+            let indices = self.indices(py, backend, &queue, host, device)?;
+            let (ptrs, rows, now) = self.device_ptrs(py, positions)?;
+            let same = match (&cuda, &now) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.bind(py).eq(b.bind(py))?,
+                _ => false,
+            };
+            if same {
+                return Ok(Prepared {
+                    ptrs,
+                    rows,
+                    queue,
+                    indices,
+                });
+            }
+            cuda = now;
+        }
+        Err(PyRuntimeError::new_err(format!(
+            "{}: the device layers kept moving between devices while the call was prepared",
+            self.what
+        )))
+    }
+
+    /// Both index arrays in the form the core reads, for a call on `queue`.
+    fn indices<'py>(
+        &self,
+        py: Python<'py>,
+        backend: Backend,
         queue: &Queue,
-    ) -> PyResult<()> {
-        let (engine, stream) = (queue.engine, queue.stream);
+        host: &Bound<'py, PyAny>,
+        device: &Bound<'py, PyAny>,
+    ) -> PyResult<Indices<'py>> {
         // CPU device pools and the direct backend read indices on the host; a CUDA kernel reads
         // device-resident ones where they are (and bounds-checks them itself).
-        let host_side = !(engine.memory() == DeviceMemory::Cuda && backend == Backend::Kernel);
-        let (mut h, _h_keep) = index_array(py, host, host_side)?;
-        let (mut d, _d_keep) = index_array(py, device, host_side)?;
+        let host_side =
+            !(queue.engine.memory() == DeviceMemory::Cuda && backend == Backend::Kernel);
+        let (mut h, h_keep) = index_array(py, host, host_side)?;
+        let (mut d, d_keep) = index_array(py, device, host_side)?;
         (h.map, d.map) = (self.index_map, self.index_map);
-        let (h_on_device, d_on_device) = (h.on_device, d.on_device);
         // A kernel reads device-resident indices in place, after this call returns: tell torch's
         // caching allocator, so a caller freeing them on another stream cannot have their
         // memory reused before the kernel has read them. Recorded before the call, since a call
         // that fails may still have queued work reading them (recording early only delays
         // reuse).
         if let Some(torch_stream) = &queue.torch_stream {
-            for (on_device, value, keep) in [
-                (h_on_device, host, &_h_keep),
-                (d_on_device, device, &_d_keep),
-            ] {
+            for (on_device, value, keep) in
+                [(h.on_device, host, &h_keep), (d.on_device, device, &d_keep)]
+            {
                 if on_device {
                     let tensor = keep.as_ref().unwrap_or(value);
                     tensor.call_method1(
@@ -512,11 +609,29 @@ impl PyDeviceBinding {
                 }
             }
         }
-        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call, of device tensors this
-        // binding holds (so they stay alive for the call) and checked to be contiguous, on
-        // `engine`'s device, with storage for at least `rows` rows of each plane's item size;
-        // the index arrays come from live contiguous int32/int64 tensors held in this frame
-        // (`_h_keep`, `_d_keep` or the caller's arguments). CUDA work is queued on the device's
+        Ok(Indices {
+            h,
+            d,
+            _keep: [h_keep, d_keep],
+        })
+    }
+
+    /// Runs one core call over `ptrs` (read after everything that may run Python).
+    fn run(
+        &self,
+        py: Python<'_>,
+        core: &PyHostPool,
+        backend: Backend,
+        op: Op,
+        ptrs: Vec<u64>,
+        call: &Prepared<'_>,
+    ) -> PyResult<()> {
+        let (engine, stream) = (call.queue.engine, call.queue.stream);
+        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call after its last Python code
+        // ran, of device tensors this binding holds (so they stay alive for the call) and
+        // checked to be contiguous, on `engine`'s device, with storage for at least `rows` rows
+        // of each plane's item size; the index arrays come from live contiguous int32/int64
+        // tensors held by `call` or the caller's arguments. CUDA work is queued on the device's
         // current stream, in whose order torch's caching allocator reuses freed memory.
         unsafe {
             core.run(
@@ -524,15 +639,30 @@ impl PyDeviceBinding {
                 backend,
                 op,
                 ptrs,
-                rows,
-                h,
-                d,
+                call.rows,
+                call.indices.h,
+                call.indices.d,
                 engine,
                 stream,
                 self.view.as_ref(),
             )
         }
     }
+}
+
+/// A call's index arrays and the converted tensors they read, kept alive for the call.
+struct Indices<'py> {
+    h: IndexArray,
+    d: IndexArray,
+    _keep: [Option<Bound<'py, PyAny>>; 2],
+}
+
+/// A call ready to run: see `PyDeviceBinding::prepare`.
+struct Prepared<'py> {
+    ptrs: Vec<u64>,
+    rows: usize,
+    queue: Queue,
+    indices: Indices<'py>,
 }
 
 /// An index argument as the core reads it: the fast path reads a contiguous 1-D int32/int64
@@ -553,9 +683,10 @@ fn index_array<'py>(
         py.None().into_bound(py)
     };
     let converted = t.as_index_array.bind(py).call1((value, target))?;
-    let ptr: u64 = converted.call_method0("data_ptr")?.extract()?;
-    let len: usize = converted.call_method0("numel")?.extract()?;
-    let width = match converted.call_method0("element_size")?.extract::<usize>()? {
+    let m = tensor_calls::methods(py)?;
+    let ptr: u64 = m.ask(&m.data_ptr, &converted)?.extract()?;
+    let len: usize = m.ask(&m.numel, &converted)?.extract()?;
+    let width = match m.ask(&m.element_size, &converted)?.extract::<usize>()? {
         4 => IndexWidth::I32,
         _ => IndexWidth::I64,
     };
@@ -607,11 +738,12 @@ fn fast_index(
     value: &Bound<'_, PyAny>,
     host_side: bool,
 ) -> PyResult<Option<IndexArray>> {
-    let exact = value.get_type().is(t.tensor.bind(py));
-    if !exact && !value.is_instance(t.tensor.bind(py))? {
+    // A subclass could report an address or a shape its storage does not have (through its
+    // own methods or `__torch_function__`): the conversion reads it as a plain tensor first.
+    if !value.get_type().is(t.tensor.bind(py)) {
         return Ok(None);
     }
-    let layout = if exact { extent::layout(py)? } else { None };
+    let layout = extent::layout(py)?;
     // SAFETY: `value` is exactly a torch.Tensor (checked above), borrowed for this call, and
     // the GIL is held.
     if let Some(facts) = layout.and_then(|l| unsafe { l.index(value.as_ptr() as usize) }) {
@@ -634,7 +766,8 @@ fn fast_index(
     } else {
         return Ok(None);
     };
-    let dim: usize = value.call_method0(pyo3::intern!(py, "dim"))?.extract()?;
+    let m = tensor_calls::methods(py)?;
+    let dim: usize = m.ask(&m.dim, value)?.extract()?;
     if dim != 1 {
         return Ok(None);
     }
@@ -645,13 +778,7 @@ fn fast_index(
     if !on_device && !value.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
         return Ok(None); // meta and other devices: as_index_array refuses them with its text
     }
-    if !value
-        .call_method0(pyo3::intern!(py, "is_contiguous"))?
-        .is_truthy()?
-        || value
-            .call_method0(pyo3::intern!(py, "is_neg"))?
-            .is_truthy()?
-    {
+    if !m.ask(&m.is_contiguous, value)?.is_truthy()? || m.ask(&m.is_neg, value)?.is_truthy()? {
         return Ok(None); // a negative view: as_index_array resolves it
     }
     let dense = match layout {
@@ -685,7 +812,16 @@ fn dense_index(
     // A storage shorter than the view, or without memory (functionalized, fake): check_storage
     // refuses it with its text.
     if len > 0 && (need > dense.storage_nbytes as u128 || dense.storage_data == 0) {
-        t.check_storage.bind(py).call1((value, "index tensor"))?;
+        let m = tensor_calls::methods(py)?;
+        t.check_storage
+            .bind(py)
+            .call1((m.alias(value)?, "index tensor"))?;
+        // What torch's objects said is what is read: never past it, whatever Python said.
+        return Err(PyValueError::new_err(format!(
+            "index tensor: its storage holds {} bytes, fewer than the {need} its {len} values \
+             at offset {} need",
+            dense.storage_nbytes, dense.storage_offset
+        )));
     }
     let ptr = dense.storage_data as u128 + dense.storage_offset as u128 * width.bytes() as u128;
     Ok(Some(IndexArray {
@@ -700,7 +836,8 @@ fn dense_index(
 /// An index tensor's extent asked of torch through Python (the path without torch's field
 /// offsets): a storage whose address torch will not give (functionalized) reads as no data.
 fn python_dense(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<extent::Dense> {
-    let numel: u64 = value.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
+    let m = tensor_calls::methods(py)?;
+    let numel: u64 = m.ask(&m.numel, value)?.extract()?;
     if numel == 0 {
         return Ok(extent::Dense {
             numel,
@@ -709,19 +846,15 @@ fn python_dense(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<extent::De
             storage_nbytes: 0,
         });
     }
-    let storage = value.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+    let storage = m.ask(&m.untyped_storage, value)?;
     Ok(extent::Dense {
         numel,
-        storage_offset: value
-            .call_method0(pyo3::intern!(py, "storage_offset"))?
-            .extract()?,
-        storage_data: storage
-            .call_method0(pyo3::intern!(py, "data_ptr"))
+        storage_offset: m.ask(&m.storage_offset, value)?.extract()?,
+        storage_data: m
+            .ask(&m.storage_data_ptr, &storage)
             .and_then(|p| p.extract::<u64>())
             .unwrap_or(0),
-        storage_nbytes: storage
-            .call_method0(pyo3::intern!(py, "nbytes"))?
-            .extract()?,
+        storage_nbytes: m.ask(&m.storage_nbytes, &storage)?.extract()?,
     })
 }
 
@@ -871,18 +1004,22 @@ impl PyDeviceBinding {
             core.get()
                 .verify_pages(py, &self.name, host_indices, values)?;
         }
-        let (ptrs, rows, cuda) = self.device_ptrs(py, &[position])?;
-        let engine = self.engine(py, &cuda, plan_only)?;
+        let mut call = self.prepare(
+            py,
+            backend,
+            &[position],
+            host_indices,
+            device_indices,
+            plan_only,
+        )?;
+        let ptrs = std::mem::take(&mut call.ptrs);
         self.run(
             py,
             core.get(),
             backend,
             Op::Load { host_layer },
             ptrs,
-            rows,
-            host_indices,
-            device_indices,
-            &engine,
+            &call,
         )?;
         Ok(true)
     }
@@ -920,20 +1057,17 @@ impl PyDeviceBinding {
             return Ok(());
         }
         let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
-        let (ptrs, rows, cuda) = self.device_ptrs(py, &positions)?;
-        let engine = self.engine(py, &cuda, plan_only)?;
+        let mut call = self.prepare(
+            py,
+            backend,
+            &positions,
+            host_indices,
+            device_indices,
+            plan_only,
+        )?;
+        let ptrs = std::mem::take(&mut call.ptrs);
         if self.layers.complete() {
-            self.run(
-                py,
-                core.get(),
-                backend,
-                Op::Backup,
-                ptrs,
-                rows,
-                host_indices,
-                device_indices,
-                &engine,
-            )?;
+            self.run(py, core.get(), backend, Op::Backup, ptrs, &call)?;
         } else {
             let n = positions.len();
             for (k, &(host_layer, _)) in order.iter().enumerate() {
@@ -944,15 +1078,12 @@ impl PyDeviceBinding {
                     backend,
                     Op::BackupLayer { host_layer },
                     layer_ptrs,
-                    rows,
-                    host_indices,
-                    device_indices,
-                    &engine,
+                    &call,
                 )?;
             }
         }
         if core.get().watches() && !plan_only {
-            if let Some(stream) = &engine.torch_stream {
+            if let Some(stream) = &call.queue.torch_stream {
                 stream.bind(py).call_method0("synchronize")?; // the copy has landed
             }
             core.get()

@@ -16,17 +16,19 @@
 //!
 //! Why the per-call read of a checked device tensor (`unchanged`) is sound: a snapshot is taken
 //! only when reading its objects with the found offsets (again with the faultless read) gives
-//! exactly what Python reports for it. The binding holds the tensor object, and the snapshot
-//! holds the storage object, so the `StorageImpl` it read stays allocated. A tensor object does
-//! not own one `TensorImpl` for life (`torch.utils.swap_tensors` exchanges them), so `unchanged`
-//! reads through a pointer only after checking that it is still the snapshot's: the object's
-//! `TensorImpl` pointer first (the object is alive), then, through that impl (alive: the object
-//! still names it), its storage pointer, and only then the held `StorageImpl`'s fields. What is
-//! compared: the storage, the words of its data pointer through its byte size (the data
-//! pointer, its deleter and context, so a storage turned copy-on-write is checked again), the
-//! storage offset, the element count and the dtype. Reads happen with the GIL held; torch
-//! methods that change these fields may release it, so a concurrent change is seen by this
-//! call or the next, and either way every read stays inside a live object.
+//! exactly what Python reports for it. The binding holds the tensor object, and the snapshot holds
+//! the storage object, so the `StorageImpl` it read stays allocated. A tensor object does not own
+//! one `TensorImpl` for life (`torch.utils.swap_tensors` exchanges them), so `unchanged` reads
+//! through a pointer only after checking that it is still the snapshot's: the object's `TensorImpl`
+//! pointer first (the object is alive), then, through that impl (alive: the object still names it),
+//! its storage pointer, and only then the held `StorageImpl`'s fields. What is compared: the
+//! storage, the words of its data pointer through its byte size (the data pointer, its deleter and
+//! context, so a storage turned copy-on-write is checked again), the storage offset, the element
+//! count, the dtype, and that the tensor is still contiguous (its `is_contiguous_` flag, found the
+//! same way; where it is not found, its sizes and strides), so a tensor restrided in place
+//! (`transpose_`, `as_strided_`) is checked again. Reads happen with the GIL held; torch methods
+//! that change these fields may release it, so a concurrent change is seen by this call or the
+//! next, and either way every read stays inside a live object.
 //!
 //! Index tensors are read once per call with no snapshot to compare, only for objects of
 //! exactly `torch.Tensor` and only when they have a storage with data. Where the sizes record,
@@ -50,6 +52,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyDict, PySlice};
 
+use super::tensor_calls;
 use crate::config;
 
 /// Byte offsets, found once per process: the `TensorImpl` pointer in the tensor's Python
@@ -76,6 +79,10 @@ pub(crate) struct TorchLayout {
     /// (`torch._neg_view`: the values read are the stored ones negated). None where not found,
     /// as `sizes`.
     pub(crate) negative: Option<(usize, u64)>,
+    /// The word of the `TensorImpl`'s flags and the bit that says it is contiguous (c10 keeps
+    /// `is_contiguous_` among the bit-fields after the dtype). None where not found: a
+    /// snapshot then compares the sizes and strides themselves, one more cache line per tensor.
+    pub(crate) contiguous: Option<(usize, u64)>,
 }
 
 /// Dimensions c10's `SizesAndStrides` keeps inline (sizes, then strides, after the count).
@@ -99,6 +106,33 @@ pub(crate) struct Extent {
     dtype: u16,
     /// The `StorageImpl` words from the data pointer through the byte size.
     allocation: [u64; ALLOCATION_WORDS],
+    /// The dimension count and the inline sizes and strides, where the sizes record was found
+    /// and holds them inline (up to `INLINE_DIMS` dimensions).
+    geometry: Option<[u64; GEOMETRY_WORDS]>,
+    /// Whether the contiguity bit was set (where it was found).
+    contiguous: bool,
+}
+
+/// The sizes-and-strides words a snapshot keeps: the count, then the inline sizes and strides.
+const GEOMETRY_WORDS: usize = 1 + 2 * INLINE_DIMS;
+
+impl Extent {
+    /// Whether the snapshot read the tensor's contiguity flag, set.
+    pub(crate) fn contiguous(&self) -> bool {
+        self.contiguous
+    }
+
+    /// The tensor's (sizes, strides) as the snapshot read them; None where they were not read.
+    pub(crate) fn shape_and_strides(&self) -> Option<(Vec<i64>, Vec<i64>)> {
+        let words = self.geometry?;
+        let dims = words[0] as usize;
+        let sizes = words[1..=dims].iter().map(|&w| w as i64).collect();
+        let strides = words[1 + INLINE_DIMS..=INLINE_DIMS + dims]
+            .iter()
+            .map(|&w| w as i64)
+            .collect();
+        Some((sizes, strides))
+    }
 }
 
 /// Words from a storage's data pointer through its byte size that a snapshot keeps (torch 2.15:
@@ -255,6 +289,7 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
                                     sizes: None,
                                     device: None,
                                     negative: None,
+                                    contiguous: None,
                                 });
                             }
                         }
@@ -266,22 +301,18 @@ fn candidates(reader: &SafeReader, reported: &Reported) -> Vec<TorchLayout> {
     out
 }
 
-/// What Python says about `tensor`, for a search or a snapshot.
+/// What Python says about `tensor`, for a search or a snapshot (asked through the types'
+/// methods, so an instance attribute cannot answer: `tensor_calls`).
 pub(crate) fn reported(tensor: &Bound<'_, PyAny>) -> PyResult<Reported> {
     let py = tensor.py();
-    let storage = tensor.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+    let m = tensor_calls::methods(py)?;
+    let storage = m.ask(&m.untyped_storage, tensor)?;
     Ok(Reported {
         object: tensor.as_ptr() as usize,
-        storage_data: storage
-            .call_method0(pyo3::intern!(py, "data_ptr"))?
-            .extract()?,
-        storage_nbytes: storage
-            .call_method0(pyo3::intern!(py, "nbytes"))?
-            .extract()?,
-        storage_offset: tensor
-            .call_method0(pyo3::intern!(py, "storage_offset"))?
-            .extract()?,
-        numel: tensor.call_method0(pyo3::intern!(py, "numel"))?.extract()?,
+        storage_data: m.ask(&m.storage_data_ptr, &storage)?.extract()?,
+        storage_nbytes: m.ask(&m.storage_nbytes, &storage)?.extract()?,
+        storage_offset: m.ask(&m.storage_offset, tensor)?.extract()?,
+        numel: m.ask(&m.numel, tensor)?.extract()?,
         scalar_type: None,
         basicsize: tensor
             .get_type()
@@ -370,6 +401,7 @@ fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
     );
     found.device = device_offset(py, &reader, &found, &probes).unwrap_or(None);
     found.negative = negative_bit(&reader, &found, &probes).unwrap_or(None);
+    found.contiguous = contiguous_bit(&reader, &found, &probes).unwrap_or(None);
     Ok(Some(found))
 }
 
@@ -414,6 +446,42 @@ fn negative_bit(
     });
     let first = hits.next();
     Ok(first.filter(|_| hits.next().is_none()))
+}
+
+/// The one (word, bit) of the `TensorImpl`, in the dtype's word or the few after it, that is set
+/// in each (contiguous, 2-D) probe and clear in its transpose, a view of the same storage, offset
+/// and count that is not contiguous. Where there is not exactly one, None.
+fn contiguous_bit(
+    reader: &SafeReader,
+    found: &TorchLayout,
+    probes: &[(Bound<'_, PyAny>, u16)],
+) -> PyResult<Option<(usize, u64)>> {
+    let from = found.dtype / 8;
+    let to = ((found.dtype + KEYS_AFTER_DTYPE) / 8).min(IMPL_SEARCH / 8 - 1);
+    let mut candidates: Option<Vec<u64>> = None;
+    for (probe, _) in probes {
+        let transposed = probe.call_method0("t")?;
+        let words = |t: &Bound<'_, PyAny>| {
+            let impl_addr = reader.word(t.as_ptr() as usize + found.tensor_impl)?;
+            reader.words::<{ IMPL_SEARCH / 8 }>(impl_addr as usize)
+        };
+        let (Some(plain), Some(other)) = (words(probe), words(&transposed)) else {
+            return Ok(None);
+        };
+        let bits: Vec<u64> = (from..=to).map(|i| plain[i] & !other[i]).collect();
+        candidates = Some(match candidates {
+            None => bits,
+            Some(before) => before.iter().zip(&bits).map(|(a, b)| a & b).collect(),
+        });
+    }
+    let bits = candidates.unwrap_or_default();
+    if bits.iter().map(|w| w.count_ones()).sum::<u32>() != 1 {
+        return Ok(None);
+    }
+    Ok(bits
+        .iter()
+        .position(|&w| w != 0)
+        .map(|k| ((from + k) * 8, bits[k])))
 }
 
 /// The one item of `items`, or None where there are none or several.
@@ -468,6 +536,10 @@ impl TorchLayout {
             *word = reader.word(storage_impl + self.data + k * 8)?;
         }
         let dtype_word = reader.word((tensor_impl + self.dtype) & !7)?;
+        let geometry = self.sizes.and_then(|at| {
+            let words = reader.words::<GEOMETRY_WORDS>(tensor_impl + at)?;
+            (words[0] as usize <= INLINE_DIMS).then_some(words)
+        });
         let extent = Extent {
             object: reported.object,
             tensor_impl,
@@ -476,6 +548,11 @@ impl TorchLayout {
             numel: reader.word(tensor_impl + self.numel)?,
             dtype: (dtype_word >> (((tensor_impl + self.dtype) % 8) * 8)) as u16,
             allocation,
+            geometry,
+            contiguous: self
+                .contiguous
+                .and_then(|(at, bit)| reader.word(tensor_impl + at).map(|w| w & bit != 0))
+                .unwrap_or(false),
         };
         // The allocation words run from the data pointer to the byte size.
         let (data, nbytes) = (allocation[0], allocation[self.allocation_words() - 1]);
@@ -488,7 +565,8 @@ impl TorchLayout {
     }
 
     /// Whether the tensor of `extent` still has it: same `TensorImpl`, same storage, same
-    /// allocation and byte size, same offset and count.
+    /// allocation and byte size, same offset, count and dtype, and the same sizes and strides
+    /// where the snapshot read them.
     ///
     /// # Safety
     /// `extent` came from `snapshot` with these offsets, the caller holds the GIL, and the
@@ -499,19 +577,44 @@ impl TorchLayout {
             // SAFETY: per this function's contract, `addr` lies inside a live, aligned object.
             unsafe { std::ptr::read_volatile(addr as *const u64) }
         };
-        let read_u16 = |addr: usize| -> u16 {
-            // SAFETY: as `read`; a 2-byte field at its own (2-byte) alignment.
-            unsafe { std::ptr::read_volatile(addr as *const u16) }
-        };
+        // The dtype's aligned word: the contiguity flag usually shares it (one load for both).
+        let dtype_at = extent.tensor_impl + self.dtype;
+        let dtype_word = |w: u64| (w >> ((dtype_at % 8) * 8)) as u16;
         // The order matters: each pointer is read through only once it is known to be the
         // snapshot's (see the module doc).
-        read(extent.object + self.tensor_impl) as usize == extent.tensor_impl
-            && read(extent.tensor_impl + self.storage) as usize == extent.storage_impl
-            && (0..self.allocation_words())
-                .all(|k| read(extent.storage_impl + self.data + k * 8) == extent.allocation[k])
+        if read(extent.object + self.tensor_impl) as usize != extent.tensor_impl
+            || read(extent.tensor_impl + self.storage) as usize != extent.storage_impl
+        {
+            return false;
+        }
+        let word = read(dtype_at & !7);
+        (0..self.allocation_words())
+            .all(|k| read(extent.storage_impl + self.data + k * 8) == extent.allocation[k])
             && read(extent.tensor_impl + self.storage_offset) == extent.storage_offset
             && read(extent.tensor_impl + self.numel) == extent.numel
-            && read_u16(extent.tensor_impl + self.dtype) == extent.dtype
+            && dtype_word(word) == extent.dtype
+            && match (self.sizes, &extent.geometry) {
+                // A tensor still contiguous with the same storage, offset, count and dtype covers
+                // the same bytes in the same order of rows (the flag shares a cache line with the
+                // fields above; the sizes do not).
+                _ if extent.contiguous => {
+                    let (at, bit) = self.contiguous.unwrap_or_default();
+                    let at = extent.tensor_impl + at;
+                    let flags = if at == dtype_at & !7 { word } else { read(at) };
+                    flags & bit != 0
+                }
+                // The count, then only the sizes and strides it covers.
+                (Some(at), Some(words)) => {
+                    let at = extent.tensor_impl + at;
+                    let dims = words[0] as usize;
+                    read(at) == words[0]
+                        && (1..=dims).all(|k| {
+                            read(at + k * 8) == words[k]
+                                && read(at + (k + INLINE_DIMS) * 8) == words[k + INLINE_DIMS]
+                        })
+                }
+                _ => true,
+            }
     }
 
     /// Words from the data pointer through the byte size.
@@ -704,6 +807,7 @@ pub(crate) fn tensor_extent_layout(py: Python<'_>) -> PyResult<Option<Vec<(&'sta
         fields.extend(l.sizes.map(|at| ("sizes", at)));
         fields.extend(l.device.map(|at| ("device", at)));
         fields.extend(l.negative.map(|(at, _)| ("negative", at)));
+        fields.extend(l.contiguous.map(|(at, _)| ("contiguous", at)));
         fields
     }))
 }

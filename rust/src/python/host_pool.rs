@@ -568,9 +568,11 @@ impl PyHostPool {
         self.geom.item_bytes.clone()
     }
 
+    /// Refused once a plane's storage no longer holds the memory (as every transfer is).
     #[getter]
-    fn plane_addrs(&self) -> Vec<u64> {
-        self.geom.plane_base.clone()
+    fn plane_addrs(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.check_memory(py)?;
+        Ok(self.geom.plane_base.clone())
     }
 
     /// Raw entry point (tests and benchmarks; cargo feature `raw-calls`, which the release wheel

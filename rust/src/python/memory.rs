@@ -21,6 +21,7 @@ use super::args::int_in;
 use super::errors::{type_err, value_err};
 use super::extent::{self, StorageAllocation};
 use super::region::PyHostRegion;
+use super::tensor_calls;
 
 /// Bytes a core may touch, from `addr`, and the object that owns them.
 pub(crate) struct HostMemory {
@@ -63,9 +64,12 @@ impl StorageWatch {
             return Ok(());
         }
         // Changed words may still be the same memory (a deleter context replaced): Python says.
+        // Through the type's methods: torch keeps one Python object per storage, which an
+        // attribute set on it could otherwise answer for (`tensor_calls`).
         let storage = self.storage.bind(py);
-        let data: u64 = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
-        let nbytes: u64 = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        let m = tensor_calls::methods(py)?;
+        let data: u64 = m.ask(&m.storage_data_ptr, storage)?.extract()?;
+        let nbytes: u64 = m.ask(&m.storage_nbytes, storage)?.extract()?;
         if data == self.data && nbytes == self.nbytes {
             return Ok(());
         }
@@ -119,12 +123,16 @@ fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
             watch: region.watch.as_ref().map(|w| w.clone_ref(owner.py())),
         });
     }
-    if !owner.hasattr("untyped_storage")? {
+    let t = super::binding::torch(owner.py())?;
+    if !owner.is_instance(t.tensor.bind(owner.py()))? {
         return Err(type_err(format!(
             "{what} must be a HostRegion, a CPU torch tensor or (owner, byte_offset), got {}",
             owner.get_type().name()?
         )));
     }
+    // The address and extent below come from the tensor's methods, which a subclass (or its
+    // `__torch_function__`) could answer with memory it does not own: read a plain alias.
+    let owner = &t.plain_tensor.bind(owner.py()).call1((owner,))?;
     let device = owner.getattr("device")?.getattr("type")?;
     if device.extract::<&str>()? != "cpu" {
         return Err(value_err(format!(
@@ -132,13 +140,14 @@ fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
             owner.getattr("device")?.str()?
         )));
     }
-    if !owner.call_method0("is_contiguous")?.extract::<bool>()? {
+    let m = tensor_calls::methods(owner.py())?;
+    if !m.ask(&m.is_contiguous, owner)?.extract::<bool>()? {
         return Err(value_err(format!("{what} must be a contiguous tensor")));
     }
-    let storage = owner.call_method0("untyped_storage")?;
-    let base: u64 = storage.call_method0("data_ptr")?.extract()?;
-    let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-    let addr: u64 = owner.call_method0("data_ptr")?.extract()?;
+    let storage = m.ask(&m.untyped_storage, owner)?;
+    let base: u64 = m.ask(&m.storage_data_ptr, &storage)?.extract()?;
+    let nbytes: u64 = m.ask(&m.storage_nbytes, &storage)?.extract()?;
+    let addr: u64 = m.ask(&m.data_ptr, owner)?.extract()?;
     let start = addr.wrapping_sub(base);
     if addr < base || start > nbytes {
         return Err(value_err(format!(

@@ -15,6 +15,7 @@ mod page_watch;
 mod raw;
 mod region;
 mod spec;
+mod tensor_calls;
 mod unified;
 mod v4;
 

@@ -107,9 +107,12 @@ impl PyHostRegion {
         self.inner.len()
     }
 
+    /// Refused, like every other hand-out of the memory, once adopted memory's storage no
+    /// longer holds it.
     #[getter]
-    fn address(&self) -> u64 {
-        self.inner.addr()
+    fn address(&self, py: Python<'_>) -> PyResult<u64> {
+        self.check(py)?;
+        Ok(self.inner.addr())
     }
 
     #[getter]
