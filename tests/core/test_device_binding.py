@@ -574,3 +574,93 @@ def test_a_negative_view_device_layer_is_refused():
         host.load_to_device_per_layer(dev, h, d, 0, "kernel")
     with pytest.raises(ValueError, match="a negative or conjugate view cannot be a device layer"):
         host.backup_from_device_all_layer(dev, h, d, "kernel")
+
+
+# Python the caller does not call itself, run by the interpreter during a call's own checks: a
+# garbage-collected object's finalizer that frees a layer whose pointer the check already read,
+# and a storage deleter (a buffer owner's __del__) run when the binding lets go of the storage
+# its last check held. Both used to end in a write to freed memory.
+_FINALIZERS = r"""
+import gc, sys
+import torch
+from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
+
+N = 1 << 16
+dev = MHATokenToKVPool(N, 16, torch.float32, head_num=2, head_dim=8, layer_num=2)
+fired, victims = [], []
+if "CASE" == "deleter":
+    class Owner(bytearray):
+        def __del__(self):
+            # Whether the call's copy has already landed in the layer it is about to free.
+            fired.append(bool((dev.k_buffer[0][64:128] == 7).all()))
+            dev.k_buffer[0].untyped_storage().resize_(0)
+            victims.append(torch.zeros(N * 16))  # likely at the address just freed
+
+    base = torch.frombuffer(Owner(N * 64), dtype=torch.float32)
+    dev.k_buffer[0] = torch.empty(0).set_(base.untyped_storage(), 0, (N, 2, 8), (16, 8, 1))
+    del base
+host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
+h = host.alloc(64)
+host.kv_buffer.fill_(7)
+rows = torch.arange(64, 128)
+host.load_to_device_per_layer(dev, h, rows, 0, "kernel")  # checked and cached
+dev.k_buffer[0].set_(torch.zeros(N, 2, 8))  # the next call checks every layer again
+if "CASE" == "finalizer":
+    class Bomb:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            if fired:
+                return
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_name == "check_storage" and "layer 1" in str(
+                    frame.f_locals.get("what")
+                ):
+                    fired.append(False)
+                    dev.k_buffer[0].untyped_storage().resize_(0)
+                    victims.append(torch.zeros(N * 16))
+                    return
+                frame = frame.f_back
+            Bomb()
+
+    Bomb()
+    gc.set_threshold(1, 1, 1)
+try:
+    host.load_to_device_per_layer(dev, h, rows, 0, "kernel")
+except ValueError as exc:
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED")
+gc.set_threshold(700, 10, 10)
+print("FIRED", fired, "VICTIM", int(victims[0].count_nonzero()) if victims else None)
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "extent", "outcome"),
+    [
+        (
+            "finalizer",
+            "auto",
+            "REFUSED device pool plane 0 layer 0: the tensor's storage holds 0 bytes",
+        ),
+        ("deleter", "auto", "ACCEPTED"),
+        ("deleter", "python", "ACCEPTED"),
+    ],
+)
+def test_python_run_by_the_interpreter_during_a_call_never_frees_what_it_writes(
+    case, extent, outcome
+):
+    """A call ends with a check that runs no Python (every touched tensor and host storage still
+    as this call checked it, read from torch's objects), and keeps every state it replaced
+    alive until its copy is done. (Without torch's offsets, `HOSTKV_TENSOR_EXTENT=python`, that
+    last check cannot be made without Python: a finalizer freeing a layer during the call's own
+    checks is then outside what the call vouches for, as the README says.)"""
+    done = _child(_FINALIZERS.replace("CASE", case), extent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert outcome in done.stdout, done.stdout
+    # The finalizer ran during the checks and the call refused; the deleter ran after the copy.
+    fired = "FIRED [False] VICTIM 0" if case == "finalizer" else "FIRED [True] VICTIM 0"
+    assert fired in done.stdout, done.stdout

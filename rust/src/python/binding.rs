@@ -74,13 +74,13 @@ pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
 }
 
 /// What one device tensor was when it was checked: a transfer uses the checked pointer and rows
-/// only while the tensor still has this data pointer, byte size, shape and strides and its
-/// storage this byte size. The storage object is held, so the storage it names cannot be freed
-/// behind the check: a tensor `set_` to other memory changes its pointer (two live storages do
-/// not share an address), a tensor resized on its storage changes its byte size, one restrided
-/// in place (`as_strided_`, `transpose_`) its strides, and a storage resized, freed or
-/// reallocated in place changes the storage's byte size; any of these sends the binding through
-/// the full check again.
+/// only while the tensor still has this data pointer and byte size, is still contiguous, and its
+/// storage still has this byte size. The storage object is held, so the storage it names cannot
+/// be freed behind the check: a tensor `set_` to other memory changes its pointer (two live
+/// storages do not share an address), a tensor resized on its storage changes its byte size,
+/// one restrided in place (`as_strided_`, `transpose_`) is no longer contiguous, and a storage
+/// resized, freed or reallocated in place changes the storage's byte size; any of these sends
+/// the binding through the full check again.
 ///
 /// Where this process's torch layout was found (`extent.rs`), the same facts are read straight
 /// from the tensor's and the storage's C++ objects, a few loads per tensor; otherwise a few
@@ -89,8 +89,6 @@ struct Snap {
     ptr: u64,
     tensor_nbytes: u64,
     storage_nbytes: u64,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
     /// The tensor's storage, held so that it cannot be freed behind the check.
     storage: Py<PyAny>,
     /// The extent as torch's objects hold it, where it could be read and agreed with Python.
@@ -123,8 +121,6 @@ impl Snap {
             ptr: m.ask(&m.data_ptr, tensor)?.extract()?,
             tensor_nbytes: tensor.getattr(intern!(py, "nbytes"))?.extract()?,
             storage_nbytes: m.ask(&m.storage_nbytes, &storage)?.extract()?,
-            shape,
-            strides,
             storage: storage.unbind(),
             read,
         })
@@ -150,9 +146,10 @@ impl Snap {
         if storage_nbytes != self.storage_nbytes {
             return Ok(false);
         }
-        let shape: Vec<i64> = tensor.getattr(intern!(py, "shape"))?.extract()?;
-        let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
-        Ok(shape == self.shape && strides == self.strides)
+        // As the read from torch's objects: still contiguous (the same bytes, in the same order
+        // of rows; a contiguous reshape of them is written as it was checked, as SGLang's
+        // kernels write a layer through its pointer and the pool's item size).
+        m.ask(&m.is_contiguous, tensor)?.is_truthy()
     }
 }
 
@@ -413,34 +410,52 @@ impl PyDeviceBinding {
             .unwrap_or(0)
     }
 
-    /// The pointers of `positions` (plane-major per position), re-checking every tensor when
-    /// one of them is no longer what was checked (or nothing was checked yet).
-    fn device_ptrs(
-        &self,
-        py: Python<'_>,
-        positions: &[usize],
-    ) -> PyResult<(Vec<u64>, usize, Option<Py<PyAny>>)> {
+    /// The binding's checked state for a call touching `positions`: the last check where every
+    /// tensor it touches still holds, else a full check, which replaces it (then the third
+    /// element is true: the check ran Python). The state it replaced is handed back, not
+    /// dropped: dropping it may free a storage whose deleter runs Python, which must wait until
+    /// the copy is done (the caller keeps it until then).
+    fn checked(&self, py: Python<'_>, positions: &[usize]) -> PyResult<Checked> {
         let last = self.lock_checked(py)?.clone();
-        let checked = match last {
-            Some(checked) if self.still_holds(py, &checked, positions)? => checked,
-            _ => {
-                let fresh = Arc::new(self.check_all(py)?);
-                let stale = self.lock_checked(py)?.replace(Arc::clone(&fresh));
-                drop(stale); // outside the lock: dropping Python objects may run Python
-                fresh
+        match last {
+            Some(checked) if self.still_holds(py, &checked, positions)? => {
+                Ok((checked, None, false))
             }
-        };
+            last => {
+                let fresh = Arc::new(self.check_all(py)?);
+                let replaced = self.lock_checked(py)?.replace(Arc::clone(&fresh));
+                drop(replaced); // the same state as `last`, which still holds it
+                Ok((fresh, last, true))
+            }
+        }
+    }
+
+    /// The pointers of `positions` in `checked` (plane-major per position).
+    fn ptrs_of(&self, checked: &CheckedDevice, positions: &[usize]) -> Vec<u64> {
         let mut out = Vec::with_capacity(positions.len() * self.nplanes());
         for plane in 0..self.nplanes() {
             for &pos in positions {
                 out.push(checked.snaps[plane * self.count + pos].ptr);
             }
         }
-        Ok((
-            out,
-            Self::fewest_rows(&checked, positions),
-            checked.cuda.as_ref().map(|d| d.clone_ref(py)),
-        ))
+        out
+    }
+
+    /// Whether every tensor at `positions` still has the extent `checked` read from torch's
+    /// objects, asked without running Python or making a Python object (so that no finalizer
+    /// or hook can run while it is asked). A tensor checked through Python (no torch layout) counts as
+    /// settled: the fallback cannot be asked without running Python.
+    fn settled(&self, checked: &CheckedDevice, positions: &[usize]) -> bool {
+        (0..self.nplanes()).all(|plane| {
+            positions.iter().all(|&pos| {
+                checked.snaps[plane * self.count + pos]
+                    .read
+                    .as_ref()
+                    // SAFETY: the GIL is held (the caller's `Python` token is live through
+                    // `prepare`), the binding holds the tensor and the snapshot its storage.
+                    .is_none_or(|(layout, extent)| unsafe { layout.unchanged(extent) })
+            })
+        })
     }
 
     fn still_holds(
@@ -532,45 +547,69 @@ impl PyDeviceBinding {
 
     /// One call's device pointers, row bound, engine and index arrays, in this order of reading:
     /// the indices first (converting one may run Python: a list's or an array's conversion, or
-    /// any hook it calls, which could free or move a device layer), the device pointers last, so
-    /// that no Python runs between the final pointer check and the copy. The engine and where the
-    /// indices are read depend on the device, which the last check stands in for until the
-    /// pointers are read (and the indices are read again in the rare case it changed).
+    /// any hook it calls, which could free or move a device layer), then the host memory and the
+    /// device tensors, each of which may run Python too (a check through Python, or a finalizer
+    /// or profile hook any Python call can trigger). So the call ends with a check that runs no
+    /// Python and makes no Python object: every touched device tensor and host storage read from
+    /// torch's objects is still what this call checked; if not, everything is read again. The
+    /// engine and where the indices are read depend on the device, which the last check stands
+    /// in for until the tensors are checked (and the indices are read again in the rare case it
+    /// changed).
+    #[allow(clippy::too_many_arguments)]
     fn prepare<'py>(
         &self,
         py: Python<'py>,
+        core: &PyHostPool,
         backend: Backend,
         positions: &[usize],
         host: &Bound<'py, PyAny>,
         device: &Bound<'py, PyAny>,
         plan_only: bool,
     ) -> PyResult<Prepared<'py>> {
+        let mut keep = Vec::new();
         let last = self.lock_checked(py)?.clone();
-        let mut cuda = match last {
+        let mut cuda = match &last {
             Some(checked) => checked.cuda.as_ref().map(|d| d.clone_ref(py)),
-            None => self.device_ptrs(py, positions)?.2,
+            None => {
+                let (checked, replaced, _) = self.checked(py, positions)?;
+                keep.extend(replaced);
+                checked.cuda.as_ref().map(|d| d.clone_ref(py))
+            }
         };
-        for _ in 0..3 {
+        keep.extend(last);
+        for _ in 0..4 {
             let queue = self.engine(py, &cuda, plan_only)?;
             let indices = self.indices(py, backend, &queue, host, device)?;
-            let (ptrs, rows, now) = self.device_ptrs(py, positions)?;
-            let same = match (&cuda, &now) {
+            core.check_memory(py)?;
+            let host_words = core.memory_words(py);
+            let (checked, replaced, rechecked) = self.checked(py, positions)?;
+            keep.extend(replaced);
+            let same_device = match (&cuda, &checked.cuda) {
                 (None, None) => true,
                 (Some(a), Some(b)) => a.bind(py).eq(b.bind(py))?,
                 _ => false,
             };
-            if same {
+            if !same_device {
+                cuda = checked.cuda.as_ref().map(|d| d.clone_ref(py));
+                continue;
+            }
+            // No Python from here to the copy. A state that held (read from torch's objects, no
+            // Python run since the host words were read) is settled as it stands.
+            let settled = !rechecked
+                || (self.settled(&checked, positions) && core.memory_words(py) == host_words);
+            if settled {
                 return Ok(Prepared {
-                    ptrs,
-                    rows,
+                    ptrs: self.ptrs_of(&checked, positions),
+                    rows: Self::fewest_rows(&checked, positions),
                     queue,
                     indices,
+                    _keep: (checked, keep),
                 });
             }
-            cuda = now;
+            keep.push(checked);
         }
         Err(PyRuntimeError::new_err(format!(
-            "{}: the device layers kept moving between devices while the call was prepared",
+            "{}: the device layers or the host memory kept changing while the call was prepared",
             self.what
         )))
     }
@@ -627,14 +666,15 @@ impl PyDeviceBinding {
         call: &Prepared<'_>,
     ) -> PyResult<()> {
         let (engine, stream) = (call.queue.engine, call.queue.stream);
-        // SAFETY: `ptrs` are the `data_ptr()`s, read in this call after its last Python code
-        // ran, of device tensors this binding holds (so they stay alive for the call) and
-        // checked to be contiguous, on `engine`'s device, with storage for at least `rows` rows
-        // of each plane's item size; the index arrays come from live contiguous int32/int64
-        // tensors held by `call` or the caller's arguments. CUDA work is queued on the device's
-        // current stream, in whose order torch's caching allocator reuses freed memory.
+        // SAFETY: `ptrs` are the `data_ptr()`s of device tensors this binding holds (so they
+        // stay alive for the call), checked in this call to be contiguous, on `engine`'s device,
+        // with storage for at least `rows` rows of each plane's item size, and the plane memory
+        // was checked in this call, with no Python run since (`prepare`); the index arrays come
+        // from live contiguous int32/int64 tensors held by `call` or the caller's arguments.
+        // CUDA work is queued on the device's current stream, in whose order torch's caching
+        // allocator reuses freed memory.
         unsafe {
-            core.run(
+            core.run_checked(
                 py,
                 backend,
                 op,
@@ -657,12 +697,18 @@ struct Indices<'py> {
     _keep: [Option<Bound<'py, PyAny>>; 2],
 }
 
+/// `PyDeviceBinding::checked`'s answer: the state, the one it replaced, whether it checked anew.
+type Checked = (Arc<CheckedDevice>, Option<Arc<CheckedDevice>>, bool);
+
 /// A call ready to run: see `PyDeviceBinding::prepare`.
 struct Prepared<'py> {
     ptrs: Vec<u64>,
     rows: usize,
     queue: Queue,
     indices: Indices<'py>,
+    /// The checked state the pointers come from, and every state this call replaced: dropped
+    /// with the call, after its copy (dropping one may free a storage and run Python).
+    _keep: (Arc<CheckedDevice>, Vec<Arc<CheckedDevice>>),
 }
 
 /// An index argument as the core reads it: the fast path reads a contiguous 1-D int32/int64
@@ -1006,6 +1052,7 @@ impl PyDeviceBinding {
         }
         let mut call = self.prepare(
             py,
+            core.get(),
             backend,
             &[position],
             host_indices,
@@ -1059,6 +1106,7 @@ impl PyDeviceBinding {
         let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
         let mut call = self.prepare(
             py,
+            core.get(),
             backend,
             &positions,
             host_indices,

@@ -656,14 +656,32 @@ impl StorageAllocation {
     /// The caller holds the GIL and a Python storage object of this very `StorageImpl` (its
     /// `_cdata`, compared when the watch was made), which keeps it allocated.
     pub(crate) unsafe fn unchanged(&self) -> bool {
+        // SAFETY: this function's contract is `now`'s.
+        unsafe { self.now() == self.words }
+    }
+
+    /// The allocation words as they are now (the unused tail zero, as in `words`).
+    ///
+    /// # Safety
+    /// As [`unchanged`](Self::unchanged).
+    pub(crate) unsafe fn now(&self) -> [u64; ALLOCATION_WORDS] {
         let base = self.storage_impl + self.layout.data;
-        (0..self.layout.allocation_words()).all(|k| {
+        let mut words = [0u64; ALLOCATION_WORDS];
+        for (k, word) in words
+            .iter_mut()
+            .enumerate()
+            .take(self.layout.allocation_words())
+        {
             // SAFETY: per this function's contract the `StorageImpl` is live; the words from
             // its data pointer through its byte size are aligned fields inside it.
-            unsafe { read_word(base + k * 8) == self.words[k] }
-        })
+            *word = unsafe { read_word(base + k * 8) };
+        }
+        words
     }
 }
+
+/// A storage's allocation words as read at one moment (`StorageAllocation::now`).
+pub(crate) type AllocationWords = [u64; ALLOCATION_WORDS];
 
 /// One word of a live torch object.
 ///

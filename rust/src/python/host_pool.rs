@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 #[cfg(feature = "raw-calls")]
 use super::args;
 use super::errors::{to_py, transfer_err};
+use super::extent;
 use super::memory::{host_memory, HostMemory, StorageWatch};
 use super::page_watch::{self, PageWatch};
 #[cfg(feature = "raw-calls")]
@@ -86,6 +87,15 @@ impl PyHostPool {
             storage.check(py, || format!("host pool plane {p}"))?;
         }
         Ok(())
+    }
+
+    /// Every plane storage's allocation words as they are now, without running Python (see
+    /// `StorageWatch::words_now`).
+    pub(crate) fn memory_words(&self, py: Python<'_>) -> Vec<Option<extent::AllocationWords>> {
+        self.storages
+            .iter()
+            .map(|(_, storage)| storage.words_now(py))
+            .collect()
     }
 
     /// Whether this pool's pages are watched (`HOSTKV_PAGE_DIGEST`).
@@ -236,6 +246,43 @@ impl PyHostPool {
         view: Option<&HostGeometry>,
     ) -> PyResult<()> {
         self.check_memory(py)?;
+        // SAFETY: this function's contract, and the plane memory was just checked.
+        unsafe {
+            self.run_checked(
+                py,
+                backend,
+                op,
+                device_ptrs,
+                rows,
+                host_idx,
+                dev_idx,
+                engine,
+                stream,
+                view,
+            )
+        }
+    }
+
+    /// `run` without its check of the plane memory.
+    ///
+    /// # Safety
+    /// As [`run`](Self::run), and the caller checked the plane memory (`check_memory`) in this
+    /// call, with nothing since that could have changed it (no Python run: see
+    /// `memory_words`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_checked(
+        &self,
+        py: Python<'_>,
+        backend: Backend,
+        op: Op,
+        device_ptrs: Vec<u64>,
+        rows: usize,
+        host_idx: IndexArray,
+        dev_idx: IndexArray,
+        engine: &dyn CopyEngine,
+        stream: u64,
+        view: Option<&HostGeometry>,
+    ) -> PyResult<()> {
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
             rows,

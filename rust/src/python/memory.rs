@@ -52,6 +52,16 @@ impl StorageWatch {
         }
     }
 
+    /// The storage's allocation words as they are now, read from torch's objects without
+    /// running Python (None where the watch asks Python): a call compares them again just before
+    /// it copies, so Python that ran after its check (a finalizer, a profile hook) and changed
+    /// them is seen.
+    pub(crate) fn words_now(&self, _py: Python<'_>) -> Option<extent::AllocationWords> {
+        // SAFETY: as in `check`: the GIL is held (`_py`), and `self.storage` is a plain
+        // `torch.UntypedStorage` of the read's very `StorageImpl`, which keeps it allocated.
+        self.read.map(|read| unsafe { read.now() })
+    }
+
     /// Refuses use of the bytes once the storage no longer holds the allocation it held when the
     /// core took it (freed, resized or moved: the old bytes may be unmapped or reused). A change
     /// made by another thread while a copy runs without the GIL is seen by the next call.
