@@ -528,6 +528,30 @@ host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
 h = host.alloc(64)
 host.kv_buffer.fill_(7)
 rows = torch.arange(64, 128)
+mode = None
+if "CASE" == "mode":
+    from torch.overrides import TorchFunctionMode
+
+    class Lying(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.data_ptr and args and args[0] is dev.k_buffer[0]:
+                return victim.data_ptr()
+            return func(*args, **(kwargs or {}))
+
+    mode = Lying()
+    mode.__enter__()
+if "CASE" == "index freed":
+    import sys
+
+    host.load_to_device_per_layer(dev, h, rows, 0, "kernel")  # checked and cached
+    dev.k_buffer[0].set_(torch.zeros_like(dev.k_buffer[0]))  # the next call checks again
+
+    def free_the_indices(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "check_storage":
+            sys.setprofile(None)
+            rows.untyped_storage().resize_(0)
+
+    sys.setprofile(free_the_indices)
 if "CASE" == "conversion":
     host.load_to_device_per_layer(dev, h, rows, 0, "kernel")  # checked and cached
 
@@ -544,6 +568,8 @@ except ValueError as exc:
     print("REFUSED", exc)
 else:
     print("ACCEPTED", bool((dev.k_buffer[0][64:128] == 7).all()))
+if mode is not None:
+    mode.__exit__(None, None, None)
 print("VICTIM", int(victim.count_nonzero()))
 """
 
@@ -554,11 +580,16 @@ print("VICTIM", int(victim.count_nonzero()))
     [
         ("attribute", "ACCEPTED True"),
         ("conversion", "REFUSED device pool plane 0 layer 0: the tensor's storage holds 0 bytes"),
+        ("mode", "ACCEPTED True"),
+        ("index freed", "REFUSED index tensor: the tensor's storage holds 0 bytes"),
     ],
 )
 def test_caller_code_run_during_a_call_cannot_choose_or_free_what_it_writes(case, outcome, extent):
-    """Facts are asked of torch through the types' methods, and the device pointers are read
-    after the index arrays (whose conversion may run Python), with nothing run in between."""
+    """Facts are asked of torch through the types' methods with torch-function modes off, and
+    the device pointers are read after the index arrays (whose conversion may run Python); an
+    index tensor freed by Python run during the checks (here a profile hook) is read again."""
+    if case == "index freed" and extent == "python":
+        pytest.skip("the Python fallback's last check cannot be made without Python (README)")
     done = _child(_HOOKS.replace("CASE", case), extent)
     assert done.returncode == 0, done.stderr[-4000:]
     assert outcome in done.stdout and "VICTIM 0" in done.stdout, done.stdout

@@ -417,12 +417,13 @@ impl PyDeviceBinding {
     /// the copy is done (the caller keeps it until then).
     fn checked(&self, py: Python<'_>, positions: &[usize]) -> PyResult<Checked> {
         let last = self.lock_checked(py)?.clone();
+        let m = tensor_calls::methods(py)?;
         match last {
             Some(checked) if self.still_holds(py, &checked, positions)? => {
                 Ok((checked, None, false))
             }
             last => {
-                let fresh = Arc::new(self.check_all(py)?);
+                let fresh = Arc::new(m.unmoded(py, || self.check_all(py))?);
                 let replaced = self.lock_checked(py)?.replace(Arc::clone(&fresh));
                 drop(replaced); // the same state as `last`, which still holds it
                 Ok((fresh, last, true))
@@ -464,15 +465,39 @@ impl PyDeviceBinding {
         checked: &CheckedDevice,
         positions: &[usize],
     ) -> PyResult<bool> {
+        // Read from torch's objects where the snapshot can be; the others are asked of Python
+        // afterwards, with torch-function overrides off.
+        let mut ask_python = false;
         for plane in 0..self.nplanes() {
             for &pos in positions {
-                let at = plane * self.count + pos;
-                if !checked.snaps[at].holds(py, self.tensors[at].bind(py))? {
-                    return Ok(false);
+                match &checked.snaps[plane * self.count + pos].read {
+                    Some((layout, extent)) => {
+                        // SAFETY: the snapshot was read through `layout`; the GIL is held; the
+                        // binding holds the tensor and the snapshot its storage.
+                        let unchanged = unsafe { layout.unchanged(extent) };
+                        if !unchanged {
+                            return Ok(false);
+                        }
+                    }
+                    None => ask_python = true,
                 }
             }
         }
-        Ok(true)
+        if !ask_python {
+            return Ok(true);
+        }
+        tensor_calls::methods(py)?.unmoded(py, || {
+            for plane in 0..self.nplanes() {
+                for &pos in positions {
+                    let at = plane * self.count + pos;
+                    let snap = &checked.snaps[at];
+                    if snap.read.is_none() && !snap.holds(py, self.tensors[at].bind(py))? {
+                        return Ok(false);
+                    }
+                }
+            }
+            Ok(true)
+        })
     }
 
     fn lock_checked(
@@ -595,8 +620,9 @@ impl PyDeviceBinding {
             }
             // No Python from here to the copy. A state that held (read from torch's objects, no
             // Python run since the host words were read) is settled as it stands.
-            let settled = !rechecked
-                || (self.settled(&checked, positions) && core.memory_words(py) == host_words);
+            let settled = indices.settled(py)?
+                && (!rechecked
+                    || (self.settled(&checked, positions) && core.memory_words(py) == host_words));
             if settled {
                 return Ok(Prepared {
                     ptrs: self.ptrs_of(&checked, positions),
@@ -627,8 +653,8 @@ impl PyDeviceBinding {
         // device-resident ones where they are (and bounds-checks them itself).
         let host_side =
             !(queue.engine.memory() == DeviceMemory::Cuda && backend == Backend::Kernel);
-        let (mut h, h_keep) = index_array(py, host, host_side)?;
-        let (mut d, d_keep) = index_array(py, device, host_side)?;
+        let (mut h, h_keep, h_witness) = index_array(py, host, host_side)?;
+        let (mut d, d_keep, d_witness) = index_array(py, device, host_side)?;
         (h.map, d.map) = (self.index_map, self.index_map);
         // A kernel reads device-resident indices in place, after this call returns: tell torch's
         // caching allocator, so a caller freeing them on another stream cannot have their
@@ -651,6 +677,7 @@ impl PyDeviceBinding {
         Ok(Indices {
             h,
             d,
+            witnesses: [h_witness, d_witness],
             _keep: [h_keep, d_keep],
         })
     }
@@ -694,7 +721,26 @@ impl PyDeviceBinding {
 struct Indices<'py> {
     h: IndexArray,
     d: IndexArray,
+    /// What was read in place from torch's objects (None: read through Python).
+    witnesses: [Option<IndexWitness>; 2],
     _keep: [Option<Bound<'py, PyAny>>; 2],
+}
+
+impl Indices<'_> {
+    /// Whether each index tensor read in place still has what was read (no Python run: the
+    /// layout was found when the indices were read).
+    fn settled(&self, py: Python<'_>) -> PyResult<bool> {
+        let Some(layout) = extent::layout(py)? else {
+            return Ok(true); // nothing was read in place
+        };
+        // SAFETY: the GIL is held (`py`); the witnesses were read through this layout; each
+        // object is the caller's argument, borrowed for the call, or a conversion `_keep` holds.
+        Ok(self
+            .witnesses
+            .iter()
+            .flatten()
+            .all(|w| unsafe { w.holds(&layout) }))
+    }
 }
 
 /// `PyDeviceBinding::checked`'s answer: the state, the one it replaced, whether it checked anew.
@@ -713,30 +759,41 @@ struct Prepared<'py> {
 
 /// An index argument as the core reads it: the fast path reads a contiguous 1-D int32/int64
 /// tensor in place (checking that its storage holds it); everything else goes through
-/// `as_index_array`, whose result the caller keeps alive (the second element).
+/// `as_index_array`, whose result the caller keeps alive (the second element). The third is
+/// what was read from torch's objects, for the call's last check.
 fn index_array<'py>(
     py: Python<'py>,
     value: &Bound<'py, PyAny>,
     host_side: bool,
-) -> PyResult<(IndexArray, Option<Bound<'py, PyAny>>)> {
+) -> PyResult<(IndexArray, Option<Bound<'py, PyAny>>, Option<IndexWitness>)> {
     let t = torch(py)?;
-    if let Some(array) = fast_index(py, t, value, host_side)? {
-        return Ok((array, None));
+    if let Some((array, witness)) = fast_index(py, t, value, host_side)? {
+        return Ok((array, None, witness));
     }
     let target = if host_side {
         t.cpu.bind(py).clone()
     } else {
         py.None().into_bound(py)
     };
-    let converted = t.as_index_array.bind(py).call1((value, target))?;
     let m = tensor_calls::methods(py)?;
-    let ptr: u64 = m.ask(&m.data_ptr, &converted)?.extract()?;
-    let len: usize = m.ask(&m.numel, &converted)?.extract()?;
-    let width = match m.ask(&m.element_size, &converted)?.extract::<usize>()? {
+    let converted = m.unmoded(py, || t.as_index_array.bind(py).call1((value, target)))?;
+    // The conversion is a contiguous 1-D int32/int64 tensor: read like any other, from torch's
+    // objects where they can be read.
+    if let Some((array, witness)) = fast_index(py, t, &converted, host_side)? {
+        return Ok((array, Some(converted), witness));
+    }
+    let (ptr, len, element, on_device) = m.unmoded(py, || {
+        Ok((
+            m.ask(&m.data_ptr, &converted)?.extract::<u64>()?,
+            m.ask(&m.numel, &converted)?.extract::<usize>()?,
+            m.ask(&m.element_size, &converted)?.extract::<usize>()?,
+            converted.getattr("is_cuda")?.extract::<bool>()?,
+        ))
+    })?;
+    let width = match element {
         4 => IndexWidth::I32,
         _ => IndexWidth::I64,
     };
-    let on_device: bool = converted.getattr("is_cuda")?.extract()?;
     Ok((
         IndexArray {
             ptr,
@@ -746,7 +803,31 @@ fn index_array<'py>(
             map: crate::request::IndexMap::Identity,
         },
         Some(converted),
+        None,
     ))
+}
+
+/// An index tensor read in place from torch's objects, and what was read: a call compares it
+/// again in its last check, since Python run after the read (another argument's conversion, a
+/// finalizer) could have freed or moved it.
+pub(super) struct IndexWitness {
+    object: usize,
+    dense: extent::Dense,
+}
+
+impl IndexWitness {
+    /// Whether the tensor still has what was read through `layout`, asked without running
+    /// Python.
+    ///
+    /// # Safety
+    /// The GIL is held, `layout` is the one it was read through, and the tensor object read is
+    /// still alive (the caller's argument, or a conversion the call keeps).
+    unsafe fn holds(&self, layout: &extent::TorchLayout) -> bool {
+        // SAFETY: this function's contract is `dense`'s (the object is exactly a torch.Tensor:
+        // only such objects are read in place).
+        let now = unsafe { layout.dense(self.object) };
+        now == Some(self.dense)
+    }
 }
 
 /// An index argument as a tensor the core reads, and its length: the argument itself where it
@@ -758,7 +839,7 @@ pub(super) fn index_tensor<'py>(
     host_side: bool,
 ) -> PyResult<(Bound<'py, PyAny>, usize)> {
     let t = torch(py)?;
-    if let Some(array) = fast_index(py, t, value, host_side)? {
+    if let Some((array, _)) = fast_index(py, t, value, host_side)? {
         return Ok((value.clone(), array.len));
     }
     let target = if host_side {
@@ -766,9 +847,12 @@ pub(super) fn index_tensor<'py>(
     } else {
         py.None().into_bound(py)
     };
-    let converted = t.as_index_array.bind(py).call1((value, target))?;
-    let len = converted.call_method0("numel")?.extract()?;
-    Ok((converted, len))
+    let m = tensor_calls::methods(py)?;
+    m.unmoded(py, || {
+        let converted = t.as_index_array.bind(py).call1((value, target))?;
+        let len = m.ask(&m.numel, &converted)?.extract()?;
+        Ok((converted, len))
+    })
 }
 
 /// The values of an index argument, read on the host (the page digests' slots).
@@ -783,7 +867,7 @@ fn fast_index(
     t: &Torch,
     value: &Bound<'_, PyAny>,
     host_side: bool,
-) -> PyResult<Option<IndexArray>> {
+) -> PyResult<Option<(IndexArray, Option<IndexWitness>)>> {
     // A subclass could report an address or a shape its storage does not have (through its
     // own methods or `__torch_function__`): the conversion reads it as a plain tensor first.
     if !value.get_type().is(t.tensor.bind(py)) {
@@ -801,7 +885,8 @@ fn fast_index(
             _ => None,
         };
         if let Some(width) = width.filter(|_| !(facts.on_device && host_side)) {
-            return dense_index(py, t, value, width, facts.on_device, facts.dense);
+            let array = dense_index(py, t, value, width, facts.on_device, facts.dense)?;
+            return Ok(Some((array, Some(witness(value, facts.dense)))));
         }
     }
     let dtype = value.getattr(pyo3::intern!(py, "dtype"))?;
@@ -827,16 +912,24 @@ fn fast_index(
     if !m.ask(&m.is_contiguous, value)?.is_truthy()? || m.ask(&m.is_neg, value)?.is_truthy()? {
         return Ok(None); // a negative view: as_index_array resolves it
     }
-    let dense = match layout {
+    let (dense, witnessed) = match layout {
         // SAFETY: `value` is exactly a torch.Tensor on a CPU or CUDA device (checked above),
         // borrowed for this call, and the GIL is held.
         Some(layout) => match unsafe { layout.dense(value.as_ptr() as usize) } {
-            Some(dense) => dense,
+            Some(dense) => (dense, Some(witness(value, dense))),
             None => return Ok(None),
         },
-        None => python_dense(py, value)?,
+        None => (m.unmoded(py, || python_dense(py, value))?, None),
     };
-    dense_index(py, t, value, width, on_device, dense)
+    let array = dense_index(py, t, value, width, on_device, dense)?;
+    Ok(Some((array, witnessed)))
+}
+
+fn witness(value: &Bound<'_, PyAny>, dense: extent::Dense) -> IndexWitness {
+    IndexWitness {
+        object: value.as_ptr() as usize,
+        dense,
+    }
 }
 
 // c10 ScalarType numbers of the index dtypes: a TensorImpl holds its dtype as a TypeMeta index,
@@ -852,16 +945,18 @@ fn dense_index(
     width: IndexWidth,
     on_device: bool,
     dense: extent::Dense,
-) -> PyResult<Option<IndexArray>> {
+) -> PyResult<IndexArray> {
     let len = dense.numel as usize;
     let need = (dense.storage_offset as u128 + len as u128) * width.bytes() as u128;
     // A storage shorter than the view, or without memory (functionalized, fake): check_storage
     // refuses it with its text.
     if len > 0 && (need > dense.storage_nbytes as u128 || dense.storage_data == 0) {
         let m = tensor_calls::methods(py)?;
-        t.check_storage
-            .bind(py)
-            .call1((m.alias(value)?, "index tensor"))?;
+        m.unmoded(py, || {
+            t.check_storage
+                .bind(py)
+                .call1((m.alias(value)?, "index tensor"))
+        })?;
         // What torch's objects said is what is read: never past it, whatever Python said.
         return Err(PyValueError::new_err(format!(
             "index tensor: its storage holds {} bytes, fewer than the {need} its {len} values \
@@ -870,13 +965,13 @@ fn dense_index(
         )));
     }
     let ptr = dense.storage_data as u128 + dense.storage_offset as u128 * width.bytes() as u128;
-    Ok(Some(IndexArray {
+    Ok(IndexArray {
         ptr: ptr as u64,
         len,
         width,
         on_device,
         map: crate::request::IndexMap::Identity,
-    }))
+    })
 }
 
 /// An index tensor's extent asked of torch through Python (the path without torch's field

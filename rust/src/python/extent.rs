@@ -694,6 +694,7 @@ unsafe fn read_word(addr: usize) -> u64 {
 
 /// What a dense tensor's objects say about its memory: the element count and offset, and its
 /// storage's data pointer and byte size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Dense {
     pub(crate) numel: u64,
     pub(crate) storage_offset: u64,

@@ -231,6 +231,8 @@ impl PyHostPool {
     /// the stated width, length and residency. The caller keeps all of them alive and unwritten
     /// for the call (CUDA: until the work queued on `stream` has run, which the caching
     /// allocator's stream order guarantees for tensors freed after the call).
+    /// (The raw entry points' call; a device binding checks the memory itself: `run_checked`.)
+    #[cfg(feature = "raw-calls")]
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run(
         &self,
@@ -266,9 +268,12 @@ impl PyHostPool {
     /// `run` without its check of the plane memory.
     ///
     /// # Safety
-    /// As [`run`](Self::run), and the caller checked the plane memory (`check_memory`) in this
-    /// call, with nothing since that could have changed it (no Python run: see
-    /// `memory_words`).
+    /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
+    /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
+    /// the stated width, length and residency. The caller keeps all of them alive and unwritten
+    /// for the call (CUDA: until the work queued on `stream` has run). And the caller checked the
+    /// plane memory (`check_memory`) in this call, with nothing since that could have changed
+    /// it (no Python run: see `memory_words`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run_checked(
         &self,

@@ -78,8 +78,12 @@ impl StorageWatch {
         // attribute set on it could otherwise answer for (`tensor_calls`).
         let storage = self.storage.bind(py);
         let m = tensor_calls::methods(py)?;
-        let data: u64 = m.ask(&m.storage_data_ptr, storage)?.extract()?;
-        let nbytes: u64 = m.ask(&m.storage_nbytes, storage)?.extract()?;
+        let (data, nbytes): (u64, u64) = m.unmoded(py, || {
+            Ok((
+                m.ask(&m.storage_data_ptr, storage)?.extract()?,
+                m.ask(&m.storage_nbytes, storage)?.extract()?,
+            ))
+        })?;
         if data == self.data && nbytes == self.nbytes {
             return Ok(());
         }
@@ -124,6 +128,13 @@ pub(crate) fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMe
 }
 
 fn whole_memory(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
+    // What torch is asked here is where the core will read and write: with every
+    // torch-function override off, so that torch answers (`tensor_calls`).
+    let m = tensor_calls::methods(owner.py())?;
+    m.unmoded(owner.py(), || whole_memory_unmoded(owner, what))
+}
+
+fn whole_memory_unmoded(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMemory> {
     if let Ok(region) = owner.cast::<PyHostRegion>() {
         let region = region.get();
         return Ok(HostMemory {

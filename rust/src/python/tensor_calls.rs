@@ -7,7 +7,9 @@
 //! method, `torch.Tensor.data_ptr(t)`, which only torch answers. Properties (`shape`, `device`,
 //! `dtype`, `nbytes`) are data descriptors, which an instance attribute cannot shadow, so they
 //! are read as attributes. A subclass can still override the type's methods; the callers refuse
-//! subclasses or read them as a plain alias (`alias`).
+//! subclasses or read them as a plain alias (`alias`). And an active torch-function mode (a
+//! `TorchFunctionMode` the caller entered) is asked before the type's method itself, so the
+//! checks that ask Python run with every torch-function override off (`unmoded`).
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -29,6 +31,8 @@ pub(crate) struct Methods {
     /// `torch.UntypedStorage`'s (C) methods.
     pub(crate) storage_data_ptr: Py<PyAny>,
     pub(crate) storage_nbytes: Py<PyAny>,
+    /// `torch._C.DisableTorchFunction`: subclasses' and modes' overrides off while entered.
+    overrides_off: Py<PyAny>,
 }
 
 static METHODS: PyOnceLock<Methods> = PyOnceLock::new();
@@ -55,12 +59,31 @@ pub(crate) fn methods(py: Python<'_>) -> PyResult<&Methods> {
             as_subclass: of(&tensor, "as_subclass")?,
             storage_data_ptr: of(&storage, "data_ptr")?,
             storage_nbytes: of(&storage, "nbytes")?,
+            overrides_off: torch
+                .getattr("_C")?
+                .getattr("DisableTorchFunction")?
+                .unbind(),
             tensor: tensor.cast_into::<PyType>()?.unbind(),
         })
     })
 }
 
 impl Methods {
+    /// `f()` with every torch-function override off (subclasses' and modes'), so that what torch
+    /// is asked inside is answered by torch.
+    pub(crate) fn unmoded<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce() -> PyResult<R>,
+    ) -> PyResult<R> {
+        let guard = self.overrides_off.bind(py).call0()?;
+        guard.call_method0("__enter__")?;
+        let result = f();
+        let none = py.None();
+        guard.call_method1("__exit__", (&none, &none, &none))?;
+        result
+    }
+
     /// `method(obj)`: the type's method called with `obj`.
     pub(crate) fn ask<'py>(
         &self,
