@@ -444,8 +444,8 @@ impl PyDeviceBinding {
 
     /// Whether every tensor at `positions` still has the extent `checked` read from torch's
     /// objects, asked without running Python or making a Python object (so that no finalizer
-    /// or hook can run while it is asked). A tensor checked through Python (no torch layout) counts as
-    /// settled: the fallback cannot be asked without running Python.
+    /// or hook can run while it is asked). A tensor checked through Python (no torch layout)
+    /// counts as settled: the fallback cannot be asked without running Python.
     fn settled(&self, checked: &CheckedDevice, positions: &[usize]) -> bool {
         (0..self.nplanes()).all(|plane| {
             positions.iter().all(|&pos| {
@@ -575,8 +575,9 @@ impl PyDeviceBinding {
     /// any hook it calls, which could free or move a device layer), then the host memory and the
     /// device tensors, each of which may run Python too (a check through Python, or a finalizer
     /// or profile hook any Python call can trigger). So the call ends with a check that runs no
-    /// Python and makes no Python object: every touched device tensor and host storage read from
-    /// torch's objects is still what this call checked; if not, everything is read again. The
+    /// Python and makes no Python object: every index tensor read in place and, where the checks
+    /// ran Python (a full check), every touched device tensor and host storage read from torch's
+    /// objects is still what this call checked; if not, everything is read again. The
     /// engine and where the indices are read depend on the device, which the last check stands
     /// in for until the tensors are checked (and the indices are read again in the rare case it
     /// changed).
