@@ -359,6 +359,13 @@ def test_page_digests_refuse_a_load_of_a_page_changed_since_its_backup(monkeypat
     host.get_data_page(int(h[4]), flat=False)[(0,) * page.dim()] += 1
     with pytest.raises(RuntimeError, match="changed since its backup"):
         host.load_to_device_per_layer(dev, h.clone(), d, 0, backend)
+    # The same index tensor rewritten in place (torch's version counter moves) is verified again.
+    host.backup_from_device_all_layer(dev, h, d, backend)
+    host.load_to_device_per_layer(dev, h, d, 0, backend)
+    host.get_data_page(int(h[4]), flat=False)[(0,) * page.dim()] += 1
+    h.copy_(h.clone())
+    with pytest.raises(RuntimeError, match="changed since its backup"):
+        host.load_to_device_per_layer(dev, h, d, 1, backend)
 
 
 @pytest.mark.parametrize("kind, layout", [("mha", "page_first"), ("mla", "layer_first")])

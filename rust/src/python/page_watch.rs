@@ -22,11 +22,23 @@ use crate::digest::PageDigests;
 #[derive(Default)]
 pub(crate) struct PageWatch {
     pub(crate) digests: PageDigests,
-    /// The index object the last load verified. A batch loads layer after layer with one index
-    /// tensor: its pages are verified whole at its first layer (a digest covers every layer of a
-    /// page), and the layers after it are not hashed again. A caller that rewrites one index
-    /// tensor in place between batches would miss a check; the check never gives a false alarm.
-    verified: Mutex<Option<Py<PyAny>>>,
+    /// The index tensor the last load verified, and its version counter then. A batch loads
+    /// layer after layer with one index tensor: its pages are verified whole at its first layer
+    /// (a digest covers every layer of a page), and the layers after it are not hashed again
+    /// while the same tensor comes back unmodified (torch counts every in-place write to it in
+    /// `_version`). Indices of any other kind are verified on every load.
+    verified: Mutex<Option<(Py<PyAny>, i64)>>,
+}
+
+/// The version counter of `indices` where it is exactly a torch.Tensor (None otherwise: its
+/// contents cannot be known unchanged without reading them).
+fn version_of(indices: &Bound<'_, PyAny>) -> Option<i64> {
+    let py = indices.py();
+    let tensor = py.import("torch").ok()?.getattr("Tensor").ok()?;
+    if !indices.get_type().is(&tensor) {
+        return None;
+    }
+    indices.getattr("_version").ok()?.extract().ok()
 }
 
 impl PageWatch {
@@ -40,18 +52,22 @@ impl PageWatch {
         self.replace_verified(None);
     }
 
-    /// Whether `indices` is the object the last load verified.
+    /// Whether `indices` is the tensor the last load verified, unmodified since.
     pub(crate) fn already_verified(&self, indices: &Bound<'_, PyAny>) -> bool {
+        let Some(version) = version_of(indices) else {
+            return false; // asked of Python before locking
+        };
         let verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
         verified
             .as_ref()
-            .is_some_and(|o| o.as_ptr() == indices.as_ptr())
+            .is_some_and(|(o, v)| o.as_ptr() == indices.as_ptr() && *v == version)
     }
 
     pub(crate) fn replace_verified(&self, indices: Option<&Bound<'_, PyAny>>) {
+        let entry = indices.and_then(|i| version_of(i).map(|v| (i.clone().unbind(), v)));
         let old = {
             let mut verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
-            std::mem::replace(&mut *verified, indices.map(|i| i.clone().unbind()))
+            std::mem::replace(&mut *verified, entry)
         };
         drop(old); // outside the lock: the last reference may run Python
     }
