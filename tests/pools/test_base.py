@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -404,3 +406,61 @@ def test_page_digests_are_off_by_default_and_a_bad_value_names_the_variable(monk
     monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "maybe")
     with pytest.raises(ValueError, match="HOSTKV_PAGE_DIGEST='maybe'"):
         _digest_pool("mha", "page_first")
+
+
+# A flat page set while a torch-function mode (the caller's Python) frees the pool's memory as
+# the page is read: the pool's view used to be made before, and the copy wrote freed memory.
+_FLAT_PAGE_FREES = r"""
+import torch
+from torch.overrides import TorchFunctionMode
+from hostkv_rs import DeepSeekV4PagedHostPool, MLATokenToKVPool, MLATokenToKVPoolHost
+from hostkv_rs.pools import base, v4_paged
+
+
+class Alloc:  # a storage backend's allocator: plain torch memory, which resize_ frees
+    def allocate(self, dims, dtype, device):
+        return torch.zeros(dims, dtype=dtype)
+
+
+base.get_allocator_from_storage = v4_paged.get_allocator_from_storage = lambda *a, **k: Alloc()
+if "KIND" == "v4":
+    dev = [torch.zeros(64, 656, dtype=torch.uint8) for _ in range(4)]
+    host = DeepSeekV4PagedHostPool("c4_kv", dev, 656, 4096, 4, allocator_type="shm")
+    storage, index = host._flat.untyped_storage(), 5
+else:
+    dev = MLATokenToKVPool(
+        4096, 16, torch.bfloat16, layer_num=4, kv_lora_rank=96, qk_rope_head_dim=32
+    )
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first", allocator_type="shm")
+    storage, index = host.kv_buffer.untyped_storage(), 100
+page = host.get_data_page(index).clone().fill_(7)
+
+
+class Frees(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "reshape" and storage.nbytes():
+            storage.resize_(0)
+        return func(*args, **(kwargs or {}))
+
+
+try:
+    with Frees():
+        host.set_from_flat_data_page(index, page)
+except RuntimeError as exc:
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED")
+"""
+
+
+@pytest.mark.parametrize("kind", ["mla", "v4"])
+def test_a_flat_page_set_never_writes_memory_freed_while_the_page_was_read(kind):
+    done = subprocess.run(
+        [sys.executable, "-c", _FLAT_PAGE_FREES.replace("KIND", kind)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "REFUSED" in done.stdout and "out of bounds for storage of size 0" in done.stdout

@@ -664,9 +664,26 @@ class HostKVCache(SlotFreeList, abc.ABC):
         """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):
         a strided view of the pool's first allocation; a page outside the pool raises
         PageIndexError before anything is read."""
-        offset, shape, strides = self._spec.page_view(as_int("index", index))
+        return self._view_at(self._page_geometry(index))
+
+    def _page_geometry(self, index) -> tuple:
+        """(offset, shape, strides) of page `index` in the pool's first allocation; a page
+        outside the pool raises PageIndexError."""
+        return self._spec.page_view(as_int("index", index))
+
+    def _view_at(self, geometry) -> torch.Tensor:
+        offset, shape, strides = geometry
         base = self._page_base()
         return torch.as_strided(base, shape, strides, base.storage_offset() + offset)
+
+    def _write_page(self, geometry, source: torch.Tensor) -> None:
+        """Copy `source` (already read and shaped) into the page at `geometry`. The view is made
+        only now, after the caller's page was read: Python run while it was read (a subclass's or
+        a torch-function mode's hook) could have freed or moved the pool's memory, which a view
+        made earlier would still point at (`as_strided` refuses a storage now too small). The
+        view and the copy run with torch-function overrides off."""
+        with torch._C.DisableTorchFunction():
+            self._view_at(geometry).copy_(source)
 
     def _page_base(self) -> torch.Tensor:
         return self.kv_buffer

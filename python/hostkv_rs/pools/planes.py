@@ -89,8 +89,8 @@ class TokenPlanesPool(HostKVCache):
         """Store one flat page, read with this layout's own element order (see §4.4)."""
         self._check_l3_pages()
         self._require_bytes()
-        view = self._page_view(index)
-        view.copy_(self._flat_page_as(data_page, view.shape))
+        geometry = self._page_geometry(index)
+        self._write_page(geometry, self._flat_page_as(data_page, geometry[1]))
         self._pool_core.forget_pages([index])  # HOSTKV_PAGE_DIGEST: written by other means
 
     def get_page_buffer_meta(self, indices):

@@ -526,7 +526,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def set_from_flat_data_page(self, index, data_page):
         self._require_live()
-        view = self._page_view(index)
+        geometry = self._page_geometry(index)
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(
                 f"{self.pool_name} set_from_flat_data_page: expected a tensor, "
@@ -545,7 +545,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} set_from_flat_data_page: expected {expected} bytes "
                 f"({self.layer_num} x {self.item_bytes}), got {got}"
             )
-        view.copy_(data_page.contiguous().view(self.dtype).reshape(view.shape))
+        source = data_page.contiguous().view(self.dtype).reshape(geometry[1])
+        self._write_page(geometry, source)
 
     def get_page_buffer_meta(self, indices):
         self._require_live()
