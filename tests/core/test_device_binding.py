@@ -268,6 +268,15 @@ def test_tensor_extents_are_read_from_torch_unless_switched_off():
     assert 'REFUSED HOSTKV_TENSOR_EXTENT must be one of auto, python, got "fast"' in done.stdout
 
 
+def test_tensor_extent_offsets_are_found_in_every_process():
+    """The search gives the same offsets in every process, whatever the heap around its probes
+    (the negative-view bit was once searched in the flags word too, where another bit also
+    differs, and went missing in most processes)."""
+    code = "from hostkv_rs import _core; print(_core.tensor_extent_layout())"
+    found = {_child(code, "auto").stdout.strip() for _ in range(6)}
+    assert len(found) == 1 and "'negative'" in next(iter(found)), found
+
+
 def test_tensor_extent_offsets_are_found_whatever_the_default_device():
     """The offsets are found on CPU probe tensors even where the process's default device is
     another one (meta here; CUDA on a server that sets it): the same offsets as without it."""

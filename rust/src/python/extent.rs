@@ -406,9 +406,9 @@ fn calibrate(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
 }
 
 /// The one (word, bit) of the `TensorImpl` that is set in a negative view of each probe and
-/// clear in a plain view of it, the two words differing in that bit alone, in the dtype's word
-/// or the one after it: c10 keeps the dispatch key set right after the dtype (`data_type_`, the
-/// device and the flag bits share a word, then `key_set_`), and the object ends there. Words
+/// clear in a plain view of it, the two words differing in that bit alone, in the word after
+/// the dtype's: c10 keeps the dispatch key set right after the dtype (`data_type_`, the device
+/// and the flag bits share a word, then `key_set_`), and the object ends there. Words
 /// past the object are the heap's next chunk (its header's size and flag bits), which a plain
 /// and a negative view can leave differing by one bit in the same place in every probe: seen
 /// in about one process in five (at 176, 184, 472 or 504 bytes here, the key set at 168) when
@@ -434,7 +434,9 @@ fn negative_bit(
             _ => return Ok(None),
         }
     }
-    let from = found.dtype / 8;
+    // The words after the dtype's: the dtype's own word holds c10's flag bits, one of which
+    // also differs between a plain and a negative view in some processes.
+    let from = found.dtype / 8 + 1;
     let to = ((found.dtype + KEYS_AFTER_DTYPE) / 8).min(IMPL_SEARCH / 8 - 1);
     let mut hits = (from..=to).filter_map(|i| {
         let bit = pairs[0].0[i] ^ pairs[0].1[i];
