@@ -223,57 +223,17 @@ impl PyHostPool {
     }
 
     /// Runs one transfer on `engine` (queued on `stream` for a CUDA engine); every argument is
-    /// checked (by the planner or the kernel path's validation) before a byte moves.
+    /// checked (by the planner or the kernel path's validation) before a byte moves, except the
+    /// plane memory, which the caller checks (`check_memory`).
     ///
     /// # Safety
     /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
     /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
     /// the stated width, length and residency. The caller keeps all of them alive and unwritten
     /// for the call (CUDA: until the work queued on `stream` has run, which the caching
-    /// allocator's stream order guarantees for tensors freed after the call).
-    /// (The raw entry points' call; a device binding checks the memory itself: `run_checked`.)
-    #[cfg(feature = "raw-calls")]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn run(
-        &self,
-        py: Python<'_>,
-        backend: Backend,
-        op: Op,
-        device_ptrs: Vec<u64>,
-        rows: usize,
-        host_idx: IndexArray,
-        dev_idx: IndexArray,
-        engine: &dyn CopyEngine,
-        stream: u64,
-        view: Option<&HostGeometry>,
-    ) -> PyResult<()> {
-        self.check_memory(py)?;
-        // SAFETY: this function's contract, and the plane memory was just checked.
-        unsafe {
-            self.run_checked(
-                py,
-                backend,
-                op,
-                device_ptrs,
-                rows,
-                host_idx,
-                dev_idx,
-                engine,
-                stream,
-                view,
-            )
-        }
-    }
-
-    /// `run` without its check of the plane memory.
-    ///
-    /// # Safety
-    /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
-    /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
-    /// the stated width, length and residency. The caller keeps all of them alive and unwritten
-    /// for the call (CUDA: until the work queued on `stream` has run). And the caller checked the
-    /// plane memory (`check_memory`) in this call, with nothing since that could have changed
-    /// it (no Python run: see `memory_words`).
+    /// allocator's stream order guarantees for tensors freed after the call). And the caller
+    /// checked the plane memory (`check_memory`) in this call, with nothing since that could
+    /// have changed it (no Python run: see `memory_words`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run_checked(
         &self,

@@ -66,12 +66,14 @@ impl PyHostPool {
         let engine = Self::engine_arg(device, engine)?;
         let host_idx = index_array(py, "host", host_idx, map)?;
         let dev_idx = index_array(py, "device", dev_idx, map)?;
+        self.check_memory(py)?;
         // SAFETY: the raw entry points are the private interface of tests and benchmarks, whose
-        // promise is `run`'s: `device_ptrs` are live device layers of `device_rows` rows on
-        // `device`, the index arrays contiguous arrays of the stated length and residency, all
-        // held by the caller for this call (CUDA: freed only in `stream`'s order).
+        // promise is `run_checked`'s: `device_ptrs` are live device layers of `device_rows` rows
+        // on `device`, the index arrays contiguous arrays of the stated length and residency,
+        // all held by the caller for this call (CUDA: freed only in `stream`'s order); the plane
+        // memory was just checked, and nothing since runs Python.
         unsafe {
-            self.run(
+            self.run_checked(
                 py,
                 backend,
                 op,
