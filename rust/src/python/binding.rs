@@ -126,13 +126,9 @@ impl Snap {
         })
     }
 
-    /// Whether `tensor` (the one this was taken of) is still what was checked.
-    fn holds(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if let Some((layout, extent)) = &self.read {
-            // SAFETY: `extent` was read through `layout` by `snapshot`; the GIL is held; the
-            // binding holds `tensor` and this snapshot holds its storage.
-            return Ok(unsafe { layout.unchanged(extent) });
-        }
+    /// Whether `tensor` (the one this was taken of) is still what was checked, asked of Python
+    /// (for a snapshot not read from torch's objects; see `PyDeviceBinding::read_holds`).
+    fn holds_by_python(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
         let m = tensor_calls::methods(py)?;
         let ptr: u64 = m.ask(&m.data_ptr, tensor)?.extract()?;
         if ptr != self.ptr {
@@ -349,10 +345,9 @@ impl PyDeviceBinding {
                          (resolve it first: `t.resolve_neg()`, `t.resolve_conj()`)"
                     )));
                 }
-                // Our storage check asks a fresh alias, whose methods only torch answers.
-                t.check_storage
-                    .bind(py)
-                    .call1((m.alias(tensor)?, &where_))?;
+                // Our storage check asks the plain tensor, whose methods only torch answers.
+                let plain = t.plain_tensor.bind(py).call1((tensor,))?;
+                t.check_storage.bind(py).call1((plain, &where_))?;
                 let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
                 let row_bytes = shape[1..]
                     .iter()
@@ -442,21 +437,29 @@ impl PyDeviceBinding {
         out
     }
 
-    /// Whether every tensor at `positions` still has the extent `checked` read from torch's
-    /// objects, asked without running Python or making a Python object (so that no finalizer
-    /// or hook can run while it is asked). A tensor checked through Python (no torch layout)
-    /// counts as settled: the fallback cannot be asked without running Python.
-    fn settled(&self, checked: &CheckedDevice, positions: &[usize]) -> bool {
-        (0..self.nplanes()).all(|plane| {
-            positions.iter().all(|&pos| {
-                checked.snaps[plane * self.count + pos]
-                    .read
-                    .as_ref()
-                    // SAFETY: the GIL is held (the caller's `Python` token is live through
-                    // `prepare`), the binding holds the tensor and the snapshot its storage.
-                    .is_none_or(|(layout, extent)| unsafe { layout.unchanged(extent) })
-            })
-        })
+    /// Whether every tensor at `positions` whose snapshot was read from torch's objects still
+    /// has that extent, asked without running Python or making a Python object (so that no
+    /// finalizer or hook can run while it is asked); and whether any tensor there was checked
+    /// through Python instead (no torch layout), which this cannot ask.
+    fn read_holds(&self, checked: &CheckedDevice, positions: &[usize]) -> (bool, bool) {
+        let mut by_python = false;
+        for plane in 0..self.nplanes() {
+            for &pos in positions {
+                match &checked.snaps[plane * self.count + pos].read {
+                    Some((layout, extent)) => {
+                        // SAFETY: the snapshot was read through `layout`; the GIL is held (the
+                        // caller's `Python` token is live); the binding holds the tensor and the
+                        // snapshot its storage.
+                        let unchanged = unsafe { layout.unchanged(extent) };
+                        if !unchanged {
+                            return (false, by_python);
+                        }
+                    }
+                    None => by_python = true,
+                }
+            }
+        }
+        (true, by_python)
     }
 
     fn still_holds(
@@ -467,31 +470,18 @@ impl PyDeviceBinding {
     ) -> PyResult<bool> {
         // Read from torch's objects where the snapshot can be; the others are asked of Python
         // afterwards, with torch-function overrides off.
-        let mut ask_python = false;
-        for plane in 0..self.nplanes() {
-            for &pos in positions {
-                match &checked.snaps[plane * self.count + pos].read {
-                    Some((layout, extent)) => {
-                        // SAFETY: the snapshot was read through `layout`; the GIL is held; the
-                        // binding holds the tensor and the snapshot its storage.
-                        let unchanged = unsafe { layout.unchanged(extent) };
-                        if !unchanged {
-                            return Ok(false);
-                        }
-                    }
-                    None => ask_python = true,
-                }
-            }
-        }
-        if !ask_python {
-            return Ok(true);
+        let (held, by_python) = self.read_holds(checked, positions);
+        if !held || !by_python {
+            return Ok(held);
         }
         tensor_calls::methods(py)?.unmoded(py, || {
             for plane in 0..self.nplanes() {
                 for &pos in positions {
                     let at = plane * self.count + pos;
                     let snap = &checked.snaps[at];
-                    if snap.read.is_none() && !snap.holds(py, self.tensors[at].bind(py))? {
+                    if snap.read.is_none()
+                        && !snap.holds_by_python(py, self.tensors[at].bind(py))?
+                    {
                         return Ok(false);
                     }
                 }
@@ -621,9 +611,12 @@ impl PyDeviceBinding {
             }
             // No Python from here to the copy. A state that held (read from torch's objects, no
             // Python run since the host words were read) is settled as it stands.
+            // (A tensor checked through Python counts as settled: the fallback cannot be asked
+            // without running Python.)
             let settled = indices.settled(py)?
                 && (!rechecked
-                    || (self.settled(&checked, positions) && core.memory_words(py) == host_words));
+                    || (self.read_holds(&checked, positions).0
+                        && core.memory_words(py) == host_words));
             if settled {
                 return Ok(Prepared {
                     ptrs: self.ptrs_of(&checked, positions),
@@ -954,9 +947,8 @@ fn dense_index(
     if len > 0 && (need > dense.storage_nbytes as u128 || dense.storage_data == 0) {
         let m = tensor_calls::methods(py)?;
         m.unmoded(py, || {
-            t.check_storage
-                .bind(py)
-                .call1((m.alias(value)?, "index tensor"))
+            let plain = t.plain_tensor.bind(py).call1((value,))?;
+            t.check_storage.bind(py).call1((plain, "index tensor"))
         })?;
         // What torch's objects said is what is read: never past it, whatever Python said.
         return Err(PyValueError::new_err(format!(

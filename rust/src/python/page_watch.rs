@@ -34,8 +34,8 @@ pub(crate) struct PageWatch {
 /// contents cannot be known unchanged without reading them).
 fn version_of(indices: &Bound<'_, PyAny>) -> Option<i64> {
     let py = indices.py();
-    let tensor = py.import("torch").ok()?.getattr("Tensor").ok()?;
-    if !indices.get_type().is(&tensor) {
+    let t = super::binding::torch(py).ok()?;
+    if !indices.get_type().is(t.tensor.bind(py)) {
         return None;
     }
     indices.getattr("_version").ok()?.extract().ok()

@@ -7,16 +7,15 @@
 //! method, `torch.Tensor.data_ptr(t)`, which only torch answers. Properties (`shape`, `device`,
 //! `dtype`, `nbytes`) are data descriptors, which an instance attribute cannot shadow, so they
 //! are read as attributes. A subclass can still override the type's methods; the callers refuse
-//! subclasses or read them as a plain alias (`alias`). And an active torch-function mode (a
-//! `TorchFunctionMode` the caller entered) is asked before the type's method itself, so the
-//! checks that ask Python run with every torch-function override off (`unmoded`).
+//! subclasses or read them as a plain alias (`hostkv_rs.pools.indices.plain_tensor`). And an
+//! active torch-function mode (a `TorchFunctionMode` the caller entered) is asked before the
+//! type's method itself, so the checks that ask Python run with every torch-function override
+//! off (`unmoded`).
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
 
 pub(crate) struct Methods {
-    tensor: Py<PyType>,
     pub(crate) data_ptr: Py<PyAny>,
     pub(crate) untyped_storage: Py<PyAny>,
     pub(crate) storage_offset: Py<PyAny>,
@@ -27,7 +26,6 @@ pub(crate) struct Methods {
     pub(crate) is_neg: Py<PyAny>,
     pub(crate) is_conj: Py<PyAny>,
     pub(crate) stride: Py<PyAny>,
-    as_subclass: Py<PyAny>,
     /// `torch.UntypedStorage`'s (C) methods.
     pub(crate) storage_data_ptr: Py<PyAny>,
     pub(crate) storage_nbytes: Py<PyAny>,
@@ -56,14 +54,12 @@ pub(crate) fn methods(py: Python<'_>) -> PyResult<&Methods> {
             is_neg: of(&tensor, "is_neg")?,
             is_conj: of(&tensor, "is_conj")?,
             stride: of(&tensor, "stride")?,
-            as_subclass: of(&tensor, "as_subclass")?,
             storage_data_ptr: of(&storage, "data_ptr")?,
             storage_nbytes: of(&storage, "nbytes")?,
             overrides_off: torch
                 .getattr("_C")?
                 .getattr("DisableTorchFunction")?
                 .unbind(),
-            tensor: tensor.cast_into::<PyType>()?.unbind(),
         })
     })
 }
@@ -91,17 +87,5 @@ impl Methods {
         obj: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         method.bind(obj.py()).call1((obj,))
-    }
-
-    /// A new plain `torch.Tensor` object over `tensor`'s storage, sizes, strides and offset,
-    /// with an empty `__dict__`: what Python code (ours, or torch's) may then ask it is torch's
-    /// answer. For exactly a `torch.Tensor` or a `Parameter` (whose torch-function handling is
-    /// off), the type's own method makes it; a subclass's `__torch_function__` is not consulted
-    /// because callers have refused subclasses or made the alias in Python with it switched off.
-    pub(crate) fn alias<'py>(&self, tensor: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = tensor.py();
-        self.as_subclass
-            .bind(py)
-            .call1((tensor, self.tensor.bind(py)))
     }
 }
