@@ -472,6 +472,19 @@ impl PoolSpec {
             .then(|| vec![self.rows.min(STAGING_PAGE_CHUNK), self.layers, self.dims[0]])
     }
 
+    /// The shape SGLang's `get_dummy_flat_data_page` zero-fills before flattening (MHA:
+    /// `[2, L, P, H, D]`; MLA: `[L, P, 1, C]`; V4: `[L, row bytes]`), in the pool's dtype.
+    /// None for the asymmetric pool, which refuses flat pages.
+    pub fn dummy_page_shape(&self) -> Option<Vec<u64>> {
+        let (layers, page) = (self.layers, self.page_size);
+        match self.kind {
+            PoolKind::Mha => Some(vec![2, layers, page, self.heads, self.dims[0]]),
+            PoolKind::Mla => Some(vec![layers, page, 1, self.dims[0]]),
+            PoolKind::V4Paged => Some(vec![layers, self.dims[0]]),
+            PoolKind::AsymmetricMha => None,
+        }
+    }
+
     // ---- L3 pages --------------------------------------------------------------------------
 
     /// Layouts whose page pointers assume a page-aligned first slot.
@@ -1075,6 +1088,35 @@ mod tests {
         assert_eq!(
             c4("page_first", 64, row),
             (false, Some(vec![64, 2, row as u64]))
+        );
+    }
+
+    #[test]
+    fn dummy_pages_have_sglangs_shapes_in_every_layout() {
+        use PoolKind::*;
+        for layout in [
+            "layer_first",
+            "page_first",
+            "page_first_direct",
+            "page_unified",
+        ] {
+            // The page SGLang zero-fills is the same in every layout: only the copy differs.
+            assert_eq!(
+                spec(Mha, layout, &[8, 8]).dummy_page_shape(),
+                Some(vec![2, 5, 4, 2, 8])
+            );
+            assert_eq!(
+                spec(Mla, layout, &[8]).dummy_page_shape(),
+                Some(vec![5, 4, 1, 8])
+            );
+        }
+        assert_eq!(
+            spec(AsymmetricMha, "page_first", &[8, 4]).dummy_page_shape(),
+            None
+        );
+        assert_eq!(
+            spec(V4Paged, "page_first", &[7]).dummy_page_shape(),
+            Some(vec![5, 7])
         );
     }
 

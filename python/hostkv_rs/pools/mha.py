@@ -342,9 +342,6 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
     def get_hybrid_pool_buffer(self):
         return [self.k_buffer, self.v_buffer]
 
-    def _flat_page_shape(self) -> tuple:
-        return (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
-
     def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
         """page_head only: per page and per group of H/split_factor heads, a [k, v] pair."""
         split_factor = as_int("split_factor", split_factor)

@@ -363,9 +363,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
 
     # ----------------------------------------------------------------- L3 flat pages
 
-    def _flat_page_shape(self) -> tuple:
-        return (self.layer_num, self.page_size, 1, self.kv_cache_dim)
-
     def _check_l3_pages(self) -> None:
         # SGLang <= 0.5.22 asserts in get_data_page only; its set_from_flat_data_page stores the
         # page at physical row `index`, a logical slot (another rank's rows, or past the pool).

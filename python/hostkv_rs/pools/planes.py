@@ -67,10 +67,6 @@ class TokenPlanesPool(HostKVCache):
     def _check_l3_pages(self) -> None:
         """Refuse L3 page access where the release does (MLA with DCP under SGLang <= 0.5.22)."""
 
-    def _flat_page_shape(self) -> tuple:
-        """The shape SGLang's `get_dummy_flat_data_page` builds before flattening."""
-        raise NotImplementedError()
-
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         self._check_l3_pages()
         self._require_bytes()
@@ -78,8 +74,9 @@ class TokenPlanesPool(HostKVCache):
         return data_page.flatten() if truth("flat", flat) else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
+        # An allocator-only (dummy) pool has no spec of its own, but SGLang still builds its page.
         return torch.zeros(
-            self._flat_page_shape(),
+            (self._spec or self._make_spec()).dummy_page_shape,
             dtype=self.dtype,
             device=self.device,
             pin_memory=_memory.pin_dummy_pages(self.pin_memory),

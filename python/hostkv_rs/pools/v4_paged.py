@@ -518,7 +518,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def get_dummy_flat_data_page(self):
         return torch.zeros(
-            (self.layer_num, self.item_bytes),
+            self._spec.dummy_page_shape,
             dtype=self.dtype,
             device=self.device,
             pin_memory=_memory.pin_dummy_pages(self.pin_memory),

@@ -171,6 +171,12 @@ impl PyPoolSpec {
         self.spec.token_rows()
     }
 
+    /// The shape SGLang's `get_dummy_flat_data_page` fills, or None where it has none.
+    #[getter]
+    fn dummy_page_shape(&self) -> Option<Vec<u64>> {
+        self.spec.dummy_page_shape()
+    }
+
     /// The shape of the write-back staging buffer SGLang allocates for this pool (V4
     /// page_first), or None.
     #[getter]
