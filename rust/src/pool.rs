@@ -535,6 +535,23 @@ impl PoolSpec {
         Ok(index as u64)
     }
 
+    /// The pages (slot / page size, as the host slots of a transfer name them) that a flat
+    /// page written at `index` covers: a slot-major layout takes the `P` slots from `index`,
+    /// so a start inside a page covers two; the page layouts and V4 address one whole page.
+    pub fn flat_page_pages(&self, index: i64) -> Result<Vec<u64>> {
+        let start = self.data_page_start(index)?;
+        if self.kind == PoolKind::V4Paged {
+            return Ok(vec![start]);
+        }
+        let p = self.page_size;
+        let last = if self.page_major() {
+            start
+        } else {
+            start + p - 1
+        };
+        Ok((start / p..=last / p).collect())
+    }
+
     /// DCP: a logical page start -> this rank's physical slot (identity without DCP).
     fn storage_page_index(&self, index: i64) -> Result<i64> {
         if self.dcp_size == 1 {
@@ -1089,6 +1106,49 @@ mod tests {
             c4("page_first", 64, row),
             (false, Some(vec![64, 2, row as u64]))
         );
+    }
+
+    #[test]
+    fn a_flat_page_inside_a_page_covers_two_of_a_slot_major_layout() {
+        use PoolKind::*;
+        // 3 pages of 4 slots.
+        assert_eq!(
+            spec(Mha, "layer_first", &[8, 8])
+                .flat_page_pages(1)
+                .unwrap(),
+            vec![0, 1]
+        );
+        assert_eq!(
+            spec(Mha, "page_first", &[8, 8]).flat_page_pages(4).unwrap(),
+            vec![1]
+        );
+        assert_eq!(
+            spec(Mla, "page_first", &[8]).flat_page_pages(8).unwrap(),
+            vec![2]
+        );
+        assert_eq!(
+            spec(Mha, "page_first_direct", &[8, 8])
+                .flat_page_pages(5)
+                .unwrap(),
+            vec![1]
+        );
+        assert_eq!(
+            spec(Mha, "page_head", &[8, 8]).flat_page_pages(4).unwrap(),
+            vec![1]
+        );
+        assert!(spec(Mha, "layer_first", &[8, 8])
+            .flat_page_pages(9)
+            .is_err());
+        // V4: a slot names its page row.
+        assert_eq!(
+            spec(V4Paged, "page_first", &[7])
+                .flat_page_pages(9)
+                .unwrap(),
+            vec![2]
+        );
+        // DCP (MLA, 2 ranks): logical page 1 starts at logical slot 8 and is page 1 here.
+        let dcp = PoolSpec::new(Mla, "page_first", 5, 12, 4, 1, &[8], 2, 2, 1, "").unwrap();
+        assert_eq!(dcp.flat_page_pages(8).unwrap(), vec![1]);
     }
 
     #[test]

@@ -396,6 +396,22 @@ def test_page_digests_forget_a_page_handed_to_a_new_owner(monkeypatch, kind, lay
         host.load_to_device_per_layer(dev, again.clone(), d, 1, "kernel")
 
 
+@pytest.mark.parametrize("kind, layout", [("mha", "layer_first"), ("mla", "page_first")])
+def test_page_digests_forget_both_pages_a_flat_page_inside_a_page_covers(monkeypatch, kind, layout):
+    # A slot-major layout takes the page's slots from any start (SGLang slices
+    # `index:index + page_size`): a start inside a page writes into the next page as well.
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
+    dev, host, layers = _digest_pool(kind, layout)
+    for t in layers:
+        t.normal_()
+    h, d = host.alloc(8), torch.arange(4, 12)
+    host.backup_from_device_all_layer(dev, h, d, "kernel")
+    flat = torch.ones(host.get_dummy_flat_data_page().numel(), dtype=torch.bfloat16)
+    host.set_from_flat_data_page(int(h[1]), flat)  # slots h[1]..h[4]: pages 0 and 1 of `h`
+    host.load_to_device_per_layer(dev, h, d, 1, "kernel")
+    assert all(bool((layers[1][i] == 1).all()) for i in d[1:5].tolist())
+
+
 def test_page_digests_are_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
     dev, host, _ = _digest_pool("mha", "page_first")
     assert not host._pool_core.watches_pages

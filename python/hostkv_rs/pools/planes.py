@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from hostkv_rs.pools import memory as _memory
-from hostkv_rs.pools.args import positive_int, required, truth
+from hostkv_rs.pools.args import as_int, positive_int, required, truth
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang.sources import device_source, device_type_reason, refuse_unserved
@@ -86,9 +86,10 @@ class TokenPlanesPool(HostKVCache):
         """Store one flat page, read with this layout's own element order (see §4.4)."""
         self._check_l3_pages()
         self._require_bytes()
+        index = as_int("index", index)  # read once: the write and the digests name one page
         geometry = self._page_geometry(index)
         self._write_page(geometry, self._flat_page_as(data_page, geometry[1]))
-        self._pool_core.forget_pages([index])  # HOSTKV_PAGE_DIGEST: written by other means
+        self._pool_core.forget_flat_page(index)  # HOSTKV_PAGE_DIGEST: written by other means
 
     def get_page_buffer_meta(self, indices):
         """(pointers, sizes) per page: layer_first gives one entry per layer (MHA: k, v) of each

@@ -334,9 +334,19 @@ impl PyHostPool {
         self.watches()
     }
 
-    /// Forgets the digests of the pages `slots` touch (a flat page was written into them).
+    /// Forgets the digests of the pages `slots` touch (a new owner may write them by means the
+    /// core does not see).
     fn forget_pages(&self, slots: Vec<i64>) -> PyResult<()> {
         self.forget(&slots)
+    }
+
+    /// Forgets the digests of the pages a flat page written at `index` covered.
+    fn forget_flat_page(&self, py: Python<'_>, index: i64) -> PyResult<()> {
+        if let Some(watch) = &self.watch {
+            let spec = &self.spec_of("forget_flat_page")?.spec;
+            watch.forget(&spec.flat_page_pages(index).map_err(|e| to_py(py, e))?);
+        }
+        Ok(())
     }
 
     /// A pool of explicit row geometry, without a spec (tests and benchmarks of the core's
