@@ -203,6 +203,33 @@ def test_hisparse_request_rows():
         host.alloc_paged_token_slots(big, torch.zeros(1, dtype=torch.int64), 0, 0, 4096)
 
 
+class _UnwritableLengths(torch.Tensor):
+    def __setitem__(self, key, value):
+        raise RuntimeError("lengths table refused the write")
+
+
+def test_hisparse_request_rows_a_failed_write_takes_no_slots_and_leaves_the_row():
+    host, _ = make_mla("layer_first", 4)
+    free = host.available_size()
+    # torch writes an inference tensor outside inference mode, then raises.
+    with torch.inference_mode():
+        rows = torch.full((2, 16), -1, dtype=torch.int64)
+        lens = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="req_to_host_pool is an inference tensor"):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 8)
+    assert host.available_size() == free
+    assert rows[0].tolist() == [-1] * 16 and lens.tolist() == [0, 0]
+    # A table that fails after the row was written: the row is put back, the slots returned.
+    rows = torch.full((2, 16), -1, dtype=torch.int64)
+    lens = torch.zeros(2, dtype=torch.int64).as_subclass(_UnwritableLengths)
+    with pytest.raises(RuntimeError, match="lengths table refused the write"):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 8)
+    assert host.available_size() == free
+    assert rows[0].tolist() == [-1] * 16
+    got = host.alloc_paged_token_slots(rows, torch.zeros(2, dtype=torch.int64), 0, 0, 8)
+    assert sorted(got.tolist()) == got.tolist() and len(set(got.tolist())) == 8
+
+
 def test_mla_flat_page_on_the_meta_device_is_a_value_error():
     dev = MLATokenToKVPool(64, 4, torch.float16, 8, 4, 2)
     host = MLATokenToKVPoolHost(dev, 2.0, 0, 4, "layer_first")

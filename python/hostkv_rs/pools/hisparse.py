@@ -55,8 +55,17 @@ class HiSparseHostPoolMixin:
     ) -> torch.Tensor:
         """Grow request row `req_pool_idx` page by page until it covers `start_pos + num_tokens`
         and return that row's token slots `[start_pos, start_pos + num_tokens)`."""
-        _table("req_to_host_pool", req_to_host_pool, 2)
-        _table("req_to_host_pool_allocated_len", req_to_host_pool_allocated_len, 1)
+        for name, table, dims in (
+            ("req_to_host_pool", req_to_host_pool, 2),
+            ("req_to_host_pool_allocated_len", req_to_host_pool_allocated_len, 1),
+        ):
+            # torch writes an inference tensor outside inference mode and then raises: refused
+            # before any slot is taken.
+            if _table(name, table, dims).is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError(
+                    f"{name} is an inference tensor, which torch does not update in place "
+                    f"outside inference mode"
+                )
         device = req_to_host_pool.device
         num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens <= 0:
@@ -105,10 +114,20 @@ class HiSparseHostPoolMixin:
                     num_tokens,
                 )
                 raise RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
-            req_to_host_pool[req_pool_idx, allocated_len:page_end] = host_locs.to(
-                device=device, non_blocking=True
-            )
-            req_to_host_pool_allocated_len[req_pool_idx] = page_end
+            row = req_to_host_pool[req_pool_idx, allocated_len:page_end]
+            before = row.clone()
+            try:
+                row.copy_(host_locs.to(device=device, non_blocking=True))
+                req_to_host_pool_allocated_len[req_pool_idx] = page_end
+            except BaseException:
+                # A table torch would not write: put the row back and return the slots, or they
+                # are lost to the pool.
+                try:
+                    if not torch.equal(row, before):
+                        row.copy_(before)
+                finally:
+                    self.free(host_locs)
+                raise
 
         return req_to_host_pool[req_pool_idx, start_pos:end_pos]
 
