@@ -351,6 +351,7 @@ class DeviceBinding:
         positions: Sequence[int] | None = None,
         packed: tuple[str, int] | None = None,
         host_planes: Sequence[int] | None = None,
+        byte_rows: bool = False,
     ) -> DeviceBinding: ...
     def load(
         self,

@@ -185,6 +185,32 @@ def test_bad_geometry_is_refused(kwargs, text):
     assert str(e.value) == text
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_transfers_follow_a_device_buffer_whose_storage_was_swapped(layout):
+    # The pool holds the caller's buffers, not views made at construction: after `set_` the
+    # buffer's new memory is what a transfer reads and writes, and bounds are checked again.
+    pool, dev = make_pool(layout, L=2, item=64, pages=4, dev_pages=5)
+    h, d = torch.arange(4, 8), torch.arange(8, 12)  # host page 1, device page 2
+    pool.load_to_device_per_layer(None, h, d, 1, "kernel")
+    old = dev[1]
+    new = torch.zeros_like(old).view(torch.int32)  # the same bytes, another dtype and shape
+    old.set_(new.view(torch.uint8).view(old.shape))
+    host_row(pool, 1, 1).fill_(7)
+    pool.load_to_device_per_layer(None, h, d, 1, "kernel")
+    assert bool(dev[1][2].eq(7).all()) and bool(new.view(torch.uint8).view(5, 64)[2].eq(7).all())
+    dev[1][2].fill_(9)
+    pool.backup_from_device_all_layer(None, h, d, "kernel")
+    assert bool(host_row(pool, 1, 1).eq(9).all())
+    # A buffer swapped for one too small for the named page is refused, nothing written.
+    dev[0].set_(torch.zeros((1, 64), dtype=torch.uint8))
+    before = host_bytes(pool)
+    with pytest.raises(ValueError, match=r"device index 2 at position 0 is out of range \[0, 1\)"):
+        pool.load_to_device_per_layer(None, h, d, 0, "kernel")
+    with pytest.raises(ValueError, match="out of range"):
+        pool.backup_from_device_all_layer(None, h, d, "kernel")
+    assert torch.equal(host_bytes(pool), before) and bool(dev[0].eq(0).all())
+
+
 @pytest.mark.parametrize("case", ["short_row", "strided", "one_byte"])
 def test_device_buffer_that_is_not_whole_rows_is_built_then_refused_by_transfers(case):
     """SGLang builds a V4 pool over any device buffers (its unit tests use one-byte ones): ours is

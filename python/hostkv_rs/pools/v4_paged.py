@@ -35,14 +35,6 @@ logger = logging.getLogger(__name__)
 PageIndexError = _core.PageIndexError
 
 
-def _as_rows(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """`buf` (contiguous, whole rows; checked at construction) as uint8 rows of `row_bytes`."""
-    flat = buf.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.view(-1, row_bytes)
-
-
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     """Host mirror of a DeepSeek V4 paged KV/indexer sub-pool, in page-row units."""
 
@@ -275,16 +267,14 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         not whole rows get no binding: the first transfer refuses them."""
         bindings = {}
         if self._device_refusal is None:
-            IB = self.item_bytes
-            bindings["page"] = self._binding([IB], ("page_rows", self.slot_page_size), [0])
+            bindings["page"] = self._binding(("page_rows", self.slot_page_size), [0])
             if self._spec.token_rows:
                 bindings["tokens"] = (
-                    self._binding([_core.C4_VALUE_BYTES], ("c4_value",), [0]),
-                    self._binding([_core.C4_SCALE_BYTES], ("c4_scale",), [0]),
+                    self._binding(("c4_value",), [0]),
+                    self._binding(("c4_scale",), [0]),
                 )
             if scales is not None:
                 bindings["ascend"] = self._binding(
-                    [IB, self.scale_item_bytes],
                     ("page_rows", self.slot_page_size),
                     None,
                     buffers=[self.device_buffers, scales],
@@ -300,13 +290,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             **bindings,
         )
 
-    def _binding(self, items: list[int], index_map, host_planes, buffers=None):
-        """The core's device side for its planes `host_planes`: per plane, every layer's device
-        buffer as rows of that plane's item size (views of the same memory)."""
-        planes = [
-            [_as_rows(buf, item) for buf in plane]
-            for plane, item in zip(buffers or [self.device_buffers], items, strict=True)
-        ]
+    def _binding(self, index_map, host_planes, buffers=None):
+        """The core's device side for its planes `host_planes` (or the rows `index_map` reads
+        them as): per plane, every layer's device buffer, read as its bytes in rows of the
+        core's row size. The binding holds the buffers themselves, so one whose storage is
+        swapped is checked again, and followed, at the next transfer."""
+        planes = [list(plane) for plane in buffers or [self.device_buffers]]
         L = self.layer_num
         return _core.DeviceBinding(
             self._pool,
@@ -318,6 +307,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             name=self.pool_name,
             index_map=index_map,
             host_planes=host_planes,
+            byte_rows=True,
         )
 
     # ---- geometry getters ------------------------------------------------------------------

@@ -192,6 +192,9 @@ pub struct PyDeviceBinding {
     count: usize,
     item_bytes: Vec<u64>,
     like: Vec<Like>,
+    /// Device tensors are read as their bytes, in rows of the item size, whatever their shape
+    /// and dtype (V4's buffers), rather than as a token dimension of rows of that size.
+    byte_rows: bool,
     /// Controller layer ids -> (host layer, tensor position), and the backup order.
     layers: LayerMap,
     /// The engine for CPU device tensors, from HOSTKV_CPU_ENGINE when the binding was built (an
@@ -349,6 +352,21 @@ impl PyDeviceBinding {
                 let plain = t.plain_tensor.bind(py).call1((tensor,))?;
                 t.check_storage.bind(py).call1((plain, &where_))?;
                 let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
+                let want = self.item_bytes[plane];
+                if self.byte_rows {
+                    let nbytes = shape
+                        .iter()
+                        .fold(element as i128, |acc, &d| acc * d as i128);
+                    if nbytes % want as i128 != 0 {
+                        return Err(PyValueError::new_err(format!(
+                            "{where_}: {nbytes} bytes are not whole rows of {want} bytes"
+                        )));
+                    }
+                    let count = (nbytes / want as i128) as i64;
+                    *layer_rows = Some(layer_rows.map_or(count, |r| r.min(count)));
+                    snaps.push(Snap::take(py, tensor, shape)?);
+                    continue;
+                }
                 let row_bytes = shape[1..]
                     .iter()
                     .fold(element as i128, |acc, &d| acc * d as i128);
@@ -371,7 +389,6 @@ impl PyDeviceBinding {
                         }
                     }
                 }
-                let want = self.item_bytes[plane];
                 if row_bytes != want as i128 {
                     return Err(PyValueError::new_err(format!(
                         "{where_}: device rows are {row_bytes} bytes but the host pool's item \
@@ -1025,7 +1042,9 @@ impl PyDeviceBinding {
     /// pool lacks is a `LayerIndexError`). `packed`: (plane name, layers) of SGLang's packed
     /// target + MTP draft device tables, which a backup needs one host layer each of.
     /// `host_planes`: the pool's planes the binding moves, in `planes`' order (None: all).
-    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None, host_planes = None))]
+    /// `byte_rows`: each device tensor is its bytes in rows of the item size (any contiguous
+    /// shape and dtype), not a first dimension of such rows.
+    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None, host_planes = None, byte_rows = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -1042,6 +1061,7 @@ impl PyDeviceBinding {
         positions: Option<Vec<i64>>,
         packed: Option<(String, usize)>,
         host_planes: Option<Vec<usize>>,
+        byte_rows: bool,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
         let planes = match positions {
@@ -1102,6 +1122,7 @@ impl PyDeviceBinding {
             count,
             item_bytes,
             like,
+            byte_rows,
             layers,
             cpu_engine: config::cpu_engine().map(engine::for_cpu),
             checked: Mutex::new(None),
