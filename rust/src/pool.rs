@@ -690,7 +690,8 @@ impl PoolSpec {
 
     /// SGLang 0.5.23 builds page_unified pools but has no page-metadata or flat-page arm for
     /// them: those calls refuse the layout, as there.
-    fn refuse_unified(&self) -> Result<()> {
+    /// SGLang's refusal of every page access to a page_unified pool (before it reads the page).
+    pub fn refuse_unified(&self) -> Result<()> {
         if self.layout == Layout::PageUnified {
             return Err(Error::value("Unsupported layout: page_unified"));
         }
@@ -1365,10 +1366,9 @@ mod tests {
             Backend::Kernel
         );
         let e = s.check_pair(Some("direct"), "direct").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "Unsupported layout 'page_unified' for io backend 'direct'"
-        );
+        // SGLang's pool text (its controller, which refuses the pair first, says "Unsupported
+        // layout 'page_unified' for io backend 'direct'").
+        assert_eq!(e.to_string(), "Unsupported layout: page_unified");
         let e = s.page_view(0).unwrap_err();
         assert_eq!(e.to_string(), "Unsupported layout: page_unified");
         assert!(s.page_meta(&[0, 0], &[0]).is_err());

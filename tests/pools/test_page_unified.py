@@ -102,13 +102,9 @@ def test_what_sglang_0_5_23_does_not_move_is_refused_with_its_texts():
     host, dev = mha()
     h, d = host.alloc(P), torch.arange(P, 2 * P)
     before = bits(host.kv_buffer).clone()
-    with pytest.raises(
-        ValueError, match="^Unsupported layout 'page_unified' for io backend 'direct'$"
-    ):
+    with pytest.raises(ValueError, match="^Unsupported layout: page_unified$"):
         host.backup_from_device_all_layer(dev, h, d, "direct")
-    with pytest.raises(
-        ValueError, match="^Unsupported layout 'page_unified' for io backend 'direct'$"
-    ):
+    with pytest.raises(ValueError, match="^Unsupported layout: page_unified$"):
         host.load_to_device_per_layer(dev, h, d, 0, "direct")
     for call in (
         lambda: host.get_data_page(0),
@@ -118,6 +114,8 @@ def test_what_sglang_0_5_23_does_not_move_is_refused_with_its_texts():
         # whole-pages assert.
         lambda: host.get_page_buffer_meta(h + 1),
         lambda: host.get_page_buffer_meta(h + 10**9),
+        lambda: host.get_data_page(-16),
+        lambda: host.get_data_page(10**30, flat=False),
     ):
         with pytest.raises(ValueError, match="^Unsupported layout: page_unified$"):
             call()
@@ -146,6 +144,13 @@ def test_other_layouts_ignore_head_group_num(groups):
         ({"groups": 3}, "head_group_num=3 must divide the pool's 4 kv heads."),
         ({"groups": 4, "head_dim": 2}, "one head group's token row is 4 bytes"),
         ({"groups": 0}, "head_group_num must be positive: PageUnifiedLayout(page_size=4"),
+        (
+            {"groups": -1},
+            (
+                "head_group_num must be positive: PageUnifiedLayout(page_size=4, layer_num=3, "
+                "head_num=4, head_group_num=-1, head_dim=8, itemsize=2, is_mla=False)"
+            ),
+        ),
     ],
 )
 def test_geometry_sglang_refuses_is_refused_with_its_text(kwargs, text):

@@ -7,6 +7,8 @@ path (README, "SGLang releases")."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import sgl_harness as H
 import torch
@@ -128,8 +130,15 @@ def test_transfers_sglang_refuses_and_ours_moves(kind):
         ours.load_to_device_per_layer(dev, host, device, layer, "kernel")
     for t, b in zip(planes, before):
         assert torch.equal(H.byte_rows(t)[device], H.byte_rows(b)[device])
-    with pytest.raises(ValueError, match="Unsupported layout 'page_unified' for io backend"):
-        ours.backup_from_device_all_layer(dev, host, device, "direct")
+    # The direct backend is refused by both, with SGLang's pool text.
+    for direct in (
+        lambda pool: pool.backup_from_device_all_layer(dev, host, device, "direct"),
+        lambda pool: pool.load_to_device_per_layer(dev, host, device, 0, "direct"),
+    ):
+        kind_t, exc = H.outcome(lambda direct=direct: direct(call.pool))
+        assert kind_t == "raise", exc
+        with pytest.raises(type(exc), match=f"^{re.escape(str(exc))}$"):
+            direct(ours)
 
 
 @pytest.mark.parametrize(("groups", "head_dim"), [(3, 16), (4, 2), (0, 16)])

@@ -60,7 +60,25 @@ impl PyPoolSpec {
         // Read only where the layout uses it: SGLang never looks at it for other layouts.
         let head_groups = match head_group_num {
             Some(v) if Layout::parse(layout).is_ok_and(Layout::groups_heads) => {
-                size(v, "head_group_num")?
+                let negative = (!v.is_instance_of::<pyo3::types::PyBool>())
+                    .then(|| v.call_method0("__index__").ok()?.extract::<i64>().ok())
+                    .flatten()
+                    .filter(|&g| g < 0);
+                if let Some(g) = negative {
+                    // SGLang's page_unified layout refuses it naming every field (MHA only:
+                    // MLA has no head groups).
+                    let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+                    let dim = dims.first().copied().unwrap_or(0);
+                    let fields = [page_size, num_layers, head_num, 1, dim, itemsize].map(field);
+                    if kind != "mla" {
+                        let [p, l, h, _, d, i] = fields;
+                        crate::pool::unified::check([p, l, h, g, d, i], false)
+                            .map_err(|e| to_py(py, e))?;
+                    }
+                    1
+                } else {
+                    size(v, "head_group_num")?
+                }
             }
             _ => 1,
         };
@@ -210,6 +228,8 @@ impl PyPoolSpec {
         py: Python<'_>,
         index: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
+        // SGLang refuses the layout before it reads the index.
+        self.spec.refuse_unified().map_err(|e| to_py(py, e))?;
         if !index.is_instance_of::<pyo3::types::PyInt>() {
             index.extract::<i64>()?; // the TypeError of a non-int
         }
