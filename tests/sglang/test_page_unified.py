@@ -7,6 +7,7 @@ path (README, "SGLang releases")."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
@@ -61,6 +62,11 @@ def test_built_like_sglangs_pool(kind, dname, page):
         assert getattr(ours_layout, name) == getattr(theirs_layout, name), name
     pages = call.pool.page_num
     assert tuple(ours_layout.page_dims(pages)) == tuple(theirs_layout.page_dims(pages))
+    # SGLang's own struct: equal, hashable, picklable and encodable as SGLang's code expects.
+    msgspec = pytest.importorskip("msgspec")  # SGLang's struct library
+    assert type(ours_layout) is type(theirs_layout) and ours_layout == theirs_layout
+    assert pickle.loads(pickle.dumps(ours_layout)) == theirs_layout
+    assert msgspec.json.encode(ours_layout) == msgspec.json.encode(theirs_layout)
     for name in ("k_data_refs", "v_data_refs", "k_data_ptrs", "v_data_ptrs"):
         if hasattr(call.pool, name):
             assert getattr(ours, name) == getattr(call.pool, name) or (

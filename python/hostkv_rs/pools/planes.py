@@ -11,7 +11,12 @@ from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import as_int, positive_int, required, truth
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.slots import index_list
-from hostkv_rs.sglang.sources import device_source, device_type_reason, refuse_unserved
+from hostkv_rs.sglang.sources import (
+    device_source,
+    device_type_reason,
+    page_unified_layout,
+    refuse_unserved,
+)
 
 
 class TokenPlanesPool(HostKVCache):
@@ -39,7 +44,7 @@ class TokenPlanesPool(HostKVCache):
         self.token_stride_size = spec.item_bytes[0]
         self.layout_dim = self.token_stride_size * self.layer_num
         if spec.page_unified_layout is not None:
-            self.page_unified_layout = spec.page_unified_layout
+            self.page_unified_layout = page_unified_layout(spec.page_unified_layout)
         return self._allocate(spec)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:

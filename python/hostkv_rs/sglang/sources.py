@@ -219,6 +219,20 @@ def refuse_unserved(reason: str | None) -> None:
         )
 
 
+def page_unified_layout(ours):
+    """SGLang's own `PageUnifiedLayout` (0.5.23+) with the fields of `ours` where SGLang is
+    loaded: a frozen msgspec struct, which pickles, encodes and compares as SGLang's code
+    expects. Ours (the same fields and methods) without SGLang."""
+    if "sglang.srt" not in sys.modules:
+        return ours
+    try:
+        from sglang.srt.mem_cache.pool_host.page_unified import PageUnifiedLayout
+    except ImportError:
+        return ours
+    fields = ("page_size", "layer_num", "head_num", "head_group_num", "head_dim", "itemsize")
+    return PageUnifiedLayout(**{name: getattr(ours, name) for name in fields}, is_mla=ours.is_mla)
+
+
 def cat_tables(tables):
     """SGLang's packed pointer table: the given uint64 tables concatenated (None if any is
     missing, e.g. an NPU pool)."""
