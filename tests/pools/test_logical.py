@@ -143,3 +143,9 @@ def test_logical_free_refuses_float_slots_instead_of_truncating():
     with pytest.raises(TypeError, match="integer tensors"):
         pool.free([1.5, 2.5])
     assert pool.num_release_slots == 0
+
+
+def test_a_zero_page_size_is_also_sglangs_zero_division():
+    with pytest.raises(ZeroDivisionError, match="page_size must be positive, got 0") as exc:
+        LogicalHostPool(0, 0)
+    assert isinstance(exc.value, ValueError)

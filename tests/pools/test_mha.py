@@ -886,3 +886,20 @@ def test_get_mha_host_pool_cls_takes_the_device_pool_or_buffer_info_by_either_na
         get_mha_host_pool_cls()
     with pytest.raises(TypeError, match="got both"):
         get_mha_host_pool_cls(dp, buffer_info=dp)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        # SGLang divides by these: ours are ValueErrors naming them and ZeroDivisionErrors too.
+        ({"page_size": 0}, ZeroDivisionError, "page_size must be positive, got 0"),
+        ({"page_size": -4}, ValueError, "page_size must be positive, got -4"),
+        ({"layout": None}, ValueError, "Unsupported layout: None"),
+    ],
+)
+def test_sizes_and_layouts_sglang_refuses_raise_its_exception_class(kwargs, error, text):
+    dev = MHATokenToKVPool(64, 4, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+    args = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": 4, "layout": "page_first"}
+    with pytest.raises(error, match=f"^{re.escape(text)}$") as exc:
+        MHATokenToKVPoolHost(dev, **{**args, **kwargs})
+    assert isinstance(exc.value, ValueError)

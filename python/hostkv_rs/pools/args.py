@@ -30,6 +30,11 @@ class NoKVBytesError(RuntimeError, AttributeError, TypeError):
     `None` kv_buffer for the same call (`.data_ptr()`, subscripting)."""
 
 
+class ZeroSizeError(ValueError, ZeroDivisionError):
+    """A size of zero: a ValueError naming the parameter, and the ZeroDivisionError SGLang's
+    pools raise for it (they divide by it)."""
+
+
 def as_int(name: str, value) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -71,9 +76,11 @@ def _shown(value) -> str:
 
 
 def positive_int(name: str, value) -> int:
+    """A positive size; zero is a `ZeroSizeError` (every size read here is one SGLang divides
+    by), a negative one a ValueError."""
     value = as_int(name, value)
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise (ZeroSizeError if value == 0 else ValueError)(f"{name} must be positive, got {value}")
     return value
 
 

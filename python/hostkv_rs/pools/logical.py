@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hostkv_rs.pools import memory as _memory
-from hostkv_rs.pools.args import as_int
+from hostkv_rs.pools.args import ZeroSizeError, as_int
 from hostkv_rs.pools.base import new_pool_lock, synchronized
 from hostkv_rs.pools.indices import as_tensor
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
@@ -23,7 +23,9 @@ class LogicalHostPool(SlotFreeList):
     def __init__(self, size: int, page_size: int, layout: str = "layer_first"):
         size, page_size = as_int("size", size), as_int("page_size", page_size)
         if page_size <= 0:
-            raise ValueError(f"LogicalHostPool page_size must be positive, got {page_size}")
+            raise (ZeroSizeError if page_size == 0 else ValueError)(
+                f"LogicalHostPool page_size must be positive, got {page_size}"
+            )
         if size < 0:
             raise ValueError(f"LogicalHostPool size must not be negative, got {size}")
         if size % page_size != 0:

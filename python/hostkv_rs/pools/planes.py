@@ -31,8 +31,9 @@ class TokenPlanesPool(HostKVCache):
             host_to_device_ratio=ratio,
             host_size=host_size,
             page_size=page_size,
-            layout=layout,
         )
+        if layout is None:
+            raise ValueError("Unsupported layout: None")  # SGLang's layout check reads it so
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         return source
 
