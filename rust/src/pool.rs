@@ -760,7 +760,6 @@ impl PoolSpec {
     pub fn page_view(&self, start: PageStart) -> Result<PageView> {
         self.refuse_unified()?;
         let (l, s, p) = (self.layers, self.rows, self.page_size);
-        let pn = self.page_num();
         let plane_elems = self.plane_elems(0);
         let w = self.row_elems(0);
         let page = start / p;
@@ -799,7 +798,7 @@ impl PoolSpec {
                 (PoolKind::Mla, _) => PageView {
                     offset: page * l * p * w,
                     shape: vec![1, l, p, 1, w],
-                    strides: vec![pn * l * p * w, p * w, w, w, 1],
+                    strides: vec![l * p * w, p * w, w, w, 1],
                 },
                 (PoolKind::Mha, layout) => {
                     let (h, d) = (self.heads, self.dims[0]);
@@ -817,12 +816,12 @@ impl PoolSpec {
                         Layout::PageFirstDirect => PageView {
                             offset: page * l * p * h * d,
                             shape: vec![1, l, p, h, d],
-                            strides: vec![pn * l * p * h * d, p * h * d, h * d, d, 1],
+                            strides: vec![l * p * h * d, p * h * d, h * d, d, 1],
                         },
                         Layout::PageHead => PageView {
                             offset: page * h * p * l * d,
                             shape: vec![1, h, p, l, d],
-                            strides: vec![pn * h * p * l * d, p * l * d, l * d, d, 1],
+                            strides: vec![h * p * l * d, p * l * d, l * d, d, 1],
                         },
                         Layout::PageUnified => unreachable!("refused above"),
                     };

@@ -503,7 +503,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         flat = truth("flat", flat)
         if self._spec.layer_view_dim(False) is not None and not flat:
             # SGLang stacks the per-layer rows: a copy, not a view of the pool.
-            return data_page.clone()
+            return data_page.clone(memory_format=torch.contiguous_format)
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self):
