@@ -92,7 +92,7 @@ struct Snap {
     /// The tensor's storage, held so that it cannot be freed behind the check.
     storage: Py<PyAny>,
     /// The extent as torch's objects hold it, where it could be read and agreed with Python.
-    read: Option<(extent::TorchLayout, extent::Extent)>,
+    read: Option<extent::Extent>,
 }
 
 impl Snap {
@@ -107,13 +107,10 @@ impl Snap {
         let read = match extent::layout(py)? {
             Some(layout) => {
                 let reported = extent::reported(tensor)?;
-                layout
-                    .snapshot(&reported)
-                    .filter(|e| {
-                        e.contiguous()
-                            || e.shape_and_strides() == Some((shape.clone(), strides.clone()))
-                    })
-                    .map(|e| (layout, e))
+                layout.snapshot(&reported).filter(|e| {
+                    e.contiguous()
+                        || e.shape_and_strides() == Some((shape.clone(), strides.clone()))
+                })
             }
             None => None,
         };
@@ -158,6 +155,9 @@ struct CheckedDevice {
     /// The CUDA device (a `torch.device`) whose current stream a transfer is queued on; None
     /// for CPU device pools.
     cuda: Option<Py<PyAny>>,
+    /// Torch's field offsets every snapshot read from torch's objects was read through (one
+    /// per process).
+    layout: Option<extent::TorchLayout>,
 }
 
 /// Where a transfer runs: the engine, and for CUDA the raw stream and torch's object for it.
@@ -404,6 +404,7 @@ impl PyDeviceBinding {
             _ => None,
         };
         Ok(CheckedDevice {
+            layout: extent::layout(py)?,
             snaps,
             rows: rows
                 .into_iter()
@@ -462,8 +463,11 @@ impl PyDeviceBinding {
         let mut by_python = false;
         for plane in 0..self.nplanes() {
             for &pos in positions {
-                match &checked.snaps[plane * self.count + pos].read {
-                    Some((layout, extent)) => {
+                match (
+                    &checked.layout,
+                    &checked.snaps[plane * self.count + pos].read,
+                ) {
+                    (Some(layout), Some(extent)) => {
                         // SAFETY: the snapshot was read through `layout`; the GIL is held (the
                         // caller's `Python` token is live); the binding holds the tensor and the
                         // snapshot its storage.
@@ -472,7 +476,7 @@ impl PyDeviceBinding {
                             return (false, by_python);
                         }
                     }
-                    None => by_python = true,
+                    _ => by_python = true,
                 }
             }
         }
