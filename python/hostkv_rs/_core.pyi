@@ -351,7 +351,7 @@ class DeviceBinding:
         positions: Sequence[int] | None = None,
         packed: tuple[str, int] | None = None,
         host_planes: Sequence[int] | None = None,
-        byte_rows: bool = False,
+        byte_rows: Sequence[int] | None = None,
     ) -> DeviceBinding: ...
     def load(
         self,

@@ -219,6 +219,12 @@ def test_hisparse_request_rows_a_failed_write_takes_no_slots_and_leaves_the_row(
         host.alloc_paged_token_slots(rows, lens, 0, 0, 8)
     assert host.available_size() == free
     assert rows[0].tolist() == [-1] * 16 and lens.tolist() == [0, 0]
+    # A call that writes nothing only reads them, as SGLang's does.
+    assert host.alloc_paged_token_slots(rows, lens, 0, 0, 0).numel() == 0
+    with torch.inference_mode():
+        grown = host.alloc_paged_token_slots(rows, lens, 0, 0, 8).clone()
+    assert host.alloc_paged_token_slots(rows, lens, 0, 2, 4).tolist() == grown[2:6].tolist()
+    free = host.available_size()
     # A table that fails after the row was written: the row is put back, the slots returned.
     rows = torch.full((2, 16), -1, dtype=torch.int64)
     lens = torch.zeros(2, dtype=torch.int64).as_subclass(_UnwritableLengths)

@@ -515,6 +515,25 @@ def test_token_granular_out_of_range_changes_nothing(host, devi, text):
     assert_unchanged(pool, dev, snap)
 
 
+@pytest.mark.parametrize("call", ["backup_tokens", "backup", "load"])
+def test_token_granular_into_a_buffer_swapped_for_one_not_whole_page_rows_changes_nothing(call):
+    # 66 value rows (38016 bytes) are whole value rows and whole scale rows, but not whole C4
+    # page rows: the values of token 64 would fit, its scales would not. Nothing moves.
+    pool, dev = make_pool("layer_first", L=2, item=C4_ROW, pages=2, P=C4_P, dev_pages=2)
+    h = d = torch.tensor([64, 3])
+    pool.backup_tokens_from_device_all_layer(h, d)
+    dev[1].set_(torch.full((66 * C4_VALUE,), 0xAB, dtype=torch.uint8))
+    snap = snapshot(pool, dev)
+    with pytest.raises(ValueError, match="38016 bytes are not whole rows of 37440 bytes"):
+        if call == "backup_tokens":
+            pool.backup_tokens_from_device_all_layer(h, d)
+        elif call == "backup":
+            pool.backup_from_device_all_layer(None, h, d, "kernel")
+        else:
+            pool.load_to_device_per_layer(None, h, d, 1, "direct")
+    assert_unchanged(pool, dev, snap)
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 

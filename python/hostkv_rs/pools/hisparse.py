@@ -55,17 +55,12 @@ class HiSparseHostPoolMixin:
     ) -> torch.Tensor:
         """Grow request row `req_pool_idx` page by page until it covers `start_pos + num_tokens`
         and return that row's token slots `[start_pos, start_pos + num_tokens)`."""
-        for name, table, dims in (
+        tables = (
             ("req_to_host_pool", req_to_host_pool, 2),
             ("req_to_host_pool_allocated_len", req_to_host_pool_allocated_len, 1),
-        ):
-            # torch writes an inference tensor outside inference mode and then raises: refused
-            # before any slot is taken.
-            if _table(name, table, dims).is_inference() and not torch.is_inference_mode_enabled():
-                raise RuntimeError(
-                    f"{name} is an inference tensor, which torch does not update in place "
-                    f"outside inference mode"
-                )
+        )
+        for name, table, dims in tables:
+            _table(name, table, dims)
         device = req_to_host_pool.device
         num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens <= 0:
@@ -102,6 +97,14 @@ class HiSparseHostPoolMixin:
                 f"multiple of the page size {self.page_size}"
             )
         if page_end > allocated_len:
+            for name, table, _ in tables:
+                # torch writes an inference tensor outside inference mode and then raises:
+                # refused before any slot is taken (a call that writes nothing reads them).
+                if table.is_inference() and not torch.is_inference_mode_enabled():
+                    raise RuntimeError(
+                        f"{name} is an inference tensor, which torch does not update in place "
+                        f"outside inference mode"
+                    )
             num_new_pages = (page_end - allocated_len) // self.page_size
             host_locs = self.alloc_page(num_new_pages)
             if host_locs is None:

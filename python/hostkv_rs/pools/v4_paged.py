@@ -267,16 +267,20 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         not whole rows get no binding: the first transfer refuses them."""
         bindings = {}
         if self._device_refusal is None:
-            bindings["page"] = self._binding(("page_rows", self.slot_page_size), [0])
+            IB = self.item_bytes
+            bindings["page"] = self._binding(("page_rows", self.slot_page_size), [0], [IB])
             if self._spec.token_rows:
+                # Both read whole C4 page rows, so a token call moves its values and its
+                # scales or neither.
                 bindings["tokens"] = (
-                    self._binding(("c4_value",), [0]),
-                    self._binding(("c4_scale",), [0]),
+                    self._binding(("c4_value",), [0], [IB]),
+                    self._binding(("c4_scale",), [0], [IB]),
                 )
             if scales is not None:
                 bindings["ascend"] = self._binding(
                     ("page_rows", self.slot_page_size),
                     None,
+                    [IB, self.scale_item_bytes],
                     buffers=[self.device_buffers, scales],
                 )
         return _core.V4Transfers(
@@ -290,11 +294,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             **bindings,
         )
 
-    def _binding(self, index_map, host_planes, buffers=None):
+    def _binding(self, index_map, host_planes, page_rows: list[int], buffers=None):
         """The core's device side for its planes `host_planes` (or the rows `index_map` reads
-        them as): per plane, every layer's device buffer, read as its bytes in rows of the
-        core's row size. The binding holds the buffers themselves, so one whose storage is
-        swapped is checked again, and followed, at the next transfer."""
+        them as): per plane, every layer's device buffer, whole page rows of that plane's
+        `page_rows` bytes, read as its bytes in rows of the core's row size. The binding holds
+        the buffers themselves, so one whose storage is swapped is checked again, and followed,
+        at the next transfer."""
         planes = [list(plane) for plane in buffers or [self.device_buffers]]
         L = self.layer_num
         return _core.DeviceBinding(
@@ -307,7 +312,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             name=self.pool_name,
             index_map=index_map,
             host_planes=host_planes,
-            byte_rows=True,
+            byte_rows=page_rows,
         )
 
     # ---- geometry getters ------------------------------------------------------------------

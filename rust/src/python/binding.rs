@@ -192,9 +192,11 @@ pub struct PyDeviceBinding {
     count: usize,
     item_bytes: Vec<u64>,
     like: Vec<Like>,
-    /// Device tensors are read as their bytes, in rows of the item size, whatever their shape
-    /// and dtype (V4's buffers), rather than as a token dimension of rows of that size.
-    byte_rows: bool,
+    /// Where set, device tensors are read as their bytes, in rows of the item size, whatever
+    /// their shape and dtype (V4's buffers), rather than as a token dimension of rows of that
+    /// size; each plane's tensors must also be whole units of its entry's bytes (V4's page
+    /// rows, which the finer C4 value and scale rows tile).
+    byte_rows: Option<Vec<u64>>,
     /// Controller layer ids -> (host layer, tensor position), and the backup order.
     layers: LayerMap,
     /// The engine for CPU device tensors, from HOSTKV_CPU_ENGINE when the binding was built (an
@@ -353,14 +355,19 @@ impl PyDeviceBinding {
                 t.check_storage.bind(py).call1((plain, &where_))?;
                 let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
                 let want = self.item_bytes[plane];
-                if self.byte_rows {
+                if let Some(units) = &self.byte_rows {
                     let nbytes = shape
                         .iter()
                         .fold(element as i128, |acc, &d| acc * d as i128);
-                    if nbytes % want as i128 != 0 {
-                        return Err(PyValueError::new_err(format!(
-                            "{where_}: {nbytes} bytes are not whole rows of {want} bytes"
-                        )));
+                    // Whole units first: the bindings that read the same buffers as finer rows
+                    // then agree on which rows exist (a call using two of them moves both or
+                    // neither).
+                    for unit in [units[plane], want] {
+                        if nbytes % unit as i128 != 0 {
+                            return Err(PyValueError::new_err(format!(
+                                "{where_}: {nbytes} bytes are not whole rows of {unit} bytes"
+                            )));
+                        }
                     }
                     let count = (nbytes / want as i128) as i64;
                     *layer_rows = Some(layer_rows.map_or(count, |r| r.min(count)));
@@ -1046,9 +1053,10 @@ impl PyDeviceBinding {
     /// pool lacks is a `LayerIndexError`). `packed`: (plane name, layers) of SGLang's packed
     /// target + MTP draft device tables, which a backup needs one host layer each of.
     /// `host_planes`: the pool's planes the binding moves, in `planes`' order (None: all).
-    /// `byte_rows`: each device tensor is its bytes in rows of the item size (any contiguous
-    /// shape and dtype), not a first dimension of such rows.
-    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None, host_planes = None, byte_rows = false))]
+    /// `byte_rows`: per plane, a unit of bytes; each device tensor is then its bytes (any
+    /// contiguous shape and dtype), whole units of them, in rows of the item size, not a first
+    /// dimension of such rows.
+    #[pyo3(signature = (pool, planes, owned_slots, device_layer_num, target_layer_num, *, host_layers = None, like = Vec::new(), what = "device pool", name = "host pool", index_map = None, positions = None, packed = None, host_planes = None, byte_rows = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -1065,7 +1073,7 @@ impl PyDeviceBinding {
         positions: Option<Vec<i64>>,
         packed: Option<(String, usize)>,
         host_planes: Option<Vec<usize>>,
-        byte_rows: bool,
+        byte_rows: Option<Vec<u64>>,
     ) -> PyResult<Self> {
         let index_map = args::index_map(index_map)?;
         let planes = match positions {
@@ -1096,6 +1104,13 @@ impl PyDeviceBinding {
                 planes.len(),
                 item_bytes.len()
             )));
+        }
+        if let Some(units) = &byte_rows {
+            if units.len() != planes.len() || units.contains(&0) {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: byte_rows needs one positive unit per plane, got {units:?}"
+                )));
+            }
         }
         let count = planes.first().map_or(0, Vec::len);
         if planes.iter().any(|p| p.len() != count) {
