@@ -903,3 +903,14 @@ def test_sizes_and_layouts_sglang_refuses_raise_its_exception_class(kwargs, erro
     with pytest.raises(error, match=f"^{re.escape(text)}$") as exc:
         MHATokenToKVPoolHost(dev, **{**args, **kwargs})
     assert isinstance(exc.value, ValueError)
+
+
+def test_the_asymmetric_pool_refuses_a_missing_layout_with_its_own_text():
+    dev = MHATokenToKVPool(64, 4, torch.bfloat16, head_num=2, head_dim=8, layer_num=2)
+    dev.v_head_dim = 4
+    text = (
+        "Unsupported layout for models with head_dim != v_head_dim: None; expected "
+        "'page_first' or 'page_first_direct'."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        AsymmetricMHATokenToKVPoolHost(dev, 2.0, 0, 4, None)

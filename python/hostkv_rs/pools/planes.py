@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hostkv_rs import _core
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import as_int, positive_int, required, truth
 from hostkv_rs.pools.base import HostKVCache
@@ -33,7 +34,7 @@ class TokenPlanesPool(HostKVCache):
             page_size=page_size,
         )
         if layout is None:
-            raise ValueError("Unsupported layout: None")  # SGLang's layout check reads it so
+            _core.check_layout(self._spec_kind, layout)  # SGLang's layout refusal, naming None
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         return source
 

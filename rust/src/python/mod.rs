@@ -49,6 +49,17 @@ fn handed_back_layouts(py: Python<'_>, kind: &str) -> PyResult<Vec<&'static str>
     Ok(crate::support::handed_back(kind))
 }
 
+/// Refuses, with SGLang's text for a pool of `kind`, a `layout` hostkv_rs does not build (a
+/// layout argument that is not a string is shown as Python shows it: `None`).
+#[pyfunction]
+fn check_layout(py: Python<'_>, kind: &str, layout: &Bound<'_, PyAny>) -> PyResult<()> {
+    let kind = crate::pool::PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+    let shown = layout.str()?.to_string();
+    crate::support::build(kind, &shown)
+        .map(drop)
+        .map_err(|e| to_py(py, e))
+}
+
 #[pyfunction]
 fn runtime_info(py: Python<'_>) -> String {
     format!(
@@ -179,6 +190,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
     m.add_function(wrap_pyfunction!(supported_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(handed_back_layouts, m)?)?;
+    m.add_function(wrap_pyfunction!(check_layout, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
     m.add_function(wrap_pyfunction!(cgroup_memory_limit, m)?)?;
     Ok(())
