@@ -21,8 +21,12 @@ pub enum IndexMap {
     /// Every element, unchanged.
     #[default]
     Identity,
-    /// `idx[rank::size] // size`.
+    /// `idx[rank::size] // size` over whole widened pages (SGLang 0.5.18-0.5.19 assert that the
+    /// array holds a multiple of `size` slots).
     Dcp { size: u32, rank: u32 },
+    /// `idx[rank::size] // size` over any number of slots (SGLang 0.5.20+, which slices without
+    /// the assert: the rank's share of a short run is what the slice holds).
+    DcpShare { size: u32, rank: u32 },
     /// `idx[::page] // page`: one page row per whole page of token slots.
     PageRows { page: u32 },
     /// C4 token -> its value, a row of 576-byte units.
@@ -82,7 +86,7 @@ impl IndexMap {
     pub fn params(self) -> MapParams {
         match self {
             Self::Identity => MapParams::IDENTITY,
-            Self::Dcp { size, rank } => MapParams {
+            Self::Dcp { size, rank } | Self::DcpShare { size, rank } => MapParams {
                 offset: rank as u64,
                 stride: size as u64,
                 div: size as i64,
@@ -113,9 +117,13 @@ impl IndexMap {
     /// The map's own parameters: a DCP rank below a positive size, a positive page size.
     pub fn check(self) -> Result<()> {
         match self {
-            Self::Dcp { size, rank } if size == 0 || rank >= size => Err(Error::value(format!(
-                "dcp_rank must lie in [0, dcp_size); got dcp_rank={rank}, dcp_size={size}"
-            ))),
+            Self::Dcp { size, rank } | Self::DcpShare { size, rank }
+                if size == 0 || rank >= size =>
+            {
+                Err(Error::value(format!(
+                    "dcp_rank must lie in [0, dcp_size); got dcp_rank={rank}, dcp_size={size}"
+                )))
+            }
             Self::PageRows { page: 0 } => Err(Error::value(
                 "a page-row index map needs a positive page size, got 0",
             )),
@@ -138,6 +146,10 @@ impl IndexMap {
                 }
                 Ok(raw_len / size as usize)
             }
+            // The elements at rank, rank + size, ... below raw_len.
+            Self::DcpShare { size, rank } => Ok(raw_len
+                .saturating_sub(rank as usize)
+                .div_ceil(size as usize)),
             Self::PageRows { page } => {
                 if raw_len % page as usize != 0 {
                     return Err(Error::transfer(format!(
@@ -182,6 +194,13 @@ mod tests {
             .to_string()
             .contains("got 3 logical slots with dcp_size=2"));
         assert!(IndexMap::Dcp { size: 2, rank: 2 }.count(4).is_err());
+        // SGLang 0.5.20+: the rank's share of any run, as its slice takes it.
+        let share = |rank, raw: &[i64]| IndexMap::DcpShare { size: 2, rank }.apply_all(raw);
+        assert_eq!(share(0, &[8, 9, 10]).unwrap(), vec![4, 5]);
+        assert_eq!(share(1, &[8, 9, 10]).unwrap(), vec![4]);
+        assert_eq!(share(1, &[8]).unwrap(), Vec::<i64>::new());
+        assert_eq!(share(0, &[]).unwrap(), Vec::<i64>::new());
+        assert!(IndexMap::DcpShare { size: 2, rank: 2 }.count(4).is_err());
         assert!(IndexMap::Dcp { size: 0, rank: 0 }.check().is_err());
         assert!(IndexMap::Dcp { size: 2, rank: 1 }.check().is_ok());
     }

@@ -2154,6 +2154,13 @@ mod tests {
                             .collect()
                     })
                 }
+                IndexMap::DcpShare { size, rank } => Some(
+                    raw.iter()
+                        .skip(rank as usize)
+                        .step_by(size as usize)
+                        .map(|&t| floor(t, size as i64))
+                        .collect(),
+                ),
                 IndexMap::PageRows { page } => {
                     // Every page whole: its first index on a page boundary, the rest following.
                     let p = page as usize;
@@ -2259,7 +2266,8 @@ mod tests {
                 let map = match map_kind {
                     0..=3 => IndexMap::Identity,
                     4 => IndexMap::Dcp { size: 2, rank: (seed >> 7) as u32 & 1 },
-                    5 => IndexMap::Dcp { size: 3, rank: (seed >> 7) as u32 % 3 },
+                    5 if seed & 1 == 0 => IndexMap::Dcp { size: 3, rank: (seed >> 7) as u32 % 3 },
+                    5 => IndexMap::DcpShare { size: 3, rank: (seed >> 7) as u32 % 3 },
                     6 => IndexMap::PageRows { page: page as u32 },
                     _ => IndexMap::C4Value,
                 };

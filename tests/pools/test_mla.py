@@ -450,7 +450,11 @@ def test_transfers_translate_logical_slots_to_this_ranks_physical_slots(backend,
                 assert not rows[d].any()
 
 
-def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
+def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing(monkeypatch):
+    from hostkv_rs.sglang import sources as _sources
+
+    # SGLang 0.5.18-0.5.19 assert it; 0.5.20+ take the rank's share of any run (below).
+    monkeypatch.setattr(_sources, "sglang_release", lambda: (0, 5, 19))
     dp = duck_mla(page_size=4)
     host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "layer_first", dcp_size=2, dcp_rank=0)
     before = snapshot_host(host)
@@ -463,6 +467,27 @@ def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing():
     ):
         host.backup_from_device_all_layer(dp, torch.arange(7), torch.arange(7), "kernel")
     assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused DCP backup")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dcp_transfers_of_a_short_run_move_the_ranks_share(rank):
+    # SGLang 0.5.20+ (and no SGLang): `idx[rank::2] // 2` of 7 logical slots, no assert.
+    dp = duck_mla(page_size=4)
+    for layer in dp.kv_buffer:
+        layer.copy_(torch.randn(layer.shape))
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "layer_first", dcp_size=2, dcp_rank=rank)
+    logical = torch.arange(16, 23)
+    share = (logical[rank::2] // 2).tolist()
+    host.backup_from_device_all_layer(dp, logical, logical, "kernel")
+    for layer, device_layer in enumerate(dp.kv_buffer):
+        got = host.kv_buffer[layer, share].reshape(len(share), -1)
+        assert torch.equal(got, device_layer[share].reshape(len(share), -1)), layer
+    for layer in dp.kv_buffer:
+        layer.zero_()
+    host.load_to_device_per_layer(dp, logical, logical, 1, "kernel")
+    rows = dp.kv_buffer[1].reshape(dp.kv_buffer[1].shape[0], -1)
+    assert torch.equal(rows[share], host.kv_buffer[1, share].reshape(len(share), -1))
+    assert not rows[[r for r in range(rows.shape[0]) if r not in share]].any()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])

@@ -856,10 +856,12 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _index_map(self):
         """How the core reads both index arrays of every transfer: with dcp_size > 1 (only
         DCP-aware pools), SGLang's translation of logical widened slots to this rank's physical
-        slots, `idx[dcp_rank::dcp_size] // dcp_size`, applied while the core reads them."""
+        slots, `idx[dcp_rank::dcp_size] // dcp_size`, applied while the core reads them (over
+        whole widened pages only, where the release asserts that)."""
         if self.dcp_size == 1:
             return None
-        return ("dcp", int(self.dcp_size), int(self.dcp_rank))
+        name = "dcp" if _sources.dcp_whole_pages_only() else "dcp_share"
+        return (name, int(self.dcp_size), int(self.dcp_rank))
 
     def _load_planes(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft

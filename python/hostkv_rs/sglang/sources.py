@@ -94,6 +94,13 @@ def ignores_transfer_device_pool() -> bool:
     return release is not None and release >= (0, 5, 22)
 
 
+def dcp_whole_pages_only() -> bool:
+    """SGLang <= 0.5.19 asserts that a DCP transfer names whole widened pages; 0.5.20+ slices
+    the rank's share of any run."""
+    release = sglang_release()
+    return release is not None and release < (0, 5, 20)
+
+
 def refuses_dcp_l3_pages() -> bool:
     """SGLang <= 0.5.22 has no DCP-aware L3 flat pages (0.5.23 addresses the rank-local page)."""
     release = sglang_release()

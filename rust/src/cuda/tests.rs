@@ -513,7 +513,7 @@ fn mapped_request(
 fn raw_for(map: IndexMap, want: &[i64]) -> Vec<i64> {
     match map {
         IndexMap::Identity => want.to_vec(),
-        IndexMap::Dcp { size, rank } => {
+        IndexMap::Dcp { size, rank } | IndexMap::DcpShare { size, rank } => {
             let s = size as i64;
             let mut v = vec![-7; want.len() * size as usize];
             for (i, &w) in want.iter().enumerate() {
@@ -541,6 +541,7 @@ fn mapped_indices_move_the_same_rows_everywhere() {
     for map in [
         IndexMap::Dcp { size: 2, rank: 1 },
         IndexMap::Dcp { size: 4, rank: 0 },
+        IndexMap::DcpShare { size: 3, rank: 2 },
         IndexMap::PageRows { page: 4 },
         IndexMap::C4Value,
         IndexMap::C4Scale,
@@ -613,7 +614,7 @@ fn mapped_indices_move_the_same_rows_everywhere() {
             }
         }
     }
-    assert_eq!(cases, 20);
+    assert_eq!(cases, 24);
 }
 
 /// A mapped index that lands out of range is refused by the kernel's pass 1 with the mapped

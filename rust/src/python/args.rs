@@ -57,14 +57,15 @@ pub(crate) fn str_or(
 }
 
 /// How both index arrays of a transfer are read (`crate::index_map`): None (every element as
-/// is), `("dcp", dcp_size, dcp_rank)`, `("page_rows", page_size)`, `("c4_value",)` or
+/// is), `("dcp", dcp_size, dcp_rank)` (whole widened pages), `("dcp_share", dcp_size,
+/// dcp_rank)` (any run), `("page_rows", page_size)`, `("c4_value",)` or
 /// `("c4_scale",)`.
 pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> {
     let Some(value) = value.filter(|v| !v.is_none()) else {
         return Ok(IndexMap::Identity);
     };
-    let allowed = "None, ('dcp', dcp_size, dcp_rank), ('page_rows', page_size), ('c4_value',) \
-                   or ('c4_scale',)";
+    let allowed = "None, ('dcp', dcp_size, dcp_rank), ('dcp_share', dcp_size, dcp_rank), \
+                   ('page_rows', page_size), ('c4_value',) or ('c4_scale',)";
     let bad = || -> PyResult<IndexMap> {
         Err(PyValueError::new_err(format!(
             "index_map must be {allowed}, got {}",
@@ -82,6 +83,10 @@ pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> 
     };
     let map = match (name.as_str(), items.len()) {
         ("dcp", 3) => IndexMap::Dcp {
+            size: small(1, "dcp_size")?,
+            rank: small(2, "dcp_rank")?,
+        },
+        ("dcp_share", 3) => IndexMap::DcpShare {
             size: small(1, "dcp_size")?,
             rank: small(2, "dcp_rank")?,
         },
