@@ -235,6 +235,23 @@ def _budget(ranks: int) -> int:
         return ph_base.host_memory_budget_bytes()
 
 
+@U.requires(hasattr(ph_base, "host_memory_budget_bytes"), "no host_memory_budget_bytes")
+@pytest.mark.parametrize("name", ["MHATokenToKVPoolHost", "MLATokenToKVPoolHost"])
+def test_a_patched_budget_in_sglangs_module_steers_the_pool(side, name):
+    # SGLang's own tests patch the budget where its pools look it up (and, from 0.5.20, the
+    # available-memory function it reads): a pool of either side obeys.
+    mla = name == "MLATokenToKVPoolHost"
+    dev = H.mla_device() if mla else H.mha_device()
+    U.kv_host(side, name, dev)  # fits
+    refused = partial(pytest.raises, ValueError, match="Not enough host memory available")
+    with mock.patch.object(ph_base, "host_memory_budget_bytes", lambda *a, **k: 0), refused():
+        U.kv_host(side, name, dev)
+    if hasattr(ph_base, "available_host_memory_bytes"):
+        with mock.patch.object(ph_base, "available_host_memory_bytes", return_value=0), refused():
+            U.kv_host(side, name, dev)
+    U.kv_host(side, name, dev)  # and fits again once the patch is gone
+
+
 @U.requires(_SPLITS, _SPLITS_WHY)
 def test_budget_is_split_across_co_located_ranks(side):
     """Restates upstream test_mem_pool_host.py::TestHostMemoryBudget::test_budget_is_split_across_co_located_ranks"""

@@ -121,10 +121,15 @@ host_memory_budget_scope = _budgets.host_memory_budget_scope
 _DEFAULT_BUDGET = host_memory_budget_bytes
 
 
-def host_memory_budget_and_source(requested_bytes: int = 0) -> tuple[int, str | None]:
+def host_memory_budget_and_source(
+    requested_bytes: int = 0, sglang_module: str = "sglang.srt.mem_cache.pool_host.base"
+) -> tuple[int, str | None]:
     """The host budget through this module's (possibly patched) `host_memory_budget_bytes`,
-    and where it came from (None when a caller patched it)."""
-    return _budgets.budget_and_source(host_memory_budget_bytes, _DEFAULT_BUDGET, requested_bytes)
+    or SGLang's in `sglang_module` where a caller patched that, and where it came from (None
+    when a caller patched one)."""
+    return _budgets.budget_and_source(
+        host_memory_budget_bytes, _DEFAULT_BUDGET, requested_bytes, sglang_module
+    )
 
 
 def check_host_memory(requested_bytes: int) -> int:

@@ -132,7 +132,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # Looked up on `base` at call time, like SGLang's import from pool_host.base, so patching
         # `base.host_memory_budget_bytes` (or `budgets`') steers this check too. SGLang books
         # nothing here (it passes no request).
-        available_bytes, source = pool_host_base.host_memory_budget_and_source()
+        available_bytes, source = pool_host_base.host_memory_budget_and_source(
+            sglang_module="sglang.srt.mem_cache.memory_pool_host"
+        )
         if requested_bytes > available_bytes:
             raise ValueError(
                 f"Not enough host memory for V4 paged pool {pool_name}. "

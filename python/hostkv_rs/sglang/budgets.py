@@ -130,14 +130,44 @@ def call_budget(budget, requested_bytes: int = 0, *, auto_size: bool = False) ->
     return budget()
 
 
-def budget_and_source(budget, default, requested_bytes: int = 0) -> tuple[int, str | None]:
+def budget_and_source(
+    budget, default, requested_bytes: int = 0, sglang_module: str = _SGLANG_BASE
+) -> tuple[int, str | None]:
     """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
     for the source when a caller patched a budget function (its figure is all there is).
-    `budget` is the pool module's function at call time, `default` its unpatched one."""
+    `budget` is the pool module's function at call time, `default` its unpatched one;
+    `sglang_module` the SGLang module whose `host_memory_budget_bytes` SGLang's own pool of
+    this kind calls (a patch of it counts too: SGLang's own tests patch it there)."""
     # The module global is read at call time, so a patched `host_memory_budget_bytes` counts.
     if budget is default and host_memory_budget_bytes is default_budget_bytes:
-        return host_memory_budget(requested_bytes)
+        budget = sglang_patched_budget(sglang_module)
+        if budget is None:
+            return host_memory_budget(requested_bytes)
     return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
+
+
+def sglang_patched_budget(module_name: str = _SGLANG_BASE):
+    """SGLang's `host_memory_budget_bytes` as its module `module_name` holds it, where a caller
+    patched it, or patched the available-memory function it reads; None while both are
+    SGLang's own (ours then computes the same budget, and says where it came from)."""
+    module = sys.modules.get(module_name)
+    budget = getattr(module, "host_memory_budget_bytes", None)
+    if budget is None:
+        return None
+    available = getattr(sys.modules.get(_SGLANG_BASE), "available_host_memory_bytes", None)
+    for func, name in (
+        (budget, "host_memory_budget_bytes"),
+        (available, "available_host_memory_bytes"),
+    ):
+        if func is not None and not _is_sglangs(func, name):
+            return budget
+    return None
+
+
+def _is_sglangs(func, name: str) -> bool:
+    """Whether `func` is SGLang's own function `name` (not a mock or a stand-in)."""
+    module = getattr(func, "__module__", None)
+    return getattr(func, "__qualname__", None) == name and str(module).startswith("sglang.")
 
 
 def budget_source_text(source: str | None) -> str:
