@@ -686,6 +686,15 @@ def test_allocator_of_a_pool_made_with_new():
     assert len(pool.alloc(1)) == 2
 
 
+def test_dummy_flat_page_of_a_pool_made_with_new():
+    # From SGLang's own attributes alone, as its method reads them.
+    pool = DeepSeekV4PagedHostPool.__new__(DeepSeekV4PagedHostPool)
+    pool.layer_num, pool.item_bytes, pool.dtype = 3, 40, torch.uint8
+    pool.device, pool.pin_memory = "cpu", False
+    page = pool.get_dummy_flat_data_page()
+    assert (page.shape, page.dtype, bool(page.any())) == ((120,), torch.uint8, False)
+
+
 def test_page_aligned_refusal_of_a_pool_made_with_new():
     """A page-aligned-only pool made with `__new__` (SGLang's unit tests set `pool_name`,
     `slot_page_size`, `layer_num`, `page_aligned_only`) refuses a partial page before it looks

@@ -514,8 +514,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self):
+        # SGLang's own attributes, not the spec: a pool its unit tests build with `__new__` and
+        # a few attributes has none.
         return torch.zeros(
-            self._spec.dummy_page_shape,
+            (self.layer_num, self.item_bytes),
             dtype=self.dtype,
             device=self.device,
             pin_memory=_memory.pin_dummy_pages(self.pin_memory),
