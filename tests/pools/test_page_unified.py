@@ -116,6 +116,8 @@ def test_what_sglang_0_5_23_does_not_move_is_refused_with_its_texts():
         lambda: host.get_page_buffer_meta(h + 10**9),
         lambda: host.get_data_page(-16),
         lambda: host.get_data_page(10**30, flat=False),
+        lambda: host.get_data_page("x"),
+        lambda: host.set_from_flat_data_page(None, host.get_dummy_flat_data_page()),
     ):
         with pytest.raises(ValueError, match="^Unsupported layout: page_unified$"):
             call()

@@ -674,7 +674,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _page_geometry(self, index) -> tuple:
         """(offset, shape, strides) of page `index` in the pool's first allocation; a page
         outside the pool raises PageIndexError."""
-        return self._spec.page_view(as_int("index", index))
+        return self._spec.page_view(index)  # the layout's refusal, then the index's
 
     def _view_at(self, geometry) -> torch.Tensor:
         offset, shape, strides = geometry

@@ -93,8 +93,8 @@ class TokenPlanesPool(HostKVCache):
         """Store one flat page, read with this layout's own element order (see §4.4)."""
         self._check_l3_pages()
         self._require_bytes()
-        index = as_int("index", index)  # read once: the write and the digests name one page
-        geometry = self._page_geometry(index)
+        geometry = self._page_geometry(index)  # the layout's refusal comes first, as SGLang's
+        index = as_int("index", index)
         self._write_page(geometry, self._flat_page_as(data_page, geometry[1]))
         self._pool_core.forget_flat_page(index)  # HOSTKV_PAGE_DIGEST: written by other means
 

@@ -230,10 +230,17 @@ impl PyPoolSpec {
     ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
         // SGLang refuses the layout before it reads the index.
         self.spec.refuse_unified().map_err(|e| to_py(py, e))?;
-        if !index.is_instance_of::<pyo3::types::PyInt>() {
-            index.extract::<i64>()?; // the TypeError of a non-int
-        }
-        let index = index.extract::<i64>().map_err(|_| {
+        // An integer, through `__index__` (a bool is refused rather than read as 0 or 1).
+        let int = (!index.is_instance_of::<pyo3::types::PyBool>())
+            .then(|| index.call_method0(pyo3::intern!(py, "__index__")).ok())
+            .flatten();
+        let Some(int) = int else {
+            return Err(super::errors::type_err(format!(
+                "index must be an integer, got {}",
+                index.repr()?
+            )));
+        };
+        let index = int.extract::<i64>().map_err(|_| {
             let slots = match self.spec.kind {
                 PoolKind::V4Paged => self.spec.rows.saturating_mul(self.spec.page_size),
                 _ => self.spec.rows,
