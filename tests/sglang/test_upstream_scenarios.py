@@ -19,6 +19,7 @@ allocation, the hugetlb budget and its sync group, `host_pool_capacities`, the P
 from __future__ import annotations
 
 import contextlib
+import functools
 from functools import partial
 from types import SimpleNamespace
 from unittest import mock
@@ -245,6 +246,17 @@ def test_a_patched_budget_in_sglangs_module_steers_the_pool(side, name):
     U.kv_host(side, name, dev)  # fits
     refused = partial(pytest.raises, ValueError, match="Not enough host memory available")
     with mock.patch.object(ph_base, "host_memory_budget_bytes", lambda *a, **k: 0), refused():
+        U.kv_host(side, name, dev)
+    original = ph_base.host_memory_budget_bytes
+
+    @functools.wraps(original)  # a stand-in that names itself as SGLang's function
+    def nothing_left(*args, **kwargs):
+        return 0
+
+    with mock.patch.object(ph_base, "host_memory_budget_bytes", nothing_left), refused():
+        U.kv_host(side, name, dev)
+    # A mock wrapping SGLang's own, called as the release calls it.
+    with mock.patch.object(ph_base, "host_memory_budget_bytes", wraps=original):
         U.kv_host(side, name, dev)
     if hasattr(ph_base, "available_host_memory_bytes"):
         with mock.patch.object(ph_base, "available_host_memory_bytes", return_value=0), refused():

@@ -13,6 +13,7 @@ import importlib
 import inspect
 import logging
 import sys
+import types
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -140,9 +141,14 @@ def budget_and_source(
     this kind calls (a patch of it counts too: SGLang's own tests patch it there)."""
     # The module global is read at call time, so a patched `host_memory_budget_bytes` counts.
     if budget is default and host_memory_budget_bytes is default_budget_bytes:
-        budget = sglang_patched_budget(sglang_module)
-        if budget is None:
+        theirs = sglang_patched_budget(sglang_module)
+        if theirs is None:
             return host_memory_budget(requested_bytes)
+        # Called as SGLang's pool of the installed release calls it: with the request from
+        # 0.5.21 (MHA and MLA), without one before and for V4.
+        release = sglang_release()
+        with_request = sglang_module == _SGLANG_BASE and (release is None or release >= (0, 5, 21))
+        return (theirs(requested_bytes) if with_request else theirs()), None
     return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
 
 
@@ -165,9 +171,15 @@ def sglang_patched_budget(module_name: str = _SGLANG_BASE):
 
 
 def _is_sglangs(func, name: str) -> bool:
-    """Whether `func` is SGLang's own function `name` (not a mock or a stand-in)."""
-    module = getattr(func, "__module__", None)
-    return getattr(func, "__qualname__", None) == name and str(module).startswith("sglang.")
+    """Whether `func` is SGLang's own function `name`: a plain function defined in SGLang, not
+    a mock (even one that wraps it) or a stand-in made with `functools.wraps` (which copies the
+    name and module, and leaves `__wrapped__`)."""
+    return (
+        isinstance(func, types.FunctionType)
+        and not hasattr(func, "__wrapped__")
+        and func.__qualname__ == name
+        and str(func.__module__).startswith("sglang.")
+    )
 
 
 def budget_source_text(source: str | None) -> str:
