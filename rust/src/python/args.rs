@@ -6,6 +6,25 @@ use pyo3::prelude::*;
 use super::errors::type_err;
 use crate::request::IndexMap;
 
+/// `value` as the Python int its `__index__` gives, or the TypeError naming `name` for a
+/// non-integer (a bool included: it is refused rather than read as 0 or 1).
+pub(crate) fn py_int<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let int = (!value.is_instance_of::<pyo3::types::PyBool>())
+        .then(|| {
+            value
+                .call_method0(pyo3::intern!(value.py(), "__index__"))
+                .ok()
+        })
+        .flatten();
+    match int {
+        Some(int) => Ok(int),
+        None => Err(type_err(format!(
+            "{name} must be an integer, got {}",
+            value.repr()?
+        ))),
+    }
+}
+
 /// An integer argument in `[lo, hi]`: TypeError for a non-integer (a bool included), ValueError
 /// naming the parameter, the value and the range otherwise (never a bare OverflowError).
 pub(crate) fn int_in(
@@ -15,18 +34,7 @@ pub(crate) fn int_in(
     hi: u128,
     range: &str,
 ) -> PyResult<u128> {
-    let is_bool = value.is_instance_of::<pyo3::types::PyBool>();
-    let as_int = if is_bool {
-        None
-    } else {
-        value.call_method0("__index__").ok()
-    };
-    let Some(int) = as_int else {
-        return Err(type_err(format!(
-            "{name} must be an integer, got {}",
-            value.repr()?
-        )));
-    };
+    let int = py_int(value, name)?;
     match int.extract::<i128>() {
         Ok(v) if v >= lo as i128 && (v as u128) <= hi => Ok(v as u128),
         _ => Err(PyValueError::new_err(format!(

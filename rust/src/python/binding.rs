@@ -228,18 +228,7 @@ pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
 /// A layer id as the Python int it stands for (whatever its type, so a refusal can show its
 /// value), or the TypeError naming `layer_id` for a bool or a non-integer.
 pub(super) fn layer_int<'py>(layer_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let refuse = || -> PyResult<PyErr> {
-        Ok(PyTypeError::new_err(format!(
-            "layer_id must be an integer, got {}",
-            layer_id.repr()?
-        )))
-    };
-    if layer_id.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(refuse()?);
-    }
-    layer_id
-        .call_method0("__index__")
-        .or_else(|_| Err(refuse()?))
+    args::py_int(layer_id, "layer_id")
 }
 
 fn py_tuple_text(values: &[i64]) -> String {

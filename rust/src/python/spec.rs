@@ -3,7 +3,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::args::int_in;
+use super::args::{int_in, py_int};
 use super::errors::to_py;
 use crate::pool::{PoolKind, PoolSpec};
 use crate::request::Layout;
@@ -60,24 +60,26 @@ impl PyPoolSpec {
         // Read only where the layout uses it: SGLang never looks at it for other layouts.
         let head_groups = match head_group_num {
             Some(v) if Layout::parse(layout).is_ok_and(Layout::groups_heads) => {
-                let negative = (!v.is_instance_of::<pyo3::types::PyBool>())
-                    .then(|| v.call_method0("__index__").ok()?.extract::<i64>().ok())
-                    .flatten()
+                let negative = py_int(v, "head_group_num")?
+                    .extract::<i64>()
+                    .ok()
                     .filter(|&g| g < 0);
-                if let Some(g) = negative {
+                match negative {
                     // SGLang's page_unified layout refuses it naming every field (MHA only:
-                    // MLA has no head groups).
-                    let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
-                    let dim = dims.first().copied().unwrap_or(0);
-                    let fields = [page_size, num_layers, head_num, 1, dim, itemsize].map(field);
-                    if kind != "mla" {
-                        let [p, l, h, _, d, i] = fields;
-                        crate::pool::unified::check([p, l, h, g, d, i], false)
-                            .map_err(|e| to_py(py, e))?;
+                    // MLA has no head groups, and ignores the argument).
+                    Some(g) if kind != "mla" => {
+                        let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+                        let dim = dims.first().copied().unwrap_or(0);
+                        let (p, l, h) = (field(page_size), field(num_layers), field(head_num));
+                        crate::pool::unified::check(
+                            [p, l, h, g, field(dim), field(itemsize)],
+                            false,
+                        )
+                        .map_err(|e| to_py(py, e))?;
+                        1
                     }
-                    1
-                } else {
-                    size(v, "head_group_num")?
+                    Some(_) => 1,
+                    None => size(v, "head_group_num")?,
                 }
             }
             _ => 1,
@@ -230,16 +232,7 @@ impl PyPoolSpec {
     ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
         // SGLang refuses the layout before it reads the index.
         self.spec.refuse_unified().map_err(|e| to_py(py, e))?;
-        // An integer, through `__index__` (a bool is refused rather than read as 0 or 1).
-        let int = (!index.is_instance_of::<pyo3::types::PyBool>())
-            .then(|| index.call_method0(pyo3::intern!(py, "__index__")).ok())
-            .flatten();
-        let Some(int) = int else {
-            return Err(super::errors::type_err(format!(
-                "index must be an integer, got {}",
-                index.repr()?
-            )));
-        };
+        let int = py_int(index, "index")?;
         let index = int.extract::<i64>().map_err(|_| {
             let slots = match self.spec.kind {
                 PoolKind::V4Paged => self.spec.rows.saturating_mul(self.spec.page_size),
