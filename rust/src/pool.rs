@@ -689,8 +689,7 @@ impl PoolSpec {
     }
 
     /// SGLang 0.5.23 builds page_unified pools but has no page-metadata or flat-page arm for
-    /// them: those calls refuse the layout, as there.
-    /// SGLang's refusal of every page access to a page_unified pool (before it reads the page).
+    /// them: those calls refuse the layout, as there, before they read the page.
     pub fn refuse_unified(&self) -> Result<()> {
         if self.layout == Layout::PageUnified {
             return Err(Error::value("Unsupported layout: page_unified"));

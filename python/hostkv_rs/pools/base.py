@@ -122,7 +122,7 @@ _DEFAULT_BUDGET = host_memory_budget_bytes
 
 
 def host_memory_budget_and_source(
-    requested_bytes: int = 0, sglang_module: str = "sglang.srt.mem_cache.pool_host.base"
+    requested_bytes: int = 0, sglang_module: str = _budgets.SGLANG_POOL_BASE
 ) -> tuple[int, str | None]:
     """The host budget through this module's (possibly patched) `host_memory_budget_bytes`,
     or SGLang's in `sglang_module` where a caller patched that, and where it came from (None

@@ -26,7 +26,7 @@ from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.pools.indices import check_storage
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
-from hostkv_rs.sglang.budgets import budget_source_text
+from hostkv_rs.sglang.budgets import SGLANG_V4_POOLS, budget_source_text
 from hostkv_rs.sglang.sources import hicache_device_kernels, sglang_release
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # `base.host_memory_budget_bytes` (or `budgets`') steers this check too. SGLang books
         # nothing here (it passes no request).
         available_bytes, source = pool_host_base.host_memory_budget_and_source(
-            sglang_module="sglang.srt.mem_cache.memory_pool_host"
+            sglang_module=SGLANG_V4_POOLS
         )
         if requested_bytes > available_bytes:
             raise ValueError(

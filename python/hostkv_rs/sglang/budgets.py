@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
 
 
-_SGLANG_BASE = "sglang.srt.mem_cache.pool_host.base"
+# The SGLang modules whose `host_memory_budget_bytes` its pools call (by name, so a test's patch
+# of it there steers them): the KV pools' base, and the module of the V4 pools.
+SGLANG_POOL_BASE = "sglang.srt.mem_cache.pool_host.base"
+SGLANG_V4_POOLS = "sglang.srt.mem_cache.memory_pool_host"
 
 
 def ranks_per_host() -> int:
@@ -40,7 +43,7 @@ def ranks_per_host() -> int:
     release = sglang_release()
     if release is not None:
         try:
-            base = importlib.import_module(_SGLANG_BASE)
+            base = importlib.import_module(SGLANG_POOL_BASE)
         except ImportError as exc:
             logger.debug("ranks_per_host: SGLang's pool base does not import (%s)", exc)
         else:
@@ -84,7 +87,7 @@ def host_memory_budget_scope(budget_bytes: int):
 def _sglang_scope_budget(requested_bytes: int) -> int | None:
     """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
     against one snapshot), book there too, as SGLang's pools do."""
-    base = sys.modules.get(_SGLANG_BASE)
+    base = sys.modules.get(SGLANG_POOL_BASE)
     scope = getattr(base, "_host_memory_budget", None)
     if scope is None or scope.get() is None:
         return None
@@ -132,7 +135,7 @@ def call_budget(budget, requested_bytes: int = 0, *, auto_size: bool = False) ->
 
 
 def budget_and_source(
-    budget, default, requested_bytes: int = 0, sglang_module: str = _SGLANG_BASE
+    budget, default, requested_bytes: int = 0, sglang_module: str = SGLANG_POOL_BASE
 ) -> tuple[int, str | None]:
     """The host budget (booked like `host_memory_budget_bytes`) and where it came from, or None
     for the source when a caller patched a budget function (its figure is all there is).
@@ -147,12 +150,14 @@ def budget_and_source(
         # Called as SGLang's pool of the installed release calls it: with the request from
         # 0.5.21 (MHA and MLA), without one before and for V4.
         release = sglang_release()
-        with_request = sglang_module == _SGLANG_BASE and (release is None or release >= (0, 5, 21))
+        with_request = sglang_module == SGLANG_POOL_BASE and (
+            release is None or release >= (0, 5, 21)
+        )
         return (theirs(requested_bytes) if with_request else theirs()), None
     return (budget(requested_bytes) if _takes_arguments(budget) else budget()), None
 
 
-def sglang_patched_budget(module_name: str = _SGLANG_BASE):
+def sglang_patched_budget(module_name: str = SGLANG_POOL_BASE):
     """SGLang's `host_memory_budget_bytes` as its module `module_name` holds it, where a caller
     patched it, or patched the available-memory function it reads; None while both are
     SGLang's own (ours then computes the same budget, and says where it came from)."""
@@ -160,7 +165,7 @@ def sglang_patched_budget(module_name: str = _SGLANG_BASE):
     budget = getattr(module, "host_memory_budget_bytes", None)
     if budget is None:
         return None
-    available = getattr(sys.modules.get(_SGLANG_BASE), "available_host_memory_bytes", None)
+    available = getattr(sys.modules.get(SGLANG_POOL_BASE), "available_host_memory_bytes", None)
     for func, name in (
         (budget, "host_memory_budget_bytes"),
         (available, "available_host_memory_bytes"),
