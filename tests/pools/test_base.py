@@ -309,6 +309,17 @@ def _digest_pool(kind: str, layout: str):
     return dev, MLATokenToKVPoolHost(dev, 2.0, 0, 4, layout), dev.kv_buffer
 
 
+def _backed_up_digest_pool(monkeypatch, kind: str, layout: str, backend: str = "kernel"):
+    """A watched pool whose slots `h` (two pages) hold a backup of random device rows `d`."""
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
+    dev, host, layers = _digest_pool(kind, layout)
+    for t in layers:
+        t.normal_()
+    h, d = host.alloc(8), torch.arange(4, 12)
+    host.backup_from_device_all_layer(dev, h, d, backend)
+    return dev, host, layers, h, d
+
+
 @pytest.mark.parametrize(
     "kind, layout",
     [
@@ -321,13 +332,8 @@ def _digest_pool(kind: str, layout: str):
     ],
 )
 def test_page_digests_refuse_a_load_of_a_page_changed_since_its_backup(monkeypatch, kind, layout):
-    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
-    dev, host, layers = _digest_pool(kind, layout)
     backend = "direct" if layout == "page_first_direct" else "kernel"
-    h, d = host.alloc(8), torch.arange(4, 12)
-    for t in layers:
-        t.normal_()
-    host.backup_from_device_all_layer(dev, h, d, backend)
+    dev, host, layers, h, d = _backed_up_digest_pool(monkeypatch, kind, layout, backend)
     host.load_to_device_per_layer(dev, h, d, 1, backend)  # unchanged: loads
     page = host.get_data_page(int(h[4]), flat=False)
     page[(0,) * page.dim()] += 1  # one element of the page's first row, in host memory
@@ -375,12 +381,7 @@ def test_page_digests_forget_a_page_handed_to_a_new_owner(monkeypatch, kind, lay
     # SGLang's zero-copy storage loads (EIC, HF3FS) write a prefetched page into the
     # `get_data_page` views of slots just allocated, and PD decode writes at the addresses
     # `get_contiguous_buf_infos` registered once: the slots' earlier backup says nothing then.
-    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
-    dev, host, layers = _digest_pool(kind, layout)
-    for t in layers:
-        t.normal_()
-    h, d = host.alloc(8), torch.arange(4, 12)
-    host.backup_from_device_all_layer(dev, h, d, "kernel")
+    dev, host, layers, h, d = _backed_up_digest_pool(monkeypatch, kind, layout)
     host.free(h)
     host.alloc(host.available_size() - 8)  # what is left after the eight just freed
     again = host.alloc(8)
@@ -400,12 +401,7 @@ def test_page_digests_forget_a_page_handed_to_a_new_owner(monkeypatch, kind, lay
 def test_page_digests_forget_both_pages_a_flat_page_inside_a_page_covers(monkeypatch, kind, layout):
     # A slot-major layout takes the page's slots from any start (SGLang slices
     # `index:index + page_size`): a start inside a page writes into the next page as well.
-    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
-    dev, host, layers = _digest_pool(kind, layout)
-    for t in layers:
-        t.normal_()
-    h, d = host.alloc(8), torch.arange(4, 12)
-    host.backup_from_device_all_layer(dev, h, d, "kernel")
+    dev, host, layers, h, d = _backed_up_digest_pool(monkeypatch, kind, layout)
     flat = torch.ones(host.get_dummy_flat_data_page().numel(), dtype=torch.bfloat16)
     host.set_from_flat_data_page(int(h[1]), flat)  # slots h[1]..h[4]: pages 0 and 1 of `h`
     host.load_to_device_per_layer(dev, h, d, 1, "kernel")
