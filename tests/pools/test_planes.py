@@ -66,3 +66,59 @@ def test_the_pair_check_and_the_stride_question(host):
     assert isinstance(host.is_stride_page_aligned(), bool)
     with pytest.raises(ValueError, match="page_size_bytes"):
         host.is_stride_page_aligned(0)
+
+
+def _hand_built(host, buffer):
+    """The pool as SGLang's unit tests build one: `__new__`, then SGLang's attributes by hand."""
+    pool = type(host).__new__(type(host))
+    names = ["layout", "page_size", "layer_num", "dtype", "size", "device", "pin_memory"]
+    names += ["head_num", "head_dim"] if hasattr(host, "head_num") else ["kv_cache_dim"]
+    for name in names:
+        setattr(pool, name, getattr(host, name))
+    pool.kv_buffer = buffer
+    return pool
+
+
+def test_a_pool_built_with_new_reads_its_hand_set_buffer_as_the_built_one(host):
+    host.set_from_flat_data_page(
+        host.page_size, torch.arange(host.get_dummy_flat_data_page().numel()).to(host.dtype)
+    )
+    copy = host.kv_buffer.clone()
+    pool = _hand_built(host, copy)
+    index = host.page_size
+    assert torch.equal(pool.get_data_page(index), host.get_data_page(index))
+    assert pool.get_dummy_flat_data_page().shape == host.get_dummy_flat_data_page().shape
+    indices = torch.arange(2 * host.page_size)
+    ours, theirs = pool.get_page_buffer_meta(indices), host.get_page_buffer_meta(indices)
+    assert [p - copy.data_ptr() for p in ours[0]] == [
+        p - host.kv_buffer.data_ptr() for p in theirs[0]
+    ]
+    assert ours[1] == theirs[1]
+    page = -torch.ones(host.get_dummy_flat_data_page().numel(), dtype=host.dtype)
+    pool.set_from_flat_data_page(2 * host.page_size, page)
+    assert torch.equal(pool.get_data_page(2 * host.page_size), page)
+    assert not torch.equal(host.get_data_page(2 * host.page_size), page)
+
+
+@pytest.mark.parametrize("change", ["smaller", "a view", "another dtype"])
+def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_describe(
+    host, change
+):
+    buffer = host.kv_buffer.clone()
+    if change == "smaller":
+        buffer = buffer.flatten()[: buffer.numel() // 2].clone()
+    elif change == "a view":
+        buffer = buffer[..., :1]  # the core would adopt the storage beyond it
+    else:
+        buffer = buffer.to(torch.float64 if host.dtype != torch.float64 else torch.float32)
+    pool = _hand_built(host, buffer)
+    with pytest.raises(ValueError, match="kv_buffer holds"):
+        pool.get_data_page(0)
+    with pytest.raises(ValueError, match="kv_buffer holds"):
+        pool.get_page_buffer_meta(torch.arange(host.page_size))
+
+
+def test_a_pool_built_with_new_without_a_buffer_still_gives_its_dummy_page(host):
+    pool = _hand_built(host, None)
+    assert pool.get_dummy_flat_data_page().shape == host.get_dummy_flat_data_page().shape
+    assert not hasattr(pool, "_pool_core")  # no bytes, so no core

@@ -662,8 +662,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     # ----------------------------------------------------------------- page addressing
 
-    # The pool's geometry in the core (`_core.PoolSpec`), set by pools that hold bytes.
-    _spec = None
+    # The pool's geometry in the core (`_core.PoolSpec`), set by pools that hold bytes (see
+    # `TokenPlanesPool.__getattr__` for a pool built without its constructor).
 
     def _page_view(self, index) -> torch.Tensor:
         """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):

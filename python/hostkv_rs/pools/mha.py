@@ -283,10 +283,11 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
             self.layer_num,
             self.size,
             self.page_size,
-            [self.head_dim, self.v_head_dim],
+            # A pool built with `__new__` may set only SGLang's symmetric attributes.
+            [self.head_dim, getattr(self, "v_head_dim", self.head_dim)],
             self.dtype.itemsize,
             head_num=self.head_num,
-            head_group_num=self.head_group_num,
+            head_group_num=getattr(self, "head_group_num", 1),
             release=sglang_release(),
         )
 

@@ -41,6 +41,30 @@ class TokenPlanesPool(HostKVCache):
     def _make_spec(self):
         raise NotImplementedError()
 
+    def __getattr__(self, name):
+        # Reached only for an attribute never set. A pool SGLang's unit tests make with
+        # `__new__`, setting SGLang's geometry attributes (and perhaps `kv_buffer`) by hand, has
+        # no spec or core: both come from those attributes on first use, the hand-set buffer
+        # adopted by the core if it is what that geometry allocates (the core would take the
+        # rest of a larger storage as the pool's).
+        if name in ("_spec", "_pool_core"):
+            spec = self.__dict__.get("_spec") or self._make_spec()
+            buffer = self.__dict__.get("kv_buffer")
+            if buffer is not None:
+                allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
+                got = [(tuple(t.shape), t.dtype) for t in allocations]
+                expected = [(tuple(shape), self.dtype) for shape in spec.allocation_shapes]
+                if got != expected:
+                    raise ValueError(
+                        f"{type(self).__name__}.kv_buffer holds (shape, dtype) {got}; its "
+                        f"attributes describe {expected}"
+                    )
+                self._pool_core = _core.HostPool(spec, allocations)
+            self._spec = spec
+            if name in self.__dict__:
+                return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def init_kv_buffer(self):
         self._spec = spec = self._make_spec()
         self.token_stride_size = spec.item_bytes[0]
@@ -81,9 +105,8 @@ class TokenPlanesPool(HostKVCache):
         return data_page.flatten() if truth("flat", flat) else data_page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        # An allocator-only (dummy) pool has no spec of its own, but SGLang still builds its page.
         return torch.zeros(
-            (self._spec or self._make_spec()).dummy_page_shape,
+            self._spec.dummy_page_shape,  # an allocator-only (dummy) pool's too
             dtype=self.dtype,
             device=self.device,
             pin_memory=_memory.pin_dummy_pages(self.pin_memory),
