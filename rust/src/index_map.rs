@@ -162,8 +162,7 @@ impl IndexMap {
         }
     }
 
-    /// The mapped values of `raw`.
-    #[cfg(test)]
+    /// The mapped values of `raw` (the slots a transfer moves: a watched pool's page digests).
     pub fn apply_all(self, raw: &[i64]) -> Result<Vec<i64>> {
         let n = self.count(raw.len())?;
         let p = self.params();

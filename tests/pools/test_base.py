@@ -408,6 +408,31 @@ def test_page_digests_forget_both_pages_a_flat_page_inside_a_page_covers(monkeyp
     assert all(bool((layers[1][i] == 1).all()) for i in d[1:5].tolist())
 
 
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_page_digests_under_dcp_cover_the_rows_this_rank_moves(monkeypatch, dcp_rank):
+    # The logical slots of a DCP transfer are every rank's; this rank moves its share
+    # (`idx[rank::size] // size`, device slots too), and only the pages of that share are
+    # digested and verified.
+    monkeypatch.setenv("HOSTKV_PAGE_DIGEST", "1")
+    dev = MLATokenToKVPool(48, 4, torch.bfloat16, kv_lora_rank=8, qk_rope_head_dim=4, layer_num=3)
+    for t in dev.kv_buffer:
+        t.normal_()
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 8, "layer_first", dcp_size=2, dcp_rank=dcp_rank)
+    last = torch.arange(host.logical_size - 8, host.logical_size)  # the last widened page
+    host.backup_from_device_all_layer(dev, last, torch.arange(8), "kernel")
+    host.load_to_device_per_layer(dev, last, torch.arange(8), 0, "kernel")
+    # A run reaching one slot past the pool: this rank's share stays inside it and is moved,
+    # whatever the other rank's slot.
+    edge = [host.logical_size - 1, host.logical_size]  # position dcp_rank: inside the pool
+    edge = torch.tensor(edge if dcp_rank == 0 else edge[::-1])
+    host.backup_from_device_all_layer(dev, edge, torch.tensor([10, 12]), "kernel")
+    host.load_to_device_per_layer(dev, last.clone(), torch.arange(8), 0, "kernel")
+    row = int(last[-1]) // 2
+    host.kv_buffer[1, row] += 1  # a host row of that page, written behind the pool's back
+    with pytest.raises(RuntimeError, match="changed since its backup"):
+        host.load_to_device_per_layer(dev, last.clone(), torch.arange(8), 0, "kernel")
+
+
 def test_page_digests_are_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
     dev, host, _ = _digest_pool("mha", "page_first")
     assert not host._pool_core.watches_pages

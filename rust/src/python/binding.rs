@@ -1163,9 +1163,9 @@ impl PyDeviceBinding {
         let backend = self.backend(py, io_backend)?;
         let core = self.live_core(py)?;
         if !plan_only {
-            let values = || index_values(py, host_indices);
+            let rows = || self.host_rows(py, host_indices);
             core.get()
-                .verify_pages(py, &self.name, host_indices, values)?;
+                .verify_pages(py, &self.name, host_indices, rows)?;
         }
         let mut call = self.prepare(
             py,
@@ -1252,7 +1252,7 @@ impl PyDeviceBinding {
                 stream.bind(py).call_method0("synchronize")?; // the copy has landed
             }
             core.get()
-                .record_pages(py, &index_values(py, host_indices)?)?;
+                .record_pages(py, &self.host_rows(py, host_indices)?)?;
         }
         Ok(())
     }
@@ -1309,6 +1309,14 @@ impl PyDeviceBinding {
 }
 
 impl PyDeviceBinding {
+    /// The host rows a transfer of `host_indices` moves (the values read through the binding's
+    /// index map: under DCP, this rank's share of the logical slots), read on the host for
+    /// the page digests.
+    fn host_rows(&self, py: Python<'_>, host_indices: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        let raw = index_values(py, host_indices)?;
+        self.index_map.apply_all(&raw).map_err(|e| to_py(py, e))
+    }
+
     fn lookup_entry(
         &self,
         py: Python<'_>,

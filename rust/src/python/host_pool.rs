@@ -103,26 +103,30 @@ impl PyHostPool {
         self.watch.is_some()
     }
 
-    /// Digests the pages `slots` touch, just written by a backup (watched pools only).
-    pub(crate) fn record_pages(&self, py: Python<'_>, slots: &[i64]) -> PyResult<()> {
+    /// Digests the pages `rows` touch, just written by a backup (watched pools only). `rows`
+    /// are the physical rows the transfer moved: under DCP, this rank's share of the logical
+    /// slots it was given, whose page `p` is logical page `p`.
+    pub(crate) fn record_pages(&self, py: Python<'_>, rows: &[i64]) -> PyResult<()> {
         let Some(watch) = &self.watch else {
             return Ok(());
         };
-        let page = self.spec_of("page_digests")?.spec.logical_page_size();
-        let pages = digest::pages_touched(slots, page);
+        let spec = &self.spec_of("page_digests")?.spec;
+        let pages = digest::pages_touched(rows, spec.page_size);
+        let page = spec.logical_page_size();
         let digests = self.page_digests(py, digest::page_slots(&pages, page))?;
         watch.record(&pages, &digests);
         Ok(())
     }
 
-    /// Refuses a load of `indices` (whose values `slots` reads) when a page it touches changed
-    /// since its backup (watched pools only); `name` names the pool in the refusal.
+    /// Refuses a load of `indices` (whose physical rows `rows` reads, as in `record_pages`)
+    /// when a page it touches changed since its backup (watched pools only); `name` names the
+    /// pool in the refusal.
     pub(crate) fn verify_pages(
         &self,
         py: Python<'_>,
         name: &str,
         indices: &Bound<'_, PyAny>,
-        slots: impl FnOnce() -> PyResult<Vec<i64>>,
+        rows: impl FnOnce() -> PyResult<Vec<i64>>,
     ) -> PyResult<()> {
         let Some(watch) = &self.watch else {
             return Ok(());
@@ -130,8 +134,11 @@ impl PyHostPool {
         if watch.already_verified(indices) {
             return Ok(());
         }
-        let page = self.spec_of("page_digests")?.spec.logical_page_size();
-        let known = watch.digests.known(&digest::pages_touched(&slots()?, page));
+        let spec = &self.spec_of("page_digests")?.spec;
+        let page = spec.logical_page_size();
+        let known = watch
+            .digests
+            .known(&digest::pages_touched(&rows()?, spec.page_size));
         if !known.is_empty() {
             let pages: Vec<u64> = known.iter().map(|&(p, _)| p).collect();
             let now = self.page_digests(py, digest::page_slots(&pages, page))?;
