@@ -462,6 +462,31 @@ def test_token_granular_leaves_padding_alone():
     assert row[C4_SCALE_AT + 63 * C4_SCALE :].eq(0).all()  # its scale and the padding
 
 
+class _ChangingIndex:
+    """An int-like whose `__index__` gives `values` in turn (then the last one)."""
+
+    def __init__(self, *values):
+        self.values, self.calls = values, 0
+
+    def __index__(self):
+        self.calls += 1
+        return self.values[min(self.calls, len(self.values)) - 1]
+
+
+def test_token_granular_load_reads_its_layer_id_once():
+    # A token's value and its scale are two copies: both go to the layer the one read names.
+    pool, dev = make_pool("layer_first", L=2, item=C4_ROW, pages=1, P=C4_P, dev_pages=1)
+    for layer in range(2):
+        pool.kv_buffer[layer].fill_(layer + 1)
+    for d in dev:
+        d.zero_()
+    layer_id = _ChangingIndex(0, 1, 1)
+    pool.load_to_device_per_layer(None, torch.tensor([3]), torch.tensor([3]), layer_id, "kernel")
+    assert layer_id.calls == 1
+    value, scale = dev[0][0, 3 * C4_VALUE], dev[0][0, C4_SCALE_AT + 3 * C4_SCALE]
+    assert (int(value), int(scale)) == (1, 1) and not dev[1].any()
+
+
 @pytest.mark.parametrize(
     "layout, backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
 )

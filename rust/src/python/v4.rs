@@ -16,10 +16,11 @@ use super::errors::value_err;
 use super::spec::PyPoolSpec;
 use crate::pool::c4;
 
-/// Which layers a call moves: every one (a backup), or one checked load layer.
-enum Layers<'a, 'py> {
+/// Which layers a call moves: every one (a backup), or one load layer (read once, by
+/// `checked_layers`, so that every binding the call runs moves the same layer).
+enum Layers<'py> {
     All,
-    One(&'a Bound<'py, PyAny>),
+    One(Bound<'py, PyAny>),
 }
 
 #[pyclass(frozen, module = "hostkv_rs._core", name = "V4Transfers")]
@@ -125,12 +126,19 @@ impl PyV4Transfers {
     }
 
     /// Whether `layers` names any layer (a load's layer is checked against the pool).
-    fn any_layer(&self, py: Python<'_>, layers: &Layers<'_, '_>) -> PyResult<bool> {
+    /// `layers` with a load's layer id read as an int once and checked, or None where there is
+    /// no layer to move (a backup of a pool without layers).
+    fn checked_layers<'py>(
+        &self,
+        py: Python<'_>,
+        layers: Layers<'py>,
+    ) -> PyResult<Option<Layers<'py>>> {
         match layers {
-            Layers::All => Ok(self.spec()?.spec.layers > 0),
+            Layers::All => Ok((self.spec()?.spec.layers > 0).then_some(Layers::All)),
             Layers::One(layer_id) => {
-                self.spec()?.layer(py, &layer_int(layer_id)?)?;
-                Ok(true)
+                let layer = layer_int(&layer_id)?;
+                self.spec()?.layer(py, &layer)?;
+                Ok(Some(Layers::One(layer)))
             }
         }
     }
@@ -138,7 +146,7 @@ impl PyV4Transfers {
     /// One binding's call.
     fn run(
         binding: &PyDeviceBinding,
-        layers: &Layers<'_, '_>,
+        layers: &Layers<'_>,
         host: &Bound<'_, PyAny>,
         device: &Bound<'_, PyAny>,
         backend: &Bound<'_, PyAny>,
@@ -160,12 +168,16 @@ impl PyV4Transfers {
         io_backend: &str,
         backend: &Bound<'_, PyAny>,
         pair: (Bound<'_, PyAny>, Bound<'_, PyAny>),
-        layers: Layers<'_, '_>,
+        layers: Layers<'_>,
     ) -> PyResult<()> {
-        let any = self.any_layer(py, &layers)?;
+        let layers = self.checked_layers(py, layers)?;
         let Some((values, scales)) = &self.tokens else {
             if !self.has_rows {
-                return if any { Err(self.no_rows()) } else { Ok(()) };
+                return if layers.is_some() {
+                    Err(self.no_rows())
+                } else {
+                    Ok(())
+                };
             }
             return Err(value_err(format!(
                 "{} token-granular transfers need the DSV4 C4 page row (slot_page_size={}, \
@@ -177,9 +189,9 @@ impl PyV4Transfers {
                 self.item_bytes
             )));
         };
-        if !any {
+        let Some(layers) = layers else {
             return Ok(());
-        }
+        };
         if !self.has_rows {
             return Err(self.no_rows());
         }
@@ -211,7 +223,7 @@ impl PyV4Transfers {
         host: &Bound<'_, PyAny>,
         device: &Bound<'_, PyAny>,
         io_backend: &Bound<'_, PyAny>,
-        layers: Layers<'_, '_>,
+        layers: Layers<'_>,
         page_aligned_only: bool,
     ) -> PyResult<()> {
         let Some((host, dev, n)) = self.indices(host, device)? else {
@@ -239,9 +251,9 @@ impl PyV4Transfers {
             (_, Some(page)) => page,
             _ => return Err(self.no_rows()),
         };
-        if !self.any_layer(py, &layers)? {
+        let Some(layers) = self.checked_layers(py, layers)? else {
             return Ok(()); // a pool without layers has nothing to back up
-        }
+        };
         if !self.has_rows {
             return Err(self.no_rows());
         }
@@ -307,7 +319,7 @@ impl PyV4Transfers {
         io_backend: &Bound<'_, PyAny>,
         page_aligned_only: bool,
     ) -> PyResult<()> {
-        let (h, d, layers) = (host_indices, device_indices, Layers::One(layer_id));
+        let (h, d, layers) = (host_indices, device_indices, Layers::One(layer_id.clone()));
         self.slots(py, h, d, io_backend, layers, page_aligned_only)
     }
 
