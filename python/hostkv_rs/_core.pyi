@@ -247,7 +247,7 @@ class PoolSpec:
     def __new__(
         cls,
         kind: str,
-        layout: str,
+        layout: object,
         num_layers: int,
         rows: int,
         page_size: int,

@@ -161,7 +161,7 @@ pub fn check_release(kind: PoolKind, layout: &str, release: Option<Release>) -> 
     }
 }
 
-fn refused_layout(kind: PoolKind, layout: &str) -> Error {
+pub(crate) fn refused_layout(kind: PoolKind, layout: &str) -> Error {
     if kind == AsymmetricMha {
         return Error::unsupported(format!(
             "Unsupported layout for models with head_dim != v_head_dim: {layout}; expected \

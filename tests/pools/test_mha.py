@@ -895,6 +895,8 @@ def test_get_mha_host_pool_cls_takes_the_device_pool_or_buffer_info_by_either_na
         ({"page_size": 0}, ZeroDivisionError, "page_size must be positive, got 0"),
         ({"page_size": -4}, ValueError, "page_size must be positive, got -4"),
         ({"layout": None}, ValueError, "Unsupported layout: None"),
+        ({"layout": 5}, ValueError, "Unsupported layout: 5"),
+        ({"layout": b"page_first"}, ValueError, "Unsupported layout: b'page_first'"),
     ],
 )
 def test_sizes_and_layouts_sglang_refuses_raise_its_exception_class(kwargs, error, text):

@@ -147,10 +147,21 @@ def test_attributes_follow_the_contract(layout):
     assert pool.init_kv_buffer() is pool.kv_buffer
 
 
-def test_unsupported_layout_is_refused():
+@pytest.mark.parametrize("layout", ["page_head", None, 5, b"layer_first"])
+def test_unsupported_layout_is_refused(layout):
+    # SGLang compares the argument with each layout's name and formats what it got.
     with pytest.raises(ValueError) as e:
-        make_pool("page_head")
-    assert str(e.value) == "Unsupported layout: page_head"
+        make_pool(layout)
+    assert str(e.value) == f"Unsupported layout: {layout}"
+
+
+@pytest.mark.parametrize("name", [None, 5])
+def test_a_pool_name_that_is_not_a_string_is_only_formatted(name):
+    dev = [torch.zeros((2, 64), dtype=torch.uint8)]
+    pool = DeepSeekV4PagedHostPool(name, dev, 64, 2, 1, pin_memory=False)
+    dev[0].fill_(7)
+    pool.backup_from_device_all_layer(None, torch.arange(2), torch.arange(2), "kernel")
+    assert pool.pool_name is name and bool((pool.kv_buffer[0] == 7).all())
 
 
 def test_memory_check_message(monkeypatch):

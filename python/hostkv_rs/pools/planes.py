@@ -33,8 +33,8 @@ class TokenPlanesPool(HostKVCache):
             host_size=host_size,
             page_size=page_size,
         )
-        if layout is None:
-            _core.check_layout(self._spec_kind, layout)  # SGLang's layout refusal, naming None
+        if not isinstance(layout, str):
+            _core.check_layout(self._spec_kind, layout)  # SGLang's refusal, naming it: None
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         return source
 

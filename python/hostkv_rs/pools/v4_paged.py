@@ -151,7 +151,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             slot_page_size,
             [item_bytes],
             1,
-            name=pool_name,
+            name=str(pool_name),  # SGLang only formats it
             release=release,
         )
         # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
@@ -286,7 +286,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     buffers=[self.device_buffers, scales],
                 )
         return _core.V4Transfers(
-            self.pool_name,
+            str(self.pool_name),
             self.slot_page_size,
             self.item_bytes,
             torch.device(self.gpu_device),
@@ -311,7 +311,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             L,
             L,
             what=f"{self.pool_name} device buffer",
-            name=self.pool_name,
+            name=str(self.pool_name),
             index_map=index_map,
             host_planes=host_planes,
             byte_rows=page_rows,
@@ -421,7 +421,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             self.slot_page_size,
             [self.item_bytes, SIB],
             1,
-            name=self.pool_name,
+            name=str(self.pool_name),
             release=sglang_release(),
         )
         region, scale_flat = None, torch.empty(0, dtype=torch.uint8)
@@ -467,7 +467,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         transfers = self.__dict__.get("_transfers")
         if transfers is None:
             device = torch.device("cpu")
-            transfers = _core.V4Transfers(self.pool_name, self.slot_page_size, 0, device)
+            transfers = _core.V4Transfers(str(self.pool_name), self.slot_page_size, 0, device)
         return transfers
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):

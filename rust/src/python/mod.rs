@@ -54,8 +54,8 @@ fn handed_back_layouts(py: Python<'_>, kind: &str) -> PyResult<Vec<&'static str>
 #[pyfunction]
 fn check_layout(py: Python<'_>, kind: &str, layout: &Bound<'_, PyAny>) -> PyResult<()> {
     let kind = crate::pool::PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
-    let shown = layout.str()?.to_string();
-    crate::support::build(kind, &shown)
+    let name = spec::layout_name(py, kind, layout)?;
+    crate::support::build(kind, &name)
         .map(drop)
         .map_err(|e| to_py(py, e))
 }

@@ -2,6 +2,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 use super::args::{int_in, py_int};
 use super::errors::to_py;
@@ -13,6 +14,24 @@ use crate::request::Layout;
 #[pyclass(frozen, module = "hostkv_rs._core", name = "PoolSpec")]
 pub struct PyPoolSpec {
     pub(crate) spec: PoolSpec,
+}
+
+/// The layout argument's name: a string, or for anything else (which SGLang compares with each
+/// layout's name, and so refuses) SGLang's refusal for a pool of `kind`, showing the argument as
+/// Python does (`Unsupported layout: None`).
+pub(super) fn layout_name(
+    py: Python<'_>,
+    kind: PoolKind,
+    layout: &Bound<'_, PyAny>,
+) -> PyResult<String> {
+    match layout.cast::<PyString>() {
+        Ok(name) => Ok(name.to_cow()?.into_owned()),
+        Err(_) => {
+            let shown = layout.str()?;
+            let refusal = crate::support::refused_layout(kind, &shown.to_cow()?);
+            Err(to_py(py, refusal))
+        }
+    }
 }
 
 fn u64s(v: &[u64]) -> Vec<u64> {
@@ -29,7 +48,7 @@ impl PyPoolSpec {
     fn new(
         py: Python<'_>,
         kind: &str,
-        layout: &str,
+        layout: &Bound<'_, PyAny>,
         num_layers: &Bound<'_, PyAny>,
         rows: &Bound<'_, PyAny>,
         page_size: &Bound<'_, PyAny>,
@@ -42,6 +61,8 @@ impl PyPoolSpec {
         head_group_num: Option<&Bound<'_, PyAny>>,
         release: Option<crate::support::Release>,
     ) -> PyResult<Self> {
+        let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
+        let layout = &layout_name(py, kind, layout)?;
         let size = |v: &Bound<'_, PyAny>, n: &str| -> PyResult<usize> {
             Ok(int_in(v, n, 0, i64::MAX as u128, "[0, 2**63)")? as usize)
         };
@@ -67,7 +88,7 @@ impl PyPoolSpec {
                 match negative {
                     // SGLang's page_unified layout refuses it naming every field (MHA only:
                     // MLA has no head groups, and ignores the argument).
-                    Some(g) if kind != "mla" => {
+                    Some(g) if kind != PoolKind::Mla => {
                         let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
                         let dim = dims.first().copied().unwrap_or(0);
                         let (p, l, h) = (field(page_size), field(num_layers), field(head_num));
@@ -84,7 +105,6 @@ impl PyPoolSpec {
             }
             _ => 1,
         };
-        let kind = PoolKind::parse(kind).map_err(|e| to_py(py, e))?;
         // The SGLang release the pool follows may not have this layout yet.
         crate::support::check_release(kind, layout, release).map_err(|e| to_py(py, e))?;
         let mut spec = PoolSpec::grouped(
