@@ -179,6 +179,22 @@ def test_dummy_mode_dcp_assert_text():
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", dcp_size=3, is_dummy=True)
 
 
+@pytest.mark.parametrize("override", [None, 80])
+def test_an_allocation_only_pool_sizes_by_the_allocations_bytes_per_token(override):
+    # SGLang 0.5.23's `MLAHostAllocation` carries its own figure, which may count more than the
+    # latent rows (e.g. an indexer's); an override of the width does not change it.
+    allocation = types.SimpleNamespace(
+        dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=16, kv_cache_dim=48,
+        size_per_token=256, draft_layer_num=0, packed_fp8=False,
+    )  # fmt: skip
+    host = MLATokenToKVPoolHost(
+        allocation, 2.0, 1, 16, "layer_first", False, "cpu", device_capacity_tokens=256,
+        start_layer=0, end_layer=2, target_layer_num=2, override_kv_cache_dim=override,
+    )  # fmt: skip
+    assert host.kv_buffer is None and host.size_per_token == 256
+    assert host.size == (10**9 // 256 // 16 + 1) * 16
+
+
 def test_hisparse_request_rows():
     host, _ = make_mla("layer_first", 4)
     rows = torch.full((2, 16), -1, dtype=torch.int64)

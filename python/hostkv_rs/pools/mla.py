@@ -243,6 +243,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
             if drafts:
                 raise ValueError("Allocator-only MLA does not accept physical draft buffers")
             self.layer_num = self.target_layer_num + int(getattr(info, "draft_layer_num", 0))
+            # The allocation's own figure: it may count more than the latent rows (SGLang's).
+            self._size_per_token = as_int("size_per_token", info.size_per_token)
             return {}
         self.layer_num = self.target_layer_num + len(drafts)
         infos = (info, *drafts)
@@ -296,7 +298,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     # ----------------------------------------------------------------- geometry
 
     def get_size_per_token(self):
-        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
+        fixed = self.__dict__.get("_size_per_token")  # 0.5.23's allocation-only pool
+        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num if fixed is None else fixed
 
     def get_ksize_per_token(self):
         return self.get_size_per_token()
