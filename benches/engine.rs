@@ -72,6 +72,7 @@ impl Setup {
         let device = DeviceSide {
             layer_ptrs: vec![dev, dev + (self.rows * ITEM) as u64],
             rows: self.rows,
+            row_pitch: None,
             memory: DeviceMemory::Host,
         };
         let op = Op::Load {
@@ -138,6 +139,7 @@ unsafe fn gather(
     let device = DeviceSide {
         layer_ptrs: vec![dst.as_mut_ptr() as u64],
         rows: dst.len() / item,
+        row_pitch: None,
         memory: DeviceMemory::Host,
     };
     let op = Op::Load { host_layer: 0 };
@@ -280,6 +282,7 @@ fn page_head_backup(c: &mut Criterion) {
     let device = DeviceSide {
         layer_ptrs: dev.iter_mut().map(|d| d.as_mut_ptr() as u64).collect(),
         rows,
+        row_pitch: None,
         memory: DeviceMemory::Host,
     };
     // SAFETY: the host planes are `host` (2 x L*S*I bytes), each device layer one `dev` vector of

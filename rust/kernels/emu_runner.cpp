@@ -45,6 +45,7 @@ void hkv_params_layout(unsigned long long* out, unsigned int cap) {
         offsetof(HkvParams, host_base),
         offsetof(HkvParams, item_bytes),
         offsetof(HkvParams, seg_bytes),
+        offsetof(HkvParams, dev_pitch),
         offsetof(HkvParams, host_idx),
         offsetof(HkvParams, dev_idx),
         offsetof(HkvParams, n),

@@ -103,6 +103,9 @@ struct HkvParams {
     // row, or one head's share for page_head).
     hkv_u64 item_bytes[2];
     hkv_u64 seg_bytes[2];
+    // Bytes from one device row to the next, per plane: the item size, or the stride of a
+    // device pool whose layers are strided views (SGLang's unified pools).
+    hkv_u64 dev_pitch[2];
     // Device-visible int32/int64 index arrays (host slots, device rows).
     hkv_u64 host_idx;
     hkv_u64 dev_idx;
@@ -403,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(HKV_BLOCK, HKV_MIN_BLOCKS_PER_SM)
                                 hkv_host_offset(p, plane, static_cast<hkv_u32>(hs),
                                                 p.layer_begin + j, h);
             unsigned char* dp = reinterpret_cast<unsigned char*>(hkv_dev_layer(p, pj)) +
-                                static_cast<hkv_u64>(ds) * p.item_bytes[plane] + h * seg;
+                                static_cast<hkv_u64>(ds) * p.dev_pitch[plane] + h * seg;
             hkv_copy_segment(p.to_host ? dp : hp, p.to_host ? hp : dp, seg, lane);
         }
         r += step_r;

@@ -602,6 +602,7 @@ mod tests {
         let device = DeviceSide {
             layer_ptrs: vec![dev as u64],
             rows: dev_len / item,
+            row_pitch: None,
             memory: DeviceMemory::Host,
         };
         let op = Op::Load { host_layer: 0 };

@@ -19,7 +19,9 @@ use crate::error::{Error, PlanError, Result};
 use crate::index_map::{IndexMap, MapParams};
 use crate::index_scan;
 use crate::layout::PlaneLayout;
-use crate::request::{DeviceMemory, IndexArray, IndexWidth, Layout, Op, TransferRequest};
+use crate::request::{
+    DeviceMemory, HostGeometry, IndexArray, IndexWidth, Layout, Op, TransferRequest,
+};
 
 /// Copy `len` bytes from address `src` to address `dst`. Plain data: nothing dereferences a
 /// `CopyOp` except the engines, for copies a [`Plan`] produced.
@@ -53,6 +55,9 @@ pub struct Checked {
     pub first_layer: u64,
     pub layer_count: u64,
     pub len: usize,
+    /// Bytes from one device row to the next, per plane: its item size, or the request's row
+    /// pitch for strided device rows.
+    pub dev_pitch: [u64; 2],
 }
 
 impl Checked {
@@ -156,9 +161,16 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         }
         .into());
     }
+    let mut dev_pitch = [0; 2];
+    for (p, pitch) in dev_pitch.iter_mut().enumerate().take(nplanes) {
+        *pitch = device.pitch(g.item_bytes[p] as u64);
+    }
+    if let Some(pitch) = device.row_pitch {
+        check_row_pitch(g, req.op(), strategy, pitch)?;
+    }
     if len > 0 {
         for (p, &item) in g.item_bytes.iter().enumerate() {
-            let span = (device.rows as u64).checked_mul(item as u64);
+            let span = device.layer_span(item as u64);
             let ptrs = &device.layer_ptrs[p * layer_count as usize..][..layer_count as usize];
             for &ptr in ptrs {
                 if ptr == 0 || span.and_then(|s| ptr.checked_add(s)).is_none() {
@@ -189,7 +201,33 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         first_layer,
         layer_count,
         len,
+        dev_pitch,
     })
+}
+
+/// Strided device rows (`pitch` bytes apart) hold at least a row of every plane, and move one
+/// row at a time: a page block is one copy only where the device rows are packed, so the copy
+/// engine's page_first_direct refuses them, with SGLang's text.
+fn check_row_pitch(g: &HostGeometry, op: Op, strategy: Strategy, pitch: u64) -> Result<()> {
+    if let Some(&item) = g.item_bytes.iter().find(|&&item| (item as u64) > pitch) {
+        return Err(invalid(format!(
+            "device rows {pitch} bytes apart cannot hold rows of {item} bytes"
+        )));
+    }
+    if strategy == Strategy::PageBlocks {
+        let kernel = if op.to_host() {
+            "transfer_kv_all_layer_direct_lf_pf"
+        } else {
+            "transfer_kv_per_layer_direct_pf_lf"
+        };
+        return Err(Error::not_implemented(format!(
+            "HiCache: {kernel} steps device rows by the row width ({} B), but this device \
+             pool's rows are {pitch} B apart. Use the JIT HiCache kernels with a layer_first or \
+             page_first host layout.",
+            g.item_bytes[0]
+        )));
+    }
+    Ok(())
 }
 
 /// A read-only view of `raw_len` int32 or int64 indices in memory that stays readable and
@@ -603,6 +641,7 @@ fn finish<'a>(
         dev,
         host_rows,
         dev_rows,
+        dev_pitch: c.dev_pitch,
         bytes,
         disjoint: true,
     };
@@ -636,6 +675,8 @@ pub struct Plan<'a> {
     dev: IndexView<'a>,
     host_rows: u64,
     dev_rows: u64,
+    /// Bytes from one device row to the next, per plane (see [`Checked::dev_pitch`]).
+    dev_pitch: [u64; 2],
     bytes: u64,
     disjoint: bool,
 }
@@ -726,15 +767,19 @@ impl<'a> Plan<'a> {
         })
     }
 
-    /// The device layers' byte ranges (`rows * item` from each pointer).
+    /// The device layers' byte ranges (`rows` rows from each pointer, the last one only its
+    /// own bytes; the gaps between strided rows included).
     fn dev_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         // Plane by plane (the pointers are plane-major), so no pointer divides to find its plane:
         // this runs for every call, over every layer.
         self.layer_ptrs
             .chunks(self.layer_count.max(1))
-            .zip(&self.planes)
-            .flat_map(move |(ptrs, plane)| {
-                let span = self.dev_rows * plane.item;
+            .zip(self.planes.iter().zip(self.dev_pitch))
+            .flat_map(move |(ptrs, (plane, pitch))| {
+                let span = match self.dev_rows {
+                    0 => 0,
+                    rows => (rows - 1) * pitch + plane.item,
+                };
                 ptrs.iter().map(move |&ptr| (ptr, ptr + span))
             })
     }
@@ -862,7 +907,7 @@ impl<'a> Plan<'a> {
         for p in 0..self.nplanes {
             let pl = &self.planes[p];
             let base = self.plane_base[p];
-            let (item, seg) = (pl.item, pl.segment);
+            let (pitch, seg) = (self.dev_pitch[p], pl.segment);
             let (head_stride, layer_stride) = (pl.head_stride(), pl.layer_stride());
             if layers_adjacent {
                 for j in units.clone() {
@@ -870,7 +915,7 @@ impl<'a> Plan<'a> {
                     // t < S, d < device rows, every layer in [0, L), every head in [0, H): each
                     // piece lies in the plane (checked geometry) and in its device layer.
                     let host0 = base + pl.offset_unchecked(t, self.first_layer, 0);
-                    let dev0 = d * item;
+                    let dev0 = d * pitch;
                     for h in 0..pl.heads {
                         for k in 0..self.layer_count {
                             let host = host0 + h * head_stride + k as u64 * layer_stride;
@@ -889,7 +934,7 @@ impl<'a> Plan<'a> {
                         let (t, d) = (self.host_at(j)?, self.dev_at(j)?);
                         // As above.
                         let host = base + pl.offset_unchecked(t, layer, 0);
-                        let dev = dev_base + d * item;
+                        let dev = dev_base + d * pitch;
                         for h in 0..pl.heads {
                             if !sink.push(self.to_host, host + h * head_stride, dev + h * seg, seg)
                             {
@@ -928,14 +973,22 @@ impl<'a> Plan<'a> {
             }
             let n = (j - i) as u64;
             for p in 0..self.nplanes {
-                let pl = &self.planes[p];
+                let (pl, pitch) = (&self.planes[p], self.dev_pitch[p]);
                 for k in 0..self.layer_count {
                     let layer = self.first_layer + k as u64;
-                    // layer_first: rows t0..t0+n of a layer are contiguous in both pools.
+                    // layer_first: rows t0..t0+n of a layer are contiguous in the host pool, and
+                    // in the device layer where its rows are packed (else one copy per row).
                     let host = self.plane_base[p] + pl.offset_unchecked(t0, layer, 0);
-                    let dev = self.dev_base(p, k) + d0 * pl.item;
-                    if !sink.push(self.to_host, host, dev, n * pl.item) {
-                        return Ok(());
+                    let dev = self.dev_base(p, k) + d0 * pitch;
+                    let (rows, len) = if pitch == pl.item {
+                        (1, n * pl.item)
+                    } else {
+                        (n, pl.item)
+                    };
+                    for r in 0..rows {
+                        if !sink.push(self.to_host, host + r * len, dev + r * pitch, len) {
+                            return Ok(());
+                        }
                     }
                 }
             }
@@ -1163,6 +1216,8 @@ mod tests {
         op: Op,
         /// How both index arrays are read (the reference reads the mapped values).
         map: IndexMap,
+        /// Strided device rows: bytes from one row to the next (None: packed).
+        row_pitch: Option<usize>,
     }
 
     struct World {
@@ -1177,6 +1232,11 @@ mod tests {
                 Op::Backup => self.layers,
                 Op::BackupLayer { .. } | Op::Load { .. } => 1,
             }
+        }
+
+        /// Bytes between the device rows of a plane of `item`-byte rows.
+        fn pitch(&self, item: usize) -> usize {
+            self.row_pitch.unwrap_or(item)
         }
 
         /// page_unified's planes share one host buffer.
@@ -1201,7 +1261,7 @@ mod tests {
                     .iter()
                     .map(|&i| {
                         (0..self.device_layers())
-                            .map(|_| rng.bytes(self.dev_rows * i))
+                            .map(|_| rng.bytes(self.dev_rows * self.pitch(i)))
                             .collect()
                     })
                     .collect(),
@@ -1244,6 +1304,7 @@ mod tests {
             let device = DeviceSide {
                 layer_ptrs,
                 rows: self.dev_rows,
+                row_pitch: self.row_pitch.map(|p| p as u64),
                 memory: DeviceMemory::Host,
             };
             let host_idx = IndexArray {
@@ -1325,7 +1386,7 @@ mod tests {
                     for &(t, d) in &pairs {
                         for h in 0..heads {
                             let ho = self.host_off(pl, item, t, l, h);
-                            let dof = d * item + h * seg;
+                            let dof = d * self.pitch(item) + h * seg;
                             let hb = if self.shared() { 0 } else { pl };
                             let host = &mut w.host[hb][ho..ho + seg];
                             let dev = &mut w.dev[pl][k][dof..dof + seg];
@@ -1402,6 +1463,7 @@ mod tests {
             width: IndexWidth::I64,
             op: Op::Backup,
             map: IndexMap::Identity,
+            row_pitch: None,
         }
     }
 
@@ -1467,6 +1529,7 @@ mod tests {
                                 }
                             },
                             map: IndexMap::Identity,
+                            row_pitch: None,
                         };
                         case.check(rng.next());
                         cases += 1;
@@ -1899,6 +1962,10 @@ mod tests {
             }
         };
         let host_layer = rng.below(layers as u64) as usize;
+        // Strided device rows (SGLang's unified pools), except for whole page blocks.
+        let blocks = (layout, backend) == (Layout::PageFirstDirect, Backend::Direct);
+        let row_pitch =
+            (!blocks && rng.below(3) == 0).then(|| max_item + [1, 5, 64][rng.below(3) as usize]);
         Case {
             layout,
             backend,
@@ -1921,6 +1988,7 @@ mod tests {
                 _ => Op::Load { host_layer },
             },
             map: IndexMap::Identity,
+            row_pitch,
         }
     }
 
@@ -1930,6 +1998,7 @@ mod tests {
     fn random_geometries_match_the_reference_on_every_engine() {
         let mut rng = Rng(0x5151_2024_0013);
         let mut seen = std::collections::HashSet::new();
+        let mut strided = std::collections::HashSet::new();
         for _ in 0..400 {
             let c = random_case(&mut rng);
             let units = match (c.layout, c.backend) {
@@ -1946,9 +2015,33 @@ mod tests {
                 c.width == IndexWidth::I32,
                 c.op.to_host(),
             ));
+            if c.row_pitch.is_some() {
+                strided.insert((c.layout, c.backend));
+            }
         }
-        // Every pair, with both widths and both directions.
+        // Every pair, with both widths and both directions; strided device rows with every
+        // pair but the page blocks.
         assert_eq!(seen.len(), PAIRS.len() * 2 * 2, "{seen:?}");
+        assert_eq!(strided.len(), PAIRS.len() - 1, "{strided:?}");
+        // Strided device rows cannot be page blocks (SGLang's refusal), nor closer than a row.
+        let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![16]);
+        (c.host_idx, c.dev_idx) = ((0..c.page as i64).collect(), (0..c.page as i64).collect());
+        c.row_pitch = Some(32);
+        let e = c
+            .run_plan(&mut c.world(&mut Rng(3)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("transfer_kv_all_layer_direct_lf_pf steps device rows by the row width (16 B), but this device pool's rows are 32 B apart"), "{e}");
+        c.backend = Backend::Kernel;
+        c.row_pitch = Some(15);
+        let e = c
+            .run_plan(&mut c.world(&mut Rng(3)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("device rows 15 bytes apart cannot hold rows of 16 bytes"),
+            "{e}"
+        );
         // Direct + page_first / page_head have no plan: refused before anything moves.
         for layout in [Layout::PageFirst, Layout::PageHead] {
             let mut c = base_case(layout, Backend::Direct, vec![16]);
@@ -2184,6 +2277,7 @@ mod tests {
                 host_idx: h,
                 dev_idx: d,
                 map: IndexMap::Identity,
+                row_pitch: None,
                 ..c.clone()
             })
         }
@@ -2297,6 +2391,7 @@ mod tests {
                         _ => Op::Load { host_layer: layer },
                     },
                     map,
+                    row_pitch: None,
                 }
             }
         }
@@ -2455,6 +2550,7 @@ mod footprint_tests {
         let device = DeviceSide {
             layer_ptrs: p.dev.iter_mut().map(|d| d.as_mut_ptr() as u64).collect(),
             rows,
+            row_pitch: None,
             memory: DeviceMemory::Host,
         };
         let host_idx = IndexArray {

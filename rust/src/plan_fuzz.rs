@@ -129,6 +129,7 @@ pub fn one_input(data: &[u8]) {
     let device = DeviceSide {
         layer_ptrs: dev.iter_mut().map(|d| d.as_mut_ptr() as u64).collect(),
         rows: dev_rows,
+        row_pitch: None,
         memory: DeviceMemory::Host,
     };
     let before = (host.clone(), dev.clone());

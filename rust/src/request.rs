@@ -184,8 +184,28 @@ pub struct DeviceSide {
     pub layer_ptrs: Vec<u64>,
     /// Rows addressable in each device layer (bounds for device indices).
     pub rows: usize,
+    /// Bytes from one device row to the next, the same in every layer and plane (SGLang's
+    /// strided rows: per-layer views of a token-major buffer); None: packed rows, one plane's
+    /// item size apart.
+    pub row_pitch: Option<u64>,
     /// What `layer_ptrs` (and `on_device` index arrays) address.
     pub memory: DeviceMemory,
+}
+
+impl DeviceSide {
+    /// Bytes from one row of plane item size `item` to the next.
+    pub fn pitch(&self, item: u64) -> u64 {
+        self.row_pitch.unwrap_or(item)
+    }
+
+    /// Bytes a device layer of `item`-byte rows spans from its pointer: `rows` rows, the last
+    /// one only its own bytes (None: past `u64`).
+    pub fn layer_span(&self, item: u64) -> Option<u64> {
+        match self.rows as u64 {
+            0 => Some(0),
+            rows => (rows - 1).checked_mul(self.pitch(item))?.checked_add(item),
+        }
+    }
 }
 
 /// One transfer: host pool geometry and addresses, device layer pointers, index arrays, and what
@@ -218,7 +238,8 @@ impl TransferRequest {
     ///    CPU (and, for `cuda::execute`, registered with CUDA or otherwise addressable by it).
     /// 2. **Device layers.** Each pointer `k` of `device.layer_ptrs` belongs to plane
     ///    `p = k / (device.layer_ptrs.len() / nplanes)` (plane-major) and addresses
-    ///    `device.rows * geom.item_bytes[p]` live bytes, readable and writable: CPU memory when
+    ///    `device.layer_span(geom.item_bytes[p])` live bytes (`device.rows` rows of that item
+    ///    size, `device.row_pitch` apart when set), readable and writable: CPU memory when
     ///    `device.memory` is [`DeviceMemory::Host`], memory of one CUDA device when it is
     ///    [`DeviceMemory::Cuda`]. (A pointer count the op does not expect is refused before use.)
     /// 3. **Index arrays.** Each of `host_idx` / `dev_idx` with `len > 0` addresses

@@ -210,7 +210,13 @@ def _child(code: str, extent: str) -> subprocess.CompletedProcess:
         # The storage freed outright.
         ("layer.untyped_storage().resize_(0)", "torch.arange(0, 4)", "fewer than its shape"),
         # Restrided in place: same storage, offset and count, rows no longer packed.
-        ("layer.transpose_(1, 2)", "torch.arange(16, 48)", "must be contiguous"),
+        ("layer.transpose_(1, 2)", "torch.arange(16, 48)", "head split (8, 2)"),
+        # Restrided in place to the same shape, each row's elements no longer in order.
+        (
+            "layer.as_strided_(layer.shape, (16, 1, 2))",
+            "torch.arange(16, 48)",
+            "must be contiguous",
+        ),
     ],
 )
 def test_a_layer_whose_extent_shrank_is_checked_again_and_never_written_past(

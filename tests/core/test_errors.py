@@ -309,13 +309,21 @@ def test_same_bytes_is_not_the_same_data(what):
         host.load_to_device_per_layer(bare, idx, idx + 4, 0, "kernel")
 
 
-def test_non_contiguous_device_layer_is_refused():
-    _, dp = poisoned("mla", "layer_first")
+def test_one_strided_device_layer_among_packed_ones_is_refused():
+    # Strided rows are moved where every layer shares the stride (SGLang's unified pools);
+    # SGLang refuses a mix when the pool is built.
+    host, dp = poisoned("mla", "layer_first")
     wide = torch.zeros(dp.kv_buffer[0].shape[0], 1, 2 * dp.kv_cache_dim, dtype=torch.bfloat16)
     dp.kv_buffer[0] = wide[..., : dp.kv_cache_dim]
-    host = MLATokenToKVPoolHost(dp, 2.0, 0, 4, "layer_first")
+    with pytest.raises(NotImplementedError, match="do not share one row stride"):
+        MLATokenToKVPoolHost(dp, 2.0, 0, 4, "layer_first")
+    # A layer restrided that way after the pool was built: refused at the transfer.
+    captured = host.device_kv_buffers[0]
+    captured.set_(
+        wide.untyped_storage(), 0, captured.shape, (2 * dp.kv_cache_dim, dp.kv_cache_dim, 1)
+    )
     idx = torch.arange(4)
-    with Unchanged(host, dp), pytest.raises(ValueError, match="contiguous"):
+    with Unchanged(host, dp), pytest.raises(NotImplementedError, match="do not share one row"):
         host.load_to_device_per_layer(dp, idx, idx + 4, 0, "kernel")
 
 

@@ -916,3 +916,59 @@ def test_the_asymmetric_pool_refuses_a_missing_layout_with_its_own_text():
     )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         AsymmetricMHATokenToKVPoolHost(dev, 2.0, 0, 4, None)
+
+
+# ---- strided device rows (SGLang 0.5.22+'s unified pools) -------------------------------------
+
+
+def strided_mha_pool(seed=0, pad=6):
+    """A device pool whose layers are views of one token-major buffer, as SGLang's unified pools
+    hand them over: token t holds every layer's K and V row, then `pad` spare elements, so each
+    layer's rows are a whole entry apart."""
+    dp = duck_mha_pool(dtype=torch.float32)
+    row = H * D
+    entries = torch.randn(
+        dp.size + dp.page_size, L * 2 * row + pad, generator=torch.Generator().manual_seed(seed)
+    )
+    dp.k_buffer = [entries[:, 2 * l * row :][:, :row].view(-1, H, D) for l in range(L)]
+    dp.v_buffer = [entries[:, (2 * l + 1) * row :][:, :row].view(-1, H, D) for l in range(L)]
+    dp.entries = entries
+    return dp
+
+
+@pytest.mark.parametrize(
+    "layout, backend",
+    [
+        ("layer_first", "kernel"),
+        ("page_first", "kernel"),
+        ("page_head", "kernel"),
+        ("layer_first", "direct"),
+    ],
+)
+def test_strided_device_rows_round_trip_and_touch_nothing_else(layout, backend):
+    src, dst = strided_mha_pool(1), strided_mha_pool(2)
+    host = MHATokenToKVPoolHost(src, 2.0, 0, P, layout)
+    assert not host.device_rows_packed
+    assert host.device_row_stride_bytes == (L * 2 * H * D + 6) * 4
+    h, d, d2 = host.alloc(2 * P), torch.arange(P, 3 * P), torch.arange(2 * P, 4 * P)
+    host.backup_from_device_all_layer(src, h, d, backend)
+    want = dst.entries.clone()
+    kv = L * 2 * H * D  # the rows' elements of an entry; the padding after them stays
+    want[d2, :kv] = src.entries[d, :kv]
+    for layer in range(L):
+        host.load_to_device_per_layer(dst, h, d2, layer, backend)
+    assert torch.equal(dst.entries, want)
+
+
+def test_strided_device_rows_are_refused_where_sglang_has_no_copy_for_them():
+    src = strided_mha_pool()
+    host = MHATokenToKVPoolHost(src, 2.0, 0, P, "page_first_direct")
+    before = src.entries.clone()
+    with pytest.raises(
+        NotImplementedError, match="transfer_kv_per_layer_direct_pf_lf steps device"
+    ):
+        host.load_to_device_per_layer(src, host.alloc(P), torch.arange(P), 0, "direct")
+    assert torch.equal(src.entries, before)
+    src.k_buffer[1] = src.k_buffer[1].contiguous()  # one packed layer among strided ones
+    with pytest.raises(NotImplementedError, match="do not share one row stride"):
+        MHATokenToKVPoolHost(src, 2.0, 0, P, "layer_first")

@@ -822,3 +822,30 @@ def test_a_transfer_naming_another_device_pool(version, moved, release):
     wrote, untouched = (named, built) if moved == "named" else (built, named)
     assert _same_bytes(wrote.kv_buffer[0][d], host.kv_buffer[0][h])
     assert not untouched.kv_buffer[0].any()
+
+
+@pytest.mark.parametrize(
+    "layout, backend",
+    [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct")],
+)
+def test_strided_device_rows_round_trip_and_touch_nothing_else(layout, backend):
+    # SGLang 0.5.22+'s unified MLA pool: each layer a view of one token-major buffer whose
+    # entries hold every layer's latent row, then spare elements.
+    def strided(seed, layers=3, C=16, pad=5):
+        dp = duck_mla(size=32, page_size=4, layers=layers, rank=12, rope=4, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(seed)
+        entries = torch.randn(dp.size + dp.page_size, layers * C + pad, generator=gen)
+        dp.kv_buffer = [entries[:, l * C : (l + 1) * C].view(-1, 1, C) for l in range(layers)]
+        dp.entries = entries
+        return dp
+
+    src, dst = strided(1), strided(2)
+    host = MLATokenToKVPoolHost(src, 2.0, 0, 4, layout)
+    assert (host.device_rows_packed, host.device_row_stride_bytes) == (False, (3 * 16 + 5) * 4)
+    h, d, d2 = host.alloc(8), torch.arange(4, 12), torch.arange(16, 24)
+    host.backup_from_device_all_layer(src, h, d, backend)
+    want = dst.entries.clone()
+    want[d2, : 3 * 16] = src.entries[d, : 3 * 16]
+    for layer in range(3):
+        host.load_to_device_per_layer(dst, h, d2, layer, backend)
+    assert torch.equal(dst.entries, want)

@@ -206,8 +206,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
     shared_allocation_domain = None
     stores_page_envelope = False
     storage_format_tag: str | None = None
-    # Bytes between strided device rows (SGLang 0.5.22+); None: packed rows, the only kind the
-    # core moves.
+    # Bytes between strided device rows (SGLang 0.5.22+: per-layer views of a unified pool's
+    # token-major entries, which the core's copies follow); None: packed rows.
     _strided_device_row_bytes: int | None = None
 
     def __new__(cls, *args, **kwargs):
@@ -559,6 +559,13 @@ class HostKVCache(SlotFreeList, abc.ABC):
         self.load_to_device_per_layer(
             device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft
         )
+
+    def _init_device_row_stride(self, device_buffers) -> None:
+        """SGLang 0.5.22+: record the row stride of strided device layers (all must share one,
+        else SGLang's NotImplementedError)."""
+        pitch = _core.device_row_pitch(list(device_buffers))
+        if pitch is not None:
+            self._strided_device_row_bytes = pitch
 
     @property
     def device_rows_packed(self) -> bool:

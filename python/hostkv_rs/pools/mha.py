@@ -125,6 +125,7 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
         )
         self.device_k_buffers, self.device_v_buffers = side["all_layers"]
         self.device_k_data_ptrs, self.device_v_data_ptrs = side["ptr_tables"]
+        self._init_device_row_stride((*self.device_k_buffers, *self.device_v_buffers))
         self.element_dim = self.head_num * self.head_dim
         self.can_use_jit = False
         self._init_data_refs(transpose_direct=is_buffer_info(source))

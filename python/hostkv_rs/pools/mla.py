@@ -145,6 +145,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
             return
         self.device_kv_buffers = side["all_layers"]
         self.device_data_ptrs = side["ptr_table"]
+        self._init_device_row_stride(self.device_kv_buffers)
         # Per-layer views (page_first_direct / page_unified: dim 0 is the page, so these are
         # page slabs, as in SGLang).
         view = self.kv_buffer.transpose(0, self._spec.layer_view_dim(False))

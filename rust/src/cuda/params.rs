@@ -31,6 +31,7 @@ pub(crate) struct HkvParams {
     pub host_base: [u64; 2],
     pub item_bytes: [u64; 2],
     pub seg_bytes: [u64; 2],
+    pub dev_pitch: [u64; 2],
     pub host_idx: u64,
     pub dev_idx: u64,
     pub n: u64,
@@ -126,6 +127,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         host_base: [0; 2],
         item_bytes: [0; 2],
         seg_bytes: [0; 2],
+        dev_pitch: [0; 2],
         host_idx: req.host_idx().ptr,
         dev_idx: req.dev_idx().ptr,
         n: c.len as u64,
@@ -155,6 +157,7 @@ pub(crate) fn marshal(req: &TransferRequest, c: &Checked) -> Result<Marshalled> 
         params.host_base[p] = g.plane_base[p];
         params.item_bytes[p] = pl.item;
         params.seg_bytes[p] = pl.segment;
+        params.dev_pitch[p] = c.dev_pitch[p];
         params.heads = to_u32("heads", pl.heads)?;
     }
     let ptrs = &req.device().layer_ptrs;

@@ -63,6 +63,8 @@ struct Case {
     width: IndexWidth,
     backup: bool,
     host_layer: usize,
+    /// Strided device rows: bytes from one row to the next (None: packed).
+    row_pitch: Option<usize>,
 }
 
 impl Case {
@@ -80,6 +82,7 @@ impl Case {
             width: IndexWidth::I64,
             backup: true,
             host_layer: 0,
+            row_pitch: None,
         }
     }
 }
@@ -112,7 +115,7 @@ fn build(c: &Case, seed: u64) -> Built {
         host,
         dev: (0..c.planes)
             .flat_map(|p| (0..dev_layers).map(move |_| p))
-            .map(|p| rng.bytes(c.dev_rows * c.items[p]))
+            .map(|p| rng.bytes(c.dev_rows * c.row_pitch.unwrap_or(c.items[p])))
             .collect(),
     };
     let host = rng.distinct(c.rows as u64, c.n);
@@ -207,6 +210,7 @@ fn params_layout_matches_the_cuda_struct() {
         offset_of!(HkvParams, host_base),
         offset_of!(HkvParams, item_bytes),
         offset_of!(HkvParams, seg_bytes),
+        offset_of!(HkvParams, dev_pitch),
         offset_of!(HkvParams, host_idx),
         offset_of!(HkvParams, dev_idx),
         offset_of!(HkvParams, n),
@@ -258,6 +262,30 @@ fn layer_first_and_page_first_every_item_size() {
         for items in [&[12usize][..], &[656], &[3], &[16, 24], &[40, 12]] {
             let c = Case::new(layout, items, 5);
             both_directions(c, &[1, 2, 7], 0x5eed ^ items[0] as u64);
+        }
+    }
+}
+
+#[test]
+fn strided_device_rows_every_kernel_layout() {
+    // SGLang's unified pools: each device layer is a view of token-major entries, its rows a
+    // pitch apart that is more than their bytes (the gaps hold other layers' rows).
+    for layout in [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageHead,
+        Layout::PageFirstDirect,
+        Layout::PageUnified,
+    ] {
+        for (items, gap) in [(&[16usize][..], 48), (&[12, 12], 5), (&[656], 100)] {
+            let mut c = Case::new(layout, items, 5);
+            c.heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
+                4
+            } else {
+                1
+            };
+            c.row_pitch = Some(items.iter().max().unwrap() + gap);
+            both_directions(c, &[1, 7], 0x5717 ^ gap as u64);
         }
     }
 }
@@ -492,6 +520,7 @@ fn mapped_request(
             .map(|d| d.as_mut_ptr() as u64)
             .collect(),
         rows: c.dev_rows,
+        row_pitch: c.row_pitch.map(|p| p as u64),
         memory: DeviceMemory::Host,
     };
     // SAFETY: the test's own buffers, of the sizes stated (asserted for the index arrays),

@@ -14,9 +14,10 @@
 //! order, then the drafts at `target_layer_num + i` (under layer sharding `target_layer_num` may
 //! exceed the owned count by one; that host layer stays unused).
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -93,11 +94,19 @@ struct Snap {
     storage: Py<PyAny>,
     /// The extent as torch's objects hold it, where it could be read and agreed with Python.
     read: Option<extent::Extent>,
+    /// A strided tensor's (shape, strides) as checked; None for a contiguous one.
+    strided: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl Snap {
-    /// `tensor`, asked through the type's methods (see `tensor_calls`); `shape` as checked.
-    fn take(py: Python<'_>, tensor: &Bound<'_, PyAny>, shape: Vec<i64>) -> PyResult<Self> {
+    /// `tensor`, asked through the type's methods (see `tensor_calls`); `shape` as checked,
+    /// and whether it was checked as strided rows rather than contiguous.
+    fn take(
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        shape: Vec<i64>,
+        strided: bool,
+    ) -> PyResult<Self> {
         let m = tensor_calls::methods(py)?;
         let storage = m.ask(&m.untyped_storage, tensor)?;
         let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
@@ -120,6 +129,7 @@ impl Snap {
             storage_nbytes: m.ask(&m.storage_nbytes, &storage)?.extract()?,
             storage: storage.unbind(),
             read,
+            strided: strided.then_some((shape, strides)),
         })
     }
 
@@ -141,8 +151,13 @@ impl Snap {
         }
         // As the read from torch's objects: still contiguous (the same bytes, in the same order
         // of rows; a contiguous reshape of them is written as it was checked, as SGLang's
-        // kernels write a layer through its pointer and the pool's item size).
-        m.ask(&m.is_contiguous, tensor)?.is_truthy()
+        // kernels write a layer through its pointer and the pool's item size), or for strided
+        // rows the very shape and strides checked.
+        match &self.strided {
+            None => m.ask(&m.is_contiguous, tensor)?.is_truthy(),
+            Some((shape, strides)) => Ok(tensor.getattr("shape")?.extract::<Vec<i64>>()? == *shape
+                && m.ask(&m.stride, tensor)?.extract::<Vec<i64>>()? == *strides),
+        }
     }
 }
 
@@ -158,6 +173,9 @@ struct CheckedDevice {
     /// Torch's field offsets every snapshot read from torch's objects was read through (one
     /// per process).
     layout: Option<extent::TorchLayout>,
+    /// Bytes between device rows where every layer is a strided view with that one row stride
+    /// (SGLang's unified pools: per-layer views of token-major entries); None: packed rows.
+    row_pitch: Option<u64>,
 }
 
 /// Where a transfer runs: the engine, and for CUDA the raw stream and torch's object for it.
@@ -227,6 +245,67 @@ pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
 
 /// A layer id as the Python int it stands for (whatever its type, so a refusal can show its
 /// value), or the TypeError naming `layer_id` for a bool or a non-integer.
+/// The one row stride of a set of device layers: None where every layer is packed, else the
+/// stride every (strided) layer shares, or SGLang's refusal (its transfers take one).
+fn one_row_pitch(strided: &BTreeSet<u64>, packed: bool) -> PyResult<Option<u64>> {
+    match (strided.len(), packed) {
+        (0, _) => Ok(None),
+        (1, false) => Ok(strided.first().copied()),
+        _ => Err(PyNotImplementedError::new_err(format!(
+            "HiCache: the device KV buffers do not share one row stride (strided rows {:?} B, \
+             mixed with packed ones)",
+            strided.iter().collect::<Vec<_>>()
+        ))),
+    }
+}
+
+/// SGLang 0.5.22+'s `_init_device_row_stride`: the bytes between the rows of `tensors` (device
+/// layers) where they are strided views sharing one row stride, None where all are packed, or
+/// SGLang's refusal. Each layer is checked again, in full, at its first transfer.
+#[pyfunction]
+pub(super) fn device_row_pitch(tensors: Vec<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let (mut strided, mut packed) = (BTreeSet::new(), false);
+    for tensor in &tensors {
+        if tensor.call_method0("is_contiguous")?.is_truthy()? {
+            packed = true;
+        } else {
+            let stride: i64 = tensor.call_method1("stride", (0,))?.extract()?;
+            let element: i64 = tensor.call_method0("element_size")?.extract()?;
+            strided.insert((stride * element).max(0) as u64);
+        }
+    }
+    one_row_pitch(&strided, packed)
+}
+
+/// The bytes from one row of a strided device layer (`shape`, `strides` in elements of
+/// `element` bytes) to the next: each row (the dimensions after the first) packed, and rows no
+/// closer than their `row_bytes`, or a refusal naming the tensor (`what`).
+fn row_pitch(
+    shape: &[i64],
+    strides: &[i64],
+    element: i64,
+    row_bytes: i128,
+    what: &str,
+) -> PyResult<u64> {
+    let mut inner = 1i128;
+    for (&extent, &stride) in shape.iter().zip(strides).skip(1).rev() {
+        if extent > 1 && stride as i128 != inner {
+            return Err(PyValueError::new_err(format!(
+                "{what}: device layer tensors must be contiguous, or rows of contiguous \
+                 elements a fixed stride apart (strides {strides:?} for shape {shape:?})"
+            )));
+        }
+        inner *= extent as i128;
+    }
+    let pitch = strides[0] as i128 * element as i128;
+    if pitch < row_bytes {
+        return Err(PyValueError::new_err(format!(
+            "{what}: device rows {pitch} bytes apart do not hold rows of {row_bytes} bytes"
+        )));
+    }
+    Ok(pitch as u64)
+}
+
 pub(super) fn layer_int<'py>(layer_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     args::py_int(layer_id, "layer_id")
 }
@@ -303,6 +382,7 @@ impl PyDeviceBinding {
                 }
             }
         }
+        let (mut strided, mut packed) = (BTreeSet::new(), false);
         for plane in 0..self.nplanes() {
             for (layer, layer_rows) in rows.iter_mut().enumerate() {
                 let tensor = self.tensor(plane, layer).bind(py);
@@ -324,7 +404,10 @@ impl PyDeviceBinding {
                         "{where_}: expected a tensor with a token dimension"
                     )));
                 }
-                if !m.ask(&m.is_contiguous, tensor)?.is_truthy()? {
+                // Strided rows (each row packed, rows further apart than its bytes) are what
+                // SGLang's unified pools hand over: one layer's share of token-major entries.
+                let contiguous = m.ask(&m.is_contiguous, tensor)?.is_truthy()?;
+                if !contiguous && self.byte_rows.is_some() {
                     return Err(PyValueError::new_err(format!(
                         "{where_}: device layer tensors must be contiguous"
                     )));
@@ -360,7 +443,7 @@ impl PyDeviceBinding {
                     }
                     let count = (nbytes / want as i128) as i64;
                     *layer_rows = Some(layer_rows.map_or(count, |r| r.min(count)));
-                    snaps.push(Snap::take(py, tensor, shape)?);
+                    snaps.push(Snap::take(py, tensor, shape, false)?);
                     continue;
                 }
                 let row_bytes = shape[1..]
@@ -391,10 +474,17 @@ impl PyDeviceBinding {
                          size is {want} bytes (dtype or head geometry differs from the host pool)"
                     )));
                 }
+                if !contiguous {
+                    let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
+                    strided.insert(row_pitch(&shape, &strides, element, row_bytes, &where_)?);
+                } else {
+                    packed = true;
+                }
                 *layer_rows = Some(layer_rows.map_or(shape[0], |r| r.min(shape[0])));
-                snaps.push(Snap::take(py, tensor, shape)?);
+                snaps.push(Snap::take(py, tensor, shape, !contiguous)?);
             }
         }
+        let row_pitch = one_row_pitch(&strided, packed)?;
         let cuda = match (&device, device_type.as_str()) {
             (Some(dev), "cuda") => Some(dev.clone().unbind()),
             _ => None,
@@ -407,6 +497,7 @@ impl PyDeviceBinding {
                 .map(|r| r.unwrap_or(0).max(0) as usize)
                 .collect(),
             cuda,
+            row_pitch,
         })
     }
 
@@ -638,6 +729,7 @@ impl PyDeviceBinding {
                 return Ok(Prepared {
                     ptrs: self.ptrs_of(&checked, positions),
                     rows: Self::fewest_rows(&checked, positions),
+                    row_pitch: checked.row_pitch,
                     queue,
                     indices,
                     _keep: (checked, keep),
@@ -718,6 +810,7 @@ impl PyDeviceBinding {
                 op,
                 ptrs,
                 call.rows,
+                call.row_pitch,
                 call.indices.h,
                 call.indices.d,
                 engine,
@@ -761,6 +854,7 @@ type Checked = (Arc<CheckedDevice>, Option<Arc<CheckedDevice>>, bool);
 struct Prepared<'py> {
     ptrs: Vec<u64>,
     rows: usize,
+    row_pitch: Option<u64>,
     queue: Queue,
     indices: Indices<'py>,
     /// The checked state the pointers come from, and every state this call replaced: dropped

@@ -235,7 +235,7 @@ impl PyHostPool {
     ///
     /// # Safety
     /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
-    /// plane's item size, in the memory `engine` names; the index arrays are contiguous arrays of
+    /// plane's item size (`row_pitch` bytes apart when set), in the memory `engine` names; the index arrays are contiguous arrays of
     /// the stated width, length and residency. The caller keeps all of them alive and unwritten
     /// for the call (CUDA: until the work queued on `stream` has run, which the caching
     /// allocator's stream order guarantees for tensors freed after the call). And the caller
@@ -249,6 +249,7 @@ impl PyHostPool {
         op: Op,
         device_ptrs: Vec<u64>,
         rows: usize,
+        row_pitch: Option<u64>,
         host_idx: IndexArray,
         dev_idx: IndexArray,
         engine: &dyn CopyEngine,
@@ -258,6 +259,7 @@ impl PyHostPool {
         let device_side = DeviceSide {
             layer_ptrs: device_ptrs,
             rows,
+            row_pitch,
             memory: engine.memory(),
         };
         // SAFETY: the plane addresses are this core's own memory, held alive by `_owners`; the

@@ -191,6 +191,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(handed_back_layouts, m)?)?;
     m.add_function(wrap_pyfunction!(check_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(binding::device_row_pitch, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
     m.add_function(wrap_pyfunction!(cgroup_memory_limit, m)?)?;
     Ok(())

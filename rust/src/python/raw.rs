@@ -79,6 +79,7 @@ impl PyHostPool {
                 op,
                 device_ptrs,
                 rows,
+                None,
                 host_idx,
                 dev_idx,
                 engine,
