@@ -531,3 +531,37 @@ def test_gpu_indices_freed_on_another_stream_are_not_reused_before_the_kernel_re
     for p, (g, w) in enumerate(zip(snap_host(pool), want)):
         assert_same(g, w, f"host plane {p}")
     del junk
+
+
+@pytest.mark.parametrize(
+    "backend,layout",
+    [
+        ("kernel", "layer_first"),
+        ("kernel", "page_first"),
+        ("kernel", "page_head"),
+        ("direct", "layer_first"),
+    ],
+)
+def test_strided_device_rows_round_trip_on_the_gpu(backend, layout):
+    # SGLang 0.5.22+'s unified pools: each CUDA layer a view of one token-major buffer (every
+    # layer's K and V row of a token, then spare elements); our kernels and the copy engine step
+    # device rows by that stride and leave the rest of each entry alone.
+    pool, dp = make_mha(layout, 16, torch.bfloat16)
+    rows, row, pad = dp.k_buffer[0].shape[0], 4 * 24, 8
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    entries = torch.randn(rows, LAYERS * 2 * row + pad, device="cuda", generator=gen)
+    entries = entries.to(torch.bfloat16)
+    views = [entries[:, i * row : (i + 1) * row].view(rows, 4, 24) for i in range(2 * LAYERS)]
+    dp.k_buffer, dp.v_buffer = views[0::2], views[1::2]
+    host = type(pool)(dp, 2.0, 0, 16, layout)
+    assert not host.device_rows_packed
+    h, d = host.alloc(32), torch.arange(16, 48, device="cuda")
+    host.backup_from_device_all_layer(dp, h, d, backend)
+    want = entries.clone()
+    d2 = torch.arange(48, 80, device="cuda")
+    want[d2, : LAYERS * 2 * row] = entries[d, : LAYERS * 2 * row]
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, h, d2, layer, backend)
+    torch.cuda.synchronize()
+    _core.check_device_errors()
+    assert torch.equal(entries, want)
