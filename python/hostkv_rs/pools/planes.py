@@ -20,6 +20,26 @@ from hostkv_rs.sglang.sources import (
 )
 
 
+class _HandSetAttribute:
+    """An attribute a constructed pool sets (`_spec`, `_pool_core`); on a pool built without
+    its constructor it is derived on first read (`_adopt_hand_set_attributes`). A non-data
+    descriptor: the instance's own value, once set, is read without it."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, pool, owner=None):
+        if pool is None:
+            return self
+        pool._adopt_hand_set_attributes()
+        try:
+            return pool.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(
+                f"{type(pool).__name__!r} object has no attribute {self.name!r}"
+            ) from None
+
+
 class TokenPlanesPool(HostKVCache):
     """A KV host pool whose bytes are token planes in the core (MHA, asymmetric MHA, MLA)."""
 
@@ -41,29 +61,29 @@ class TokenPlanesPool(HostKVCache):
     def _make_spec(self):
         raise NotImplementedError()
 
-    def __getattr__(self, name):
-        # Reached only for an attribute never set. A pool SGLang's unit tests make with
-        # `__new__`, setting SGLang's geometry attributes (and perhaps `kv_buffer`) by hand, has
-        # no spec or core: both come from those attributes on first use, the hand-set buffer
-        # adopted by the core if it is what that geometry allocates (the core would take the
-        # rest of a larger storage as the pool's).
-        if name in ("_spec", "_pool_core"):
-            spec = self.__dict__.get("_spec") or self._make_spec()
-            buffer = self.__dict__.get("kv_buffer")
-            if buffer is not None:
-                allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
-                got = [(tuple(t.shape), t.dtype) for t in allocations]
-                expected = [(tuple(shape), self.dtype) for shape in spec.allocation_shapes]
-                if got != expected:
-                    raise ValueError(
-                        f"{type(self).__name__}.kv_buffer holds (shape, dtype) {got}; its "
-                        f"attributes describe {expected}"
-                    )
-                self._pool_core = _core.HostPool(spec, allocations)
-            self._spec = spec
-            if name in self.__dict__:
-                return self.__dict__[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def _adopt_hand_set_attributes(self) -> None:
+        """The spec and core of a pool SGLang's unit tests make with `__new__`, setting SGLang's
+        geometry attributes (and perhaps `kv_buffer`) by hand: built from those attributes on
+        first use, the hand-set buffer adopted by the core if it is what that geometry
+        allocates (the core would take the rest of a larger storage as the pool's)."""
+        spec = self.__dict__.get("_spec") or self._make_spec()
+        buffer = self.__dict__.get("kv_buffer")
+        if buffer is not None:
+            allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
+            got = [(tuple(t.shape), t.dtype) for t in allocations]
+            expected = [(tuple(shape), self.dtype) for shape in spec.allocation_shapes]
+            if got != expected:
+                raise ValueError(
+                    f"{type(self).__name__}.kv_buffer holds (shape, dtype) {got}; its "
+                    f"attributes describe {expected}"
+                )
+            self._pool_core = _core.HostPool(spec, allocations)
+        self._spec = spec
+
+    # Looked up only where the instance has none (a pool built without its constructor): a
+    # class-level `__getattr__` would slow every attribute read of every pool.
+    _spec = _HandSetAttribute()
+    _pool_core = _HandSetAttribute()
 
     def init_kv_buffer(self):
         self._spec = spec = self._make_spec()
