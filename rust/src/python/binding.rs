@@ -243,8 +243,6 @@ pub(super) fn layer_key(layer_id: &Bound<'_, PyAny>) -> PyResult<i64> {
     Ok(layer_int(layer_id)?.extract::<i64>().unwrap_or(i64::MAX))
 }
 
-/// A layer id as the Python int it stands for (whatever its type, so a refusal can show its
-/// value), or the TypeError naming `layer_id` for a bool or a non-integer.
 /// The one row stride of a set of device layers: None where every layer is packed, else the
 /// stride every (strided) layer shares, or SGLang's refusal (its transfers take one).
 fn one_row_pitch(strided: &BTreeSet<u64>, packed: bool) -> PyResult<Option<u64>> {
@@ -306,6 +304,8 @@ fn row_pitch(
     Ok(pitch as u64)
 }
 
+/// A layer id as the Python int it stands for (whatever its type, so a refusal can show its
+/// value), or the TypeError naming `layer_id` for a bool or a non-integer.
 pub(super) fn layer_int<'py>(layer_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     args::py_int(layer_id, "layer_id")
 }
@@ -797,8 +797,9 @@ impl PyDeviceBinding {
     ) -> PyResult<()> {
         let (engine, stream) = (call.queue.engine, call.queue.stream);
         // SAFETY: `ptrs` are the `data_ptr()`s of device tensors this binding holds (so they
-        // stay alive for the call), checked in this call to be contiguous, on `engine`'s device,
-        // with storage for at least `rows` rows of each plane's item size, and the plane memory
+        // stay alive for the call), checked in this call to be contiguous (or rows `row_pitch`
+        // apart, each packed), on `engine`'s device, with storage for at least `rows` rows of
+        // each plane's item size at that pitch (`storage_holds` of their shape), and the plane memory
         // was checked in this call, with no Python run since (`prepare`); the index arrays come
         // from live contiguous int32/int64 tensors held by `call` or the caller's arguments.
         // CUDA work is queued on the device's current stream, in whose order torch's caching
