@@ -100,7 +100,27 @@ def test_a_pool_built_with_new_reads_its_hand_set_buffer_as_the_built_one(host):
     assert not torch.equal(host.get_data_page(2 * host.page_size), page)
 
 
-@pytest.mark.parametrize("change", ["smaller", "a view", "another dtype"])
+def test_a_pool_built_with_new_follows_a_hand_set_buffer_set_again(host):
+    pool = _hand_built(host, host.kv_buffer.clone())
+    pool.get_page_buffer_meta(torch.arange(host.page_size))
+    pool.kv_buffer = again = host.kv_buffer.clone()
+    pointers, sizes = pool.get_page_buffer_meta(torch.arange(host.page_size))
+    start = again.data_ptr()
+    end = start + again.numel() * again.element_size()
+    assert all(start <= p and p + n <= end for p, n in zip(pointers, sizes))
+
+
+def test_a_pool_built_with_new_refuses_what_it_cannot_move_by_name(host):
+    pool = _hand_built(host, host.kv_buffer.clone())
+    with pytest.raises(RuntimeError, match="built without its constructor"):
+        pool.load_to_device_per_layer(None, torch.arange(4), torch.arange(4), 0, "kernel")
+    for odd in [(host.kv_buffer.clone(),), [host.kv_buffer.clone()]]:
+        pool.kv_buffer = odd
+        with pytest.raises(ValueError, match="kv_buffer holds"):
+            pool.get_data_page(0)
+
+
+@pytest.mark.parametrize("change", ["smaller", "a view", "another dtype", "not contiguous"])
 def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_describe(
     host, change
 ):
@@ -109,6 +129,8 @@ def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_d
         buffer = buffer.flatten()[: buffer.numel() // 2].clone()
     elif change == "a view":
         buffer = buffer[..., :1]  # the core would adopt the storage beyond it
+    elif change == "not contiguous":
+        buffer = buffer.transpose(0, 1).contiguous().transpose(0, 1)
     else:
         buffer = buffer.to(torch.float64 if host.dtype != torch.float64 else torch.float32)
     pool = _hand_built(host, buffer)

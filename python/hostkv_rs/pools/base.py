@@ -756,14 +756,20 @@ class HostKVCache(SlotFreeList, abc.ABC):
     @property
     def _layer_index(self):
         """The device binding's layer lookups, or the geometry-only pool's `LayerMap`."""
-        return self._device_side if self._device_side is not None else self._layer_map
+        index = self._device_side if self._device_side is not None else self._layer_map
+        if index is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was built without its constructor: it has no device "
+                "layers to transfer"
+            )
+        return index
 
     def _lookup_layer(self, layer_id, is_draft: bool):
         """The host layer of controller layer `layer_id`, None for a target layer not held."""
         return self._layer_index.lookup(layer_id, is_draft)
 
     def _host_layer_total(self) -> int:
-        index = self._layer_index
+        index = self._device_side if self._device_side is not None else self._layer_map
         return self.layer_num if index is None else index.host_layer_num
 
     def _device_rows_like(self) -> list:
@@ -1007,7 +1013,9 @@ class HostKVCache(SlotFreeList, abc.ABC):
             )
 
     def _live_core(self):
-        core = getattr(self, "_pool_core", None)
-        if getattr(self, "_destroyed", False) or core is None:
+        if getattr(self, "_destroyed", False):
             raise RuntimeError(f"{type(self).__name__} has been destroyed; it cannot transfer")
+        core = getattr(self, "_pool_core", None)
+        if core is None:
+            raise NoKVBytesError(f"{type(self).__name__} holds no KV bytes; it cannot transfer")
         return core

@@ -56,6 +56,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     # load/backup pass both index tensors through maybe_dcp_kernel_indices (SGLang §3.4).
     dcp_aware_transfers = True
     _layer_shard_enabled = False
+    _is_dummy = False  # a pool built without its constructor holds whatever bytes it was given
 
     def __init__(
         self,

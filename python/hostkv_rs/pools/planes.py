@@ -21,9 +21,11 @@ from hostkv_rs.sglang.sources import (
 
 
 class _HandSetAttribute:
-    """An attribute a constructed pool sets (`_spec`, `_pool_core`); on a pool built without
-    its constructor it is derived on first read (`_adopt_hand_set_attributes`). A non-data
-    descriptor: the instance's own value, once set, is read without it."""
+    """An attribute a constructed pool sets (`_spec`, `_pool_core`). A pool built without its
+    constructor (as SGLang's unit tests build them, with `__new__` and attributes set by hand)
+    has neither: they are derived from its attributes at each read, so a `kv_buffer` set again
+    is the one read (`_hand_set_geometry`). A non-data descriptor: a constructed pool's own
+    value is read without it."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -31,13 +33,11 @@ class _HandSetAttribute:
     def __get__(self, pool, owner=None):
         if pool is None:
             return self
-        pool._adopt_hand_set_attributes()
-        try:
-            return pool.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(
-                f"{type(pool).__name__!r} object has no attribute {self.name!r}"
-            ) from None
+        spec, core = pool._hand_set_geometry()
+        value = spec if self.name == "_spec" else core
+        if value is None:
+            raise AttributeError(f"{type(pool).__name__!r} object has no attribute {self.name!r}")
+        return value
 
 
 class TokenPlanesPool(HostKVCache):
@@ -61,27 +61,33 @@ class TokenPlanesPool(HostKVCache):
     def _make_spec(self):
         raise NotImplementedError()
 
-    def _adopt_hand_set_attributes(self) -> None:
-        """The spec and core of a pool SGLang's unit tests make with `__new__`, setting SGLang's
-        geometry attributes (and perhaps `kv_buffer`) by hand: built from those attributes on
-        first use, the hand-set buffer adopted by the core if it is what that geometry
-        allocates (the core would take the rest of a larger storage as the pool's)."""
-        spec = self.__dict__.get("_spec") or self._make_spec()
+    def _hand_set_geometry(self):
+        """(spec, core or None) of a pool built without its constructor, from its attributes as
+        they are now: SGLang's geometry attributes and `kv_buffer`, which the core adopts if it
+        is what that geometry allocates (the core would take the rest of a larger storage as the
+        pool's)."""
+        spec = self._make_spec()
         buffer = self.__dict__.get("kv_buffer")
-        if buffer is not None:
-            allocations = list(buffer) if isinstance(buffer, tuple) else [buffer]
-            got = [(tuple(t.shape), t.dtype) for t in allocations]
-            expected = [(tuple(shape), self.dtype) for shape in spec.allocation_shapes]
-            if got != expected:
-                raise ValueError(
-                    f"{type(self).__name__}.kv_buffer holds (shape, dtype) {got}; its "
-                    f"attributes describe {expected}"
-                )
-            self._pool_core = _core.HostPool(spec, allocations)
-        self._spec = spec
+        if buffer is None:
+            return spec, None
+        shapes = [tuple(shape) for shape in spec.allocation_shapes]
+        allocations = list(buffer) if len(shapes) > 1 and isinstance(buffer, tuple) else [buffer]
+        got = [
+            (tuple(t.shape), t.dtype, t.is_contiguous())
+            if isinstance(t, torch.Tensor)
+            else type(t).__name__
+            for t in allocations
+        ]
+        expected = [(shape, self.dtype, True) for shape in shapes]
+        if got != expected:
+            raise ValueError(
+                f"{type(self).__name__}.kv_buffer holds (shape, dtype, contiguous) {got}; its "
+                f"attributes describe {expected}"
+            )
+        return spec, _core.HostPool(spec, allocations)
 
-    # Looked up only where the instance has none (a pool built without its constructor): a
-    # class-level `__getattr__` would slow every attribute read of every pool.
+    # Looked up only where the instance has none: a class-level `__getattr__` would slow every
+    # attribute read of every pool.
     _spec = _HandSetAttribute()
     _pool_core = _HandSetAttribute()
 

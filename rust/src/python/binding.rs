@@ -269,7 +269,8 @@ pub(super) fn device_row_pitch(tensors: Vec<Bound<'_, PyAny>>) -> PyResult<Optio
         } else {
             let stride: i64 = tensor.call_method1("stride", (0,))?.extract()?;
             let element: i64 = tensor.call_method0("element_size")?.extract()?;
-            strided.insert((stride * element).max(0) as u64);
+            let pitch = (stride as i128 * element as i128).clamp(0, u64::MAX as i128);
+            strided.insert(pitch as u64);
         }
     }
     one_row_pitch(&strided, packed)

@@ -24,12 +24,12 @@ pub(super) fn layout_name(
     kind: PoolKind,
     layout: &Bound<'_, PyAny>,
 ) -> PyResult<String> {
-    match layout.cast::<PyString>() {
-        Ok(name) => Ok(name.to_cow()?.into_owned()),
-        Err(_) => {
-            let shown = layout.str()?;
-            let refusal = crate::support::refused_layout(kind, &shown.to_cow()?);
-            Err(to_py(py, refusal))
+    // A string that is no UTF-8 (a lone surrogate) names no layout either.
+    match layout.cast::<PyString>().map(|name| name.to_cow()) {
+        Ok(Ok(name)) => Ok(name.into_owned()),
+        _ => {
+            let shown = layout.str()?.to_string_lossy().into_owned();
+            Err(to_py(py, crate::support::refused_layout(kind, &shown)))
         }
     }
 }
