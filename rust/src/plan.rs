@@ -58,6 +58,8 @@ pub struct Checked {
     /// Bytes from one device row to the next, per plane: its item size, or the request's row
     /// pitch for strided device rows.
     pub dev_pitch: [u64; 2],
+    /// Bytes each device layer of a plane spans from its pointer (`DeviceSide::layer_span`).
+    pub dev_span: [u64; 2],
 }
 
 impl Checked {
@@ -161,26 +163,28 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         }
         .into());
     }
-    let mut dev_pitch = [0; 2];
-    for (p, pitch) in dev_pitch.iter_mut().enumerate().take(nplanes) {
-        *pitch = device.pitch(g.item_bytes[p] as u64);
-    }
     if let Some(pitch) = device.row_pitch {
         check_row_pitch(g, req.op(), strategy, pitch)?;
     }
-    if len > 0 {
-        for (p, &item) in g.item_bytes.iter().enumerate() {
-            let span = device.layer_span(item as u64);
-            let ptrs = &device.layer_ptrs[p * layer_count as usize..][..layer_count as usize];
-            for &ptr in ptrs {
-                if ptr == 0 || span.and_then(|s| ptr.checked_add(s)).is_none() {
-                    return Err(invalid(format!(
-                        "device layer pointer {ptr:#x} cannot address {} rows of {item} bytes",
-                        device.rows
-                    )));
-                }
+    let (mut dev_pitch, mut dev_span) = ([0; 2], [0; 2]);
+    for (p, &item) in g.item_bytes.iter().enumerate() {
+        dev_pitch[p] = device.pitch(item as u64);
+        let span = device.layer_span(item as u64);
+        dev_span[p] = span.unwrap_or(u64::MAX); // refused below wherever a layer is moved
+        if len == 0 {
+            continue;
+        }
+        let ptrs = &device.layer_ptrs[p * layer_count as usize..][..layer_count as usize];
+        for &ptr in ptrs {
+            if ptr == 0 || span.and_then(|s| ptr.checked_add(s)).is_none() {
+                return Err(invalid(format!(
+                    "device layer pointer {ptr:#x} cannot address {} rows of {item} bytes",
+                    device.rows
+                )));
             }
         }
+    }
+    if len > 0 {
         for (which, idx) in [("host", h), ("device", d)] {
             if idx.ptr == 0 {
                 return Err(invalid(format!("{which} index array has a null address")));
@@ -202,6 +206,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         layer_count,
         len,
         dev_pitch,
+        dev_span,
     })
 }
 
@@ -642,11 +647,50 @@ fn finish<'a>(
         host_rows,
         dev_rows,
         dev_pitch: c.dev_pitch,
+        dev_span: c.dev_span,
         bytes,
         disjoint: true,
     };
     plan.disjoint = plan.spans_disjoint();
     Ok(plan)
+}
+
+/// Bytes a transfer reads or writes: `[start, end)`, or within it only rows of `width` bytes
+/// every `pitch` bytes (strided device rows: SGLang's unified pools interleave the rows of every
+/// layer, K and V, in one buffer, so their ranges overlap while their rows never meet).
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: u64,
+    end: u64,
+    /// `(pitch, width)` of strided rows.
+    rows: Option<(u64, u64)>,
+}
+
+impl Span {
+    fn range(start: u64, len: u64) -> Self {
+        Self {
+            start,
+            end: start.saturating_add(len),
+            rows: None,
+        }
+    }
+
+    /// Whether any byte is in both.
+    fn meets(self, other: Span) -> bool {
+        if !(self.start < other.end && other.start < self.end) {
+            return false;
+        }
+        match (self.rows, other.rows) {
+            // Rows of one pitch meet only where their offsets within a pitch do: `other`'s rows
+            // start `r` bytes into each of `self`'s.
+            (Some((pitch, width)), Some((p, other_width))) if p == pitch => {
+                let r = (other.start as i128 - self.start as i128).rem_euclid(pitch as i128);
+                let r = r as u64;
+                r < width || r + other_width > pitch
+            }
+            _ => true,
+        }
+    }
 }
 
 /// A validated transfer, ready to run: strategy, geometry, the device layer table and views of the
@@ -677,6 +721,8 @@ pub struct Plan<'a> {
     dev_rows: u64,
     /// Bytes from one device row to the next, per plane (see [`Checked::dev_pitch`]).
     dev_pitch: [u64; 2],
+    /// Bytes each device layer of a plane spans (see [`Checked::dev_span`]).
+    dev_span: [u64; 2],
     bytes: u64,
     disjoint: bool,
 }
@@ -753,34 +799,33 @@ impl<'a> Plan<'a> {
 
     /// The host planes' byte ranges: page_unified's interleaved planes are one range (they never
     /// meet each other, and together they fill it).
-    fn host_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    fn host_spans(&self) -> impl Iterator<Item = Span> + '_ {
         let distinct = if self.planes[0].components > 1 {
             1
         } else {
             self.nplanes
         };
-        (0..distinct).map(|p| {
-            (
-                self.plane_base[p],
-                self.plane_base[p] + self.planes[p].nbytes,
-            )
-        })
+        (0..distinct).map(|p| Span::range(self.plane_base[p], self.planes[p].nbytes))
     }
 
     /// The device layers' byte ranges (`rows` rows from each pointer, the last one only its
-    /// own bytes; the gaps between strided rows included).
-    fn dev_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    /// own bytes), strided rows as the rows they are.
+    fn dev_spans(&self) -> impl Iterator<Item = Span> + '_ {
         // Plane by plane (the pointers are plane-major), so no pointer divides to find its plane:
         // this runs for every call, over every layer.
         self.layer_ptrs
             .chunks(self.layer_count.max(1))
-            .zip(self.planes.iter().zip(self.dev_pitch))
-            .flat_map(move |(ptrs, (plane, pitch))| {
-                let span = match self.dev_rows {
-                    0 => 0,
-                    rows => (rows - 1) * pitch + plane.item,
-                };
-                ptrs.iter().map(move |&ptr| (ptr, ptr + span))
+            .zip(
+                self.planes
+                    .iter()
+                    .zip(self.dev_pitch.iter().zip(self.dev_span)),
+            )
+            .flat_map(move |(ptrs, (plane, (&pitch, span)))| {
+                let rows = (pitch != plane.item).then_some((pitch, plane.item));
+                ptrs.iter().map(move |&ptr| Span {
+                    rows,
+                    ..Span::range(ptr, span)
+                })
             })
     }
 
@@ -791,8 +836,7 @@ impl<'a> Plan<'a> {
         if self.len == 0 {
             return true;
         }
-        let meets = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
-        let idx = [self.host.span(), self.dev.span()];
+        let idx = [self.host.span(), self.dev.span()].map(|(a, b)| Span::range(a, b - a));
         let (dst_host, dst_dev) = (self.to_host, !self.to_host);
         let dst = || {
             self.host_spans()
@@ -805,9 +849,9 @@ impl<'a> Plan<'a> {
                 .chain(self.dev_spans().filter(move |_| !dst_dev))
         };
         dst().enumerate().all(|(i, a)| {
-            dst().skip(i + 1).all(|b| !meets(a, b))
-                && src().all(|b| !meets(a, b))
-                && idx.iter().all(|&b| !meets(a, b))
+            dst().skip(i + 1).all(|b| !a.meets(b))
+                && src().all(|b| !a.meets(b))
+                && idx.iter().all(|&b| !a.meets(b))
         })
     }
 
@@ -1990,6 +2034,64 @@ mod tests {
             map: IndexMap::Identity,
             row_pitch,
         }
+    }
+
+    /// Strided K and V layers interleaved in one buffer (SGLang's unified pools) are disjoint
+    /// destinations where their rows are, and not where a V row reaches into a K row.
+    #[test]
+    fn interleaved_strided_layers_are_disjoint_where_their_rows_are() {
+        let (item, pitch, rows) = (16usize, 40usize, 8usize);
+        let mut host = vec![0u8; 2 * rows * item];
+        let mut entries = vec![0u8; rows * pitch];
+        let (idx_h, idx_d) = ([0i64, 3], [5i64, 1]);
+        let disjoint = |v_offset: usize, entries: &mut [u8], host: &mut [u8]| {
+            let base = entries.as_mut_ptr() as u64;
+            let index = |v: &[i64]| IndexArray {
+                ptr: v.as_ptr() as u64,
+                len: v.len(),
+                width: IndexWidth::I64,
+                on_device: false,
+                map: IndexMap::Identity,
+            };
+            let geom = HostGeometry {
+                layout: Layout::LayerFirst,
+                layers: 1,
+                rows,
+                page_size: 1,
+                heads: 1,
+                item_bytes: vec![item, item],
+                plane_base: vec![
+                    host.as_mut_ptr() as u64,
+                    host.as_mut_ptr() as u64 + (rows * item) as u64,
+                ],
+            };
+            let device = DeviceSide {
+                layer_ptrs: vec![base, base + v_offset as u64],
+                rows: rows - 1, // the V layer's last row would pass the buffer's end
+                row_pitch: Some(pitch as u64),
+                memory: DeviceMemory::Host,
+            };
+            let op = Op::Load { host_layer: 0 };
+            // SAFETY: `host`, `entries` (rows of `pitch` bytes, both layers' rows inside it) and
+            // the index arrays are live for the request's use and reached only through it.
+            let req = unsafe {
+                TransferRequest::new(
+                    geom,
+                    Backend::Kernel,
+                    op,
+                    device,
+                    index(&idx_h),
+                    index(&idx_d),
+                )
+            };
+            let plan = build(&req).unwrap();
+            crate::cpu::execute(&plan).unwrap();
+            plan.disjoint()
+        };
+        assert!(disjoint(item, &mut entries, &mut host)); // V right after K
+        assert!(disjoint(item + 8, &mut entries, &mut host)); // with a gap
+        assert!(!disjoint(item - 1, &mut entries, &mut host)); // V's first byte is K's last
+        assert!(!disjoint(pitch - item + 1, &mut entries, &mut host)); // V reaches the next K
     }
 
     /// Property test: the compact plan, run by every engine and split every way, moves exactly

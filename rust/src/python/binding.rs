@@ -75,8 +75,9 @@ pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
 }
 
 /// What one device tensor was when it was checked: a transfer uses the checked pointer and rows
-/// only while the tensor still has this data pointer and byte size, is still contiguous, and its
-/// storage still has this byte size. The storage object is held, so the storage it names cannot
+/// only while the tensor still has this data pointer and byte size, is still contiguous (a
+/// strided one: still has the shape and strides checked), and its storage still has this byte
+/// size. The storage object is held, so the storage it names cannot
 /// be freed behind the check: a tensor `set_` to other memory changes its pointer (two live
 /// storages do not share an address), a tensor resized on its storage changes its byte size,
 /// one restrided in place (`as_strided_`, `transpose_`) is no longer contiguous, and a storage
@@ -259,35 +260,41 @@ fn one_row_pitch(strided: &BTreeSet<u64>, packed: bool) -> PyResult<Option<u64>>
 
 /// SGLang 0.5.22+'s `_init_device_row_stride`: the bytes between the rows of `tensors` (device
 /// layers) where they are strided views sharing one row stride, None where all are packed, or
-/// SGLang's refusal. Each layer is checked again, in full, at its first transfer.
+/// a refusal (SGLang's where the strides differ). The rule is `check_all`'s (`strided_pitch`),
+/// which reads each layer again, in full, at its first transfer.
 #[pyfunction]
-pub(super) fn device_row_pitch(tensors: Vec<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+pub(super) fn device_row_pitch(
+    py: Python<'_>,
+    tensors: Vec<Bound<'_, PyAny>>,
+) -> PyResult<Option<u64>> {
+    let m = tensor_calls::methods(py)?;
     let (mut strided, mut packed) = (BTreeSet::new(), false);
-    for tensor in &tensors {
-        if tensor.call_method0("is_contiguous")?.is_truthy()? {
+    for (layer, tensor) in tensors.iter().enumerate() {
+        if m.ask(&m.is_contiguous, tensor)?.is_truthy()? {
             packed = true;
-        } else {
-            let stride: i64 = tensor.call_method1("stride", (0,))?.extract()?;
-            let element: i64 = tensor.call_method0("element_size")?.extract()?;
-            let pitch = (stride as i128 * element as i128).clamp(0, u64::MAX as i128);
-            strided.insert(pitch as u64);
+            continue;
         }
+        let shape: Vec<i64> = tensor.getattr(intern!(py, "shape"))?.extract()?;
+        let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
+        let what = format!("device layer {layer}");
+        strided.insert(strided_pitch(m, tensor, &shape, element, &what)?);
     }
     one_row_pitch(&strided, packed)
 }
 
-/// The bytes from one row of a strided device layer (`shape`, `strides` in elements of
-/// `element` bytes) to the next: each row (the dimensions after the first) packed, and rows no
-/// closer than their `row_bytes`, or a refusal naming the tensor (`what`).
-fn row_pitch(
+/// The bytes from one row of a strided device layer (`shape`, in elements of `element` bytes)
+/// to the next: each row (the dimensions after the first) packed, and rows no closer than their
+/// bytes, or a refusal naming the tensor (`what`).
+fn strided_pitch(
+    m: &tensor_calls::Methods,
+    tensor: &Bound<'_, PyAny>,
     shape: &[i64],
-    strides: &[i64],
     element: i64,
-    row_bytes: i128,
     what: &str,
 ) -> PyResult<u64> {
+    let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
     let mut inner = 1i128;
-    for (&extent, &stride) in shape.iter().zip(strides).skip(1).rev() {
+    for (&extent, &stride) in shape.iter().zip(&strides).skip(1).rev() {
         if extent > 1 && stride as i128 != inner {
             return Err(PyValueError::new_err(format!(
                 "{what}: device layer tensors must be contiguous, or rows of contiguous \
@@ -296,8 +303,12 @@ fn row_pitch(
         }
         inner *= extent as i128;
     }
-    let pitch = strides[0] as i128 * element as i128;
-    if pitch < row_bytes {
+    let (pitch, row_bytes) = (
+        strides.first().map_or(0, |&s| s as i128) * element as i128,
+        inner * element as i128,
+    );
+    // The core refuses such a pitch as well; here the refusal can name the tensor.
+    if pitch < row_bytes || pitch > u64::MAX as i128 {
         return Err(PyValueError::new_err(format!(
             "{what}: device rows {pitch} bytes apart do not hold rows of {row_bytes} bytes"
         )));
@@ -475,11 +486,10 @@ impl PyDeviceBinding {
                          size is {want} bytes (dtype or head geometry differs from the host pool)"
                     )));
                 }
-                if !contiguous {
-                    let strides: Vec<i64> = m.ask(&m.stride, tensor)?.extract()?;
-                    strided.insert(row_pitch(&shape, &strides, element, row_bytes, &where_)?);
-                } else {
+                if contiguous {
                     packed = true;
+                } else {
+                    strided.insert(strided_pitch(m, tensor, &shape, element, &where_)?);
                 }
                 *layer_rows = Some(layer_rows.map_or(shape[0], |r| r.min(shape[0])));
                 snaps.push(Snap::take(py, tensor, shape, !contiguous)?);
@@ -800,9 +810,10 @@ impl PyDeviceBinding {
         // SAFETY: `ptrs` are the `data_ptr()`s of device tensors this binding holds (so they
         // stay alive for the call), checked in this call to be contiguous (or rows `row_pitch`
         // apart, each packed), on `engine`'s device, with storage for at least `rows` rows of
-        // each plane's item size at that pitch (`storage_holds` of their shape), and the plane memory
-        // was checked in this call, with no Python run since (`prepare`); the index arrays come
-        // from live contiguous int32/int64 tensors held by `call` or the caller's arguments.
+        // each plane's item size at that pitch (`storage_holds` of their shape), and the plane
+        // memory was checked in this call, with no Python run since (`prepare`); the index
+        // arrays come from live contiguous int32/int64 tensors held by `call` or the caller's
+        // arguments.
         // CUDA work is queued on the device's current stream, in whose order torch's caching
         // allocator reuses freed memory.
         unsafe {

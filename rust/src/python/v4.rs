@@ -125,7 +125,6 @@ impl PyV4Transfers {
         Ok(PyString::new(py, name))
     }
 
-    /// Whether `layers` names any layer (a load's layer is checked against the pool).
     /// `layers` with a load's layer id read as an int once and checked, or None where there is
     /// no layer to move (a backup of a pool without layers).
     fn checked_layers<'py>(
