@@ -972,3 +972,10 @@ def test_strided_device_rows_are_refused_where_sglang_has_no_copy_for_them():
     src.k_buffer[1] = src.k_buffer[1].contiguous()  # one packed layer among strided ones
     with pytest.raises(NotImplementedError, match="do not share one row stride"):
         MHATokenToKVPoolHost(src, 2.0, 0, P, "layer_first")
+    # Two strides, no packed layer: SGLang's transfers take one stride.
+    src = strided_mha_pool()
+    wider = torch.zeros(src.entries.shape[0], src.entries.shape[1] + 4)
+    src.v_buffer = [wider[:, l * H * D :][:, : H * D].view(-1, H, D) for l in range(L)]
+    stride = 4 * src.entries.shape[1]
+    with pytest.raises(NotImplementedError, match=rf"strided rows \[{stride}, {stride + 16}\] B"):
+        MHATokenToKVPoolHost(src, 2.0, 0, P, "layer_first")

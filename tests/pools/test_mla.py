@@ -849,3 +849,28 @@ def test_strided_device_rows_round_trip_and_touch_nothing_else(layout, backend):
     for layer in range(3):
         host.load_to_device_per_layer(dst, h, d2, layer, backend)
     assert torch.equal(dst.entries, want)
+
+
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_strided_device_rows_under_dcp_move_this_ranks_share(dcp_rank):
+    # DCP reads both index arrays through `idx[rank::2] // 2`; the rows it names are strided.
+    dp = duck_mla(size=32, page_size=4, layers=2, rank=12, rope=4, dtype=torch.float32)
+    entries = torch.randn(
+        dp.size + dp.page_size, 2 * 16 + 3, generator=torch.Generator().manual_seed(4)
+    )
+    dp.kv_buffer = [entries[:, l * 16 : (l + 1) * 16].view(-1, 1, 16) for l in range(2)]
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "layer_first", dcp_size=2, dcp_rank=dcp_rank)
+    h, d = torch.arange(8, 16), torch.arange(16, 24)  # one widened page each
+    host.backup_from_device_all_layer(dp, h, d, "kernel")
+    rows_h, rows_d = h[dcp_rank::2] // 2, d[dcp_rank::2] // 2
+    for layer in range(2):
+        assert torch.equal(
+            host.kv_buffer[layer][rows_h, 0], entries[rows_d, layer * 16 : (layer + 1) * 16]
+        )
+    want = entries.clone()
+    entries.zero_()
+    want.zero_()
+    host.load_to_device_per_layer(dp, h, d + 8, 1, "kernel")
+    back = (d + 8)[dcp_rank::2] // 2
+    want[back, 16:32] = host.kv_buffer[1][rows_h, 0]
+    assert torch.equal(entries, want)

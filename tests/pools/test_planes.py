@@ -128,7 +128,7 @@ def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_d
     if change == "smaller":
         buffer = buffer.flatten()[: buffer.numel() // 2].clone()
     elif change == "a view":
-        buffer = buffer[..., :1]  # the core would adopt the storage beyond it
+        buffer = buffer[..., :1]  # a view of another shape
     elif change == "not contiguous":
         buffer = buffer.transpose(0, 1).contiguous().transpose(0, 1)
     else:

@@ -669,9 +669,6 @@ class HostKVCache(SlotFreeList, abc.ABC):
 
     # ----------------------------------------------------------------- page addressing
 
-    # The pool's geometry in the core (`_core.PoolSpec`), set by pools that hold bytes (see
-    # `TokenPlanesPool.__getattr__` for a pool built without its constructor).
-
     def _page_view(self, index) -> torch.Tensor:
         """The L3 page `index` names, as the core addresses it (SGLang's `get_data_page` slice):
         a strided view of the pool's first allocation; a page outside the pool raises
@@ -753,10 +750,14 @@ class HostKVCache(SlotFreeList, abc.ABC):
     # device pool, so the core's `LayerMap` of the layers that pool owns answers meanwhile.
     _layer_map: _core.LayerMap | None = None
 
+    def _layer_index_or_none(self):
+        """The device binding's layer lookups, or the geometry-only pool's `LayerMap`; None for
+        a pool built without its constructor."""
+        return self._device_side if self._device_side is not None else self._layer_map
+
     @property
     def _layer_index(self):
-        """The device binding's layer lookups, or the geometry-only pool's `LayerMap`."""
-        index = self._device_side if self._device_side is not None else self._layer_map
+        index = self._layer_index_or_none()
         if index is None:
             raise RuntimeError(
                 f"{type(self).__name__} was built without its constructor: it has no device "
@@ -769,7 +770,7 @@ class HostKVCache(SlotFreeList, abc.ABC):
         return self._layer_index.lookup(layer_id, is_draft)
 
     def _host_layer_total(self) -> int:
-        index = self._device_side if self._device_side is not None else self._layer_map
+        index = self._layer_index_or_none()
         return self.layer_num if index is None else index.host_layer_num
 
     def _device_rows_like(self) -> list:

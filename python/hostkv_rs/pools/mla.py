@@ -57,6 +57,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     dcp_aware_transfers = True
     _layer_shard_enabled = False
     _is_dummy = False  # a pool built without its constructor holds whatever bytes it was given
+    # SGLang 0.5.23's allocation-only pool takes its bytes per token from the allocation, which
+    # may count more than the latent rows; None: the latent rows' own.
+    _size_per_token = None
 
     def __init__(
         self,
@@ -245,7 +248,6 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
             if drafts:
                 raise ValueError("Allocator-only MLA does not accept physical draft buffers")
             self.layer_num = self.target_layer_num + int(getattr(info, "draft_layer_num", 0))
-            # The allocation's own figure: it may count more than the latent rows (SGLang's).
             self._size_per_token = as_int("size_per_token", info.size_per_token)
             return {}
         self.layer_num = self.target_layer_num + len(drafts)
@@ -300,8 +302,9 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     # ----------------------------------------------------------------- geometry
 
     def get_size_per_token(self):
-        fixed = self.__dict__.get("_size_per_token")  # 0.5.23's allocation-only pool
-        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num if fixed is None else fixed
+        if self._size_per_token is not None:
+            return self._size_per_token
+        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
 
     def get_ksize_per_token(self):
         return self.get_size_per_token()

@@ -21,11 +21,14 @@ from hostkv_rs.sglang.sources import (
 
 
 class _HandSetAttribute:
-    """An attribute a constructed pool sets (`_spec`, `_pool_core`). A pool built without its
-    constructor (as SGLang's unit tests build them, with `__new__` and attributes set by hand)
-    has neither: they are derived from its attributes at each read, so a `kv_buffer` set again
-    is the one read (`_hand_set_geometry`). A non-data descriptor: a constructed pool's own
-    value is read without it."""
+    """A pool's spec (`_spec`) or core (`_pool_core`) where the pool has none of its own: an
+    allocation-only pool's spec, and both for a pool built without its constructor (as SGLang's
+    unit tests build them, with `__new__` and attributes set by hand), derived from its
+    attributes at each read so that a `kv_buffer` set again is the one read. A non-data
+    descriptor: a constructed pool's own value is read without it."""
+
+    def __init__(self, core: bool):
+        self.core = core
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -33,11 +36,12 @@ class _HandSetAttribute:
     def __get__(self, pool, owner=None):
         if pool is None:
             return self
-        spec, core = pool._hand_set_geometry()
-        value = spec if self.name == "_spec" else core
-        if value is None:
+        spec, allocations = pool._hand_set_geometry()
+        if not self.core:
+            return spec
+        if allocations is None:
             raise AttributeError(f"{type(pool).__name__!r} object has no attribute {self.name!r}")
-        return value
+        return _core.HostPool(spec, allocations)
 
 
 class TokenPlanesPool(HostKVCache):
@@ -54,7 +58,7 @@ class TokenPlanesPool(HostKVCache):
             page_size=page_size,
         )
         if not isinstance(layout, str):
-            _core.check_layout(self._spec_kind, layout)  # SGLang's refusal, naming it: None
+            _core.check_layout(self._spec_kind, layout)  # SGLang's text, showing it (None, 5)
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         return source
 
@@ -62,10 +66,9 @@ class TokenPlanesPool(HostKVCache):
         raise NotImplementedError()
 
     def _hand_set_geometry(self):
-        """(spec, core or None) of a pool built without its constructor, from its attributes as
-        they are now: SGLang's geometry attributes and `kv_buffer`, which the core adopts if it
-        is what that geometry allocates (the core would take the rest of a larger storage as the
-        pool's)."""
+        """(spec, allocations or None) of a pool without a spec of its own, from its attributes
+        as they are now: SGLang's geometry attributes and `kv_buffer`, whose tensors must be
+        what that geometry allocates (page views and the core read them in that shape)."""
         spec = self._make_spec()
         buffer = self.__dict__.get("kv_buffer")
         if buffer is None:
@@ -84,12 +87,12 @@ class TokenPlanesPool(HostKVCache):
                 f"{type(self).__name__}.kv_buffer holds (shape, dtype, contiguous) {got}; its "
                 f"attributes describe {expected}"
             )
-        return spec, _core.HostPool(spec, allocations)
+        return spec, allocations
 
     # Looked up only where the instance has none: a class-level `__getattr__` would slow every
     # attribute read of every pool.
-    _spec = _HandSetAttribute()
-    _pool_core = _HandSetAttribute()
+    _spec = _HandSetAttribute(core=False)
+    _pool_core = _HandSetAttribute(core=True)
 
     def init_kv_buffer(self):
         self._spec = spec = self._make_spec()

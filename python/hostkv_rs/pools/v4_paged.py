@@ -46,6 +46,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     # way: `size`, `slot_page_size` and `lock` for the allocator; `pool_name`,
     # `slot_page_size` and `page_aligned_only` for the page-alignment refusal).
     pool_name = "DeepSeekV4PagedHostPool"
+
+    @property
+    def _name(self) -> str:
+        """`pool_name` as the core's texts show it (SGLang only formats it: any value goes)."""
+        return str(self.pool_name)
+
     page_aligned_only = False
     _destroyed = False
     _device_refusal: str | None = None
@@ -151,7 +157,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             slot_page_size,
             [item_bytes],
             1,
-            name=str(pool_name),  # SGLang only formats it
+            name=self._name,
             release=release,
         )
         # SGLang's check sees only the page rows; the slot tables (one entry per token slot) and
@@ -286,7 +292,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     buffers=[self.device_buffers, scales],
                 )
         return _core.V4Transfers(
-            str(self.pool_name),
+            self._name,
             self.slot_page_size,
             self.item_bytes,
             torch.device(self.gpu_device),
@@ -311,7 +317,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             L,
             L,
             what=f"{self.pool_name} device buffer",
-            name=str(self.pool_name),
+            name=self._name,
             index_map=index_map,
             host_planes=host_planes,
             byte_rows=page_rows,
@@ -421,7 +427,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             self.slot_page_size,
             [self.item_bytes, SIB],
             1,
-            name=str(self.pool_name),
+            name=self._name,
             release=sglang_release(),
         )
         region, scale_flat = None, torch.empty(0, dtype=torch.uint8)
@@ -467,7 +473,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         transfers = self.__dict__.get("_transfers")
         if transfers is None:
             device = torch.device("cpu")
-            transfers = _core.V4Transfers(str(self.pool_name), self.slot_page_size, 0, device)
+            transfers = _core.V4Transfers(self._name, self.slot_page_size, 0, device)
         return transfers
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
