@@ -655,44 +655,6 @@ fn finish<'a>(
     Ok(plan)
 }
 
-/// Bytes a transfer reads or writes: `[start, end)`, or within it only rows of `width` bytes
-/// every `pitch` bytes (strided device rows: SGLang's unified pools interleave the rows of every
-/// layer, K and V, in one buffer, so their ranges overlap while their rows never meet).
-#[derive(Clone, Copy, Debug)]
-struct Span {
-    start: u64,
-    end: u64,
-    /// `(pitch, width)` of strided rows.
-    rows: Option<(u64, u64)>,
-}
-
-impl Span {
-    fn range(start: u64, len: u64) -> Self {
-        Self {
-            start,
-            end: start.saturating_add(len),
-            rows: None,
-        }
-    }
-
-    /// Whether any byte is in both.
-    fn meets(self, other: Span) -> bool {
-        if !(self.start < other.end && other.start < self.end) {
-            return false;
-        }
-        match (self.rows, other.rows) {
-            // Rows of one pitch meet only where their offsets within a pitch do: `other`'s rows
-            // start `r` bytes into each of `self`'s.
-            (Some((pitch, width)), Some((p, other_width))) if p == pitch => {
-                let r = (other.start as i128 - self.start as i128).rem_euclid(pitch as i128);
-                let r = r as u64;
-                r < width || r + other_width > pitch
-            }
-            _ => true,
-        }
-    }
-}
-
 /// A validated transfer, ready to run: strategy, geometry, the device layer table and views of the
 /// index arrays, all borrowed from the request (and whatever backs the views). Its size is fixed
 /// (no allocation): copies are computed while walking the indices.
@@ -799,34 +761,45 @@ impl<'a> Plan<'a> {
 
     /// The host planes' byte ranges: page_unified's interleaved planes are one range (they never
     /// meet each other, and together they fill it).
-    fn host_spans(&self) -> impl Iterator<Item = Span> + '_ {
+    fn host_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         let distinct = if self.planes[0].components > 1 {
             1
         } else {
             self.nplanes
         };
-        (0..distinct).map(|p| Span::range(self.plane_base[p], self.planes[p].nbytes))
+        (0..distinct).map(|p| {
+            (
+                self.plane_base[p],
+                self.plane_base[p] + self.planes[p].nbytes,
+            )
+        })
     }
 
     /// The device layers' byte ranges (`rows` rows from each pointer, the last one only its
-    /// own bytes), strided rows as the rows they are.
-    fn dev_spans(&self) -> impl Iterator<Item = Span> + '_ {
+    /// own bytes), plane-major.
+    fn dev_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         // Plane by plane (the pointers are plane-major), so no pointer divides to find its plane:
         // this runs for every call, over every layer.
         self.layer_ptrs
             .chunks(self.layer_count.max(1))
-            .zip(
-                self.planes
-                    .iter()
-                    .zip(self.dev_pitch.iter().zip(self.dev_span)),
-            )
-            .flat_map(move |(ptrs, (plane, (&pitch, span)))| {
-                let rows = (pitch != plane.item).then_some((pitch, plane.item));
-                ptrs.iter().map(move |&ptr| Span {
-                    rows,
-                    ..Span::range(ptr, span)
-                })
-            })
+            .zip(self.dev_span)
+            .flat_map(|(ptrs, span)| ptrs.iter().map(move |&ptr| (ptr, ptr + span)))
+    }
+
+    /// Whether the strided rows of device layers `i` and `j` (in `dev_spans` order, whose
+    /// ranges meet) share a byte: SGLang's unified pools interleave every layer's K and V rows
+    /// in one buffer, so their ranges overlap while their rows, one pitch apart each, need not.
+    fn strided_rows_meet(&self, (i, a): (usize, u64), (j, b): (usize, u64)) -> bool {
+        let plane = |k: usize| k / self.layer_count.max(1);
+        let (pi, pj) = (plane(i), plane(j));
+        let pitch = self.dev_pitch[pi];
+        let (wi, wj) = (self.planes[pi].item, self.planes[pj].item);
+        if pitch == wi || pitch != self.dev_pitch[pj] {
+            return true; // packed rows: their ranges are their bytes
+        }
+        // `j`'s rows start `r` bytes into each of `i`'s.
+        let r = (b as i128 - a as i128).rem_euclid(pitch as i128) as u64;
+        r < wi || r + wj > pitch
     }
 
     /// Whether the ranges the transfer writes (whole host planes for a backup, whole device
@@ -836,7 +809,8 @@ impl<'a> Plan<'a> {
         if self.len == 0 {
             return true;
         }
-        let idx = [self.host.span(), self.dev.span()].map(|(a, b)| Span::range(a, b - a));
+        let meets = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
+        let idx = [self.host.span(), self.dev.span()];
         let (dst_host, dst_dev) = (self.to_host, !self.to_host);
         let dst = || {
             self.host_spans()
@@ -849,9 +823,10 @@ impl<'a> Plan<'a> {
                 .chain(self.dev_spans().filter(move |_| !dst_dev))
         };
         dst().enumerate().all(|(i, a)| {
-            dst().skip(i + 1).all(|b| !a.meets(b))
-                && src().all(|b| !a.meets(b))
-                && idx.iter().all(|&b| !a.meets(b))
+            dst().enumerate().skip(i + 1).all(|(j, b)| {
+                !meets(a, b) || (dst_dev && !self.strided_rows_meet((i, a.0), (j, b.0)))
+            }) && src().all(|b| !meets(a, b))
+                && idx.iter().all(|&b| !meets(a, b))
         })
     }
 
