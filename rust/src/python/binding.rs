@@ -156,7 +156,10 @@ impl Snap {
         // rows the very shape and strides checked.
         match &self.strided {
             None => m.ask(&m.is_contiguous, tensor)?.is_truthy(),
-            Some((shape, strides)) => Ok(tensor.getattr("shape")?.extract::<Vec<i64>>()? == *shape
+            Some((shape, strides)) => Ok(tensor
+                .getattr(intern!(py, "shape"))?
+                .extract::<Vec<i64>>()?
+                == *shape
                 && m.ask(&m.stride, tensor)?.extract::<Vec<i64>>()? == *strides),
         }
     }

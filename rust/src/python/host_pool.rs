@@ -236,11 +236,11 @@ impl PyHostPool {
     /// # Safety
     /// `device_ptrs` are the bases of live device layers (plane-major) of `rows` rows of each
     /// plane's item size (`row_pitch` bytes apart when set), in the memory `engine` names; the
-    /// index arrays are contiguous arrays of the stated width, length and residency. The caller keeps all of them alive and unwritten
-    /// for the call (CUDA: until the work queued on `stream` has run, which the caching
-    /// allocator's stream order guarantees for tensors freed after the call). And the caller
-    /// checked the plane memory (`check_memory`) in this call, with nothing since that could
-    /// have changed it (no Python run: see `memory_words`).
+    /// index arrays are contiguous arrays of the stated width, length and residency. The caller
+    /// keeps all of them alive and unwritten for the call (CUDA: until the work queued on
+    /// `stream` has run, which the caching allocator's stream order guarantees for tensors freed
+    /// after the call). And the caller checked the plane memory (`check_memory`) in this call,
+    /// with nothing since that could have changed it (no Python run: see `memory_words`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run_checked(
         &self,
