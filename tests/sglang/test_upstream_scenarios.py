@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from functools import partial
 from types import SimpleNamespace
 from unittest import mock
@@ -262,6 +263,29 @@ def test_a_patched_budget_in_sglangs_module_steers_the_pool(side, name):
         with mock.patch.object(ph_base, "available_host_memory_bytes", return_value=0), refused():
             U.kv_host(side, name, dev)
     U.kv_host(side, name, dev)  # and fits again once the patch is gone
+
+
+_READS_CGROUP = hasattr(ph_base, "available_host_memory_bytes")
+
+
+@U.requires(_READS_CGROUP, "its budget reads psutil alone (no cgroup headroom)")
+@pytest.mark.parametrize("name", ["MHATokenToKVPoolHost", "MLATokenToKVPoolHost"])
+def test_the_pool_is_bounded_by_the_cgroup_headroom_sglang_reads(side, name, caplog):
+    # 0.5.21+ bound the machine's memory by the cgroup hierarchy SGLang finds (mountinfo,
+    # memory.high, its release's page-cache credit) and log the headroom: a pool of either side
+    # sees the same figure, so a container SGLang's pool would not fit refuses ours too.
+    from sglang.srt.mem_cache import host_memory
+
+    dev = H.mla_device() if name == "MLATokenToKVPoolHost" else H.mha_device()
+    refused = partial(pytest.raises, ValueError, match="Not enough host memory available")
+    with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: 0), refused():
+        U.kv_host(side, name, dev)
+    with caplog.at_level(logging.INFO, logger=host_memory.__name__):
+        with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: 2**62):
+            U.kv_host(side, name, dev)
+    assert "HiCache memory headroom" in caplog.text
+    with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: None):
+        U.kv_host(side, name, dev)
 
 
 @U.requires(_SPLITS, _SPLITS_WHY)

@@ -99,10 +99,10 @@ def host_memory_budget_bytes(requested_bytes: int = 0, *, auto_size: bool = Fals
     where available is the smaller of the machine's and its memory cgroup's. Inside a budget
     scope (ours or SGLang's) the request is booked against the scope when it fits, and the
     allowance before booking is returned, as SGLang 0.5.21+ does."""
-    return host_memory_budget(requested_bytes)[0]
+    return host_memory_budget(requested_bytes, auto_size=auto_size)[0]
 
 
-def host_memory_budget(requested_bytes: int = 0) -> tuple[int, str]:
+def host_memory_budget(requested_bytes: int = 0, *, auto_size: bool = False) -> tuple[int, str]:
     """`host_memory_budget_bytes` and the words saying where it came from (for a refusal)."""
     available = _budget_scope.get()
     if available is not None:
@@ -112,13 +112,45 @@ def host_memory_budget(requested_bytes: int = 0) -> tuple[int, str]:
     booked = _sglang_scope_budget(requested_bytes)
     if booked is not None:
         return booked, "the budget left in SGLang's host memory budget scope"
-    memory = _memory.available_host_memory()
+    memory = _sglang_available_memory(auto_size) or _memory.available_host_memory()
     ranks = ranks_per_host()
     budget = (memory.available - HICACHE_HOST_MEMORY_RESERVE_BYTES) // ranks
     source = f"{memory.source}, {_memory.gb(memory.available)} GB, less the 10 GiB reserve" + (
         f", split over {ranks} ranks on this host" if ranks > 1 else ""
     )
     return budget, source
+
+
+def _sglang_available_memory(auto_size: bool) -> _memory.HostMemory | None:
+    """The available memory SGLang 0.5.21+ budgets from, where it is loaded: its own
+    `available_host_memory_bytes` (the machine's, bounded by the cgroup hierarchy it finds in
+    `/proc/self/mountinfo`, with its release's page-cache credit, `memory.high` and headroom
+    log), so our pool's budget is the one SGLang's would get. None before 0.5.21 (psutil alone
+    there; ours also honours the cgroup limit) and without SGLang."""
+    release = sglang_release()
+    if release is None or release < (0, 5, 21):
+        return None
+    try:
+        base = importlib.import_module(SGLANG_POOL_BASE)
+    except ImportError as exc:
+        logger.debug("available memory: SGLang's pool base does not import (%s)", exc)
+        return None
+    available = getattr(base, "available_host_memory_bytes", None)
+    if available is None:
+        return None
+    try:
+        keywords = inspect.signature(available).parameters
+    except (TypeError, ValueError):
+        keywords = {}
+    # 0.5.22+: auto-sizing refuses to guess when the cgroup cannot be read; a pool's check
+    # falls back to the machine's figure with a warning.
+    if "allow_cgroup_fallback" in keywords:
+        nbytes = available(allow_cgroup_fallback=not auto_size)
+    else:
+        nbytes = available()
+    return _memory.HostMemory(
+        int(nbytes), "the available memory SGLang reads (the machine's, bounded by its cgroup)"
+    )
 
 
 # The unpatched budget, so a check knows when it may say where the budget came from (tests and
