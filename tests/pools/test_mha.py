@@ -416,6 +416,22 @@ def test_asymmetric_has_no_shared_stride_and_no_staging():
     assert host.staging_k_buffer is None and host.can_use_write_back_jit is False
 
 
+@pytest.mark.parametrize("v_head_dim", [4, 16])
+def test_the_symmetric_class_refuses_v_rows_of_another_width(v_head_dim, monkeypatch):
+    """Its K and V planes have one width: over V rows narrower or wider than K's, every V page
+    would be read or written at K's width. The factory picks the asymmetric class; a direct
+    construction is refused by name before any host memory is taken."""
+    dp = duck_mha_pool(v_head_dim=v_head_dim)
+    allocations = []
+    monkeypatch.setattr(MHATokenToKVPoolHost, "_allocate", lambda *a: allocations.append(a))
+    with pytest.raises(
+        ValueError, match="v_head_dim=%d.*AsymmetricMHATokenToKVPoolHost" % v_head_dim
+    ):
+        MHATokenToKVPoolHost(dp, 2.0, 0, P, "page_first")
+    assert allocations == []
+    assert get_mha_host_pool_cls(dp) is AsymmetricMHATokenToKVPoolHost
+
+
 # ---- §1.2 / §1.4 / §2.1 / §3.1: MTP draft packing ------------------------------------------
 
 

@@ -112,8 +112,15 @@ def test_a_pool_built_with_new_follows_a_hand_set_buffer_set_again(host):
 
 def test_a_pool_built_with_new_refuses_what_it_cannot_move_by_name(host):
     pool = _hand_built(host, host.kv_buffer.clone())
+    backend = "direct" if host.layout == "page_first_direct" else "kernel"
     with pytest.raises(RuntimeError, match="built without its constructor"):
-        pool.load_to_device_per_layer(None, torch.arange(4), torch.arange(4), 0, "kernel")
+        pool.load_to_device_per_layer(None, torch.arange(4), torch.arange(4), 0, backend)
+    # A (layout, backend) pair SGLang's pool refuses is refused first, with its text.
+    other = "kernel" if backend == "direct" else "direct"
+    if host.layout != "layer_first":
+        with pytest.raises(ValueError) as refused:
+            pool.load_to_device_per_layer(None, torch.arange(4), torch.arange(4), 0, other)
+        assert not isinstance(refused.value, RuntimeError)
     for odd in [(host.kv_buffer.clone(),), [host.kv_buffer.clone()]]:
         pool.kv_buffer = odd
         with pytest.raises(ValueError, match="kv_buffer holds"):
@@ -144,3 +151,26 @@ def test_a_pool_built_with_new_without_a_buffer_still_gives_its_dummy_page(host)
     pool = _hand_built(host, None)
     assert pool.get_dummy_flat_data_page().shape == host.get_dummy_flat_data_page().shape
     assert not hasattr(pool, "_pool_core")  # no bytes, so no core
+
+
+@pytest.mark.parametrize("known", ["page_num", "the buffer alone"])
+def test_a_pool_built_with_new_without_size_counts_it_from_what_it_was_given(host, known):
+    """SGLang's page methods never read `size` (its unit tests set `page_num`, or only a
+    buffer), and MLA's never read `kv_cache_dim`: ours count them from what is set."""
+    indices = torch.arange(2 * host.page_size)
+    pool = _hand_built(host, host.kv_buffer.clone())
+    del pool.size
+    if known == "page_num":
+        pool.page_num = host.size // host.page_size
+    if hasattr(host, "head_num"):
+        pool.v_head_dim = 2 * host.head_dim  # SGLang's symmetric pool reads no V width
+    else:
+        del pool.kv_cache_dim
+    theirs = host.get_page_buffer_meta(indices)
+    ours = pool.get_page_buffer_meta(indices)
+    assert [p - pool.kv_buffer.data_ptr() for p in ours[0]] == [
+        p - host.kv_buffer.data_ptr() for p in theirs[0]
+    ]
+    assert ours[1] == theirs[1]
+    assert torch.equal(pool.get_data_page(host.page_size), host.get_data_page(host.page_size))
+    assert pool.is_stride_page_aligned() == host.is_stride_page_aligned()

@@ -853,6 +853,8 @@ class HostKVCache(SlotFreeList, abc.ABC):
     def _foreign_load(self, device_pool, layer_id, io_backend, is_draft):
         """The binding of a per-layer load from a device pool handed to the call, or None when
         this pool does not hold that target layer (SGLang returns without copying)."""
+        if self._layer_index_or_none() is None:
+            self._check_io(io_backend)  # a pool built by hand: SGLang's refusal comes first
         host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None

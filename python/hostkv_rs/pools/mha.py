@@ -105,6 +105,12 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
             with device_side_of(type(self).__name__):
                 side = self._from_device_pool(source, mtp_draft_device_pools, pool_label)
                 device_capacity_tokens, start_layer, end_layer = device_pool_extent(source)
+        if self.v_head_dim != self._v_width():
+            raise ValueError(
+                f"{type(self).__name__} keeps V rows as wide as K rows, but the device pool has "
+                f"head_dim={self.head_dim} and v_head_dim={self.v_head_dim}: build "
+                "AsymmetricMHATokenToKVPoolHost for it (get_mha_host_pool_cls picks it)"
+            )
         self.head_group_num = head_group_num
         self._transfer_device = layers_device(side)
         super().__init__(
@@ -276,16 +282,15 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
 
     _spec_kind = "mha"
 
-    def _make_spec(self):
+    def _make_spec(self, size=None):
         """The pool's geometry in the core (validates the layout with SGLang's text)."""
         return _core.PoolSpec(
             self._spec_kind,
             self.layout,
             self.layer_num,
-            self.size,
+            self._spec_size() if size is None else size,
             self.page_size,
-            # A pool built with `__new__` may set only SGLang's symmetric attributes.
-            [self.head_dim, getattr(self, "v_head_dim", self.head_dim)],
+            [self.head_dim, self._v_width()],
             self.dtype.itemsize,
             head_num=self.head_num,
             head_group_num=getattr(self, "head_group_num", 1),
@@ -298,10 +303,15 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
         ("v_head_dim", "v_head_dim"),
     )
 
+    def _v_width(self) -> int:
+        """Elements per head of a V row: `head_dim` in this class, whose V rows are K's width
+        (SGLang's reads no other, also where a pool built by hand sets `v_head_dim`)."""
+        return self.head_dim
+
     def _device_rows_like(self) -> list:
         return [
             (self.dtype, (self.head_num, self.head_dim)),
-            (self.dtype, (self.head_num, self.v_head_dim)),
+            (self.dtype, (self.head_num, self._v_width())),
         ]
 
     def _init_data_refs(self, transpose_direct: bool):
@@ -361,6 +371,9 @@ class AsymmetricMHATokenToKVPoolHost(MHATokenToKVPoolHost):
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize
 
     _spec_kind = "mha_asymmetric"
+
+    def _v_width(self) -> int:
+        return self.v_head_dim
 
     def get_hybrid_pool_buffer(self):
         # In every release, where SGLang's has it only from 0.5.21: before, its storage

@@ -309,15 +309,15 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     def get_ksize_per_token(self):
         return self.get_size_per_token()
 
-    def _make_spec(self):
+    def _make_spec(self, size=None):
         """The pool's geometry in the core (validates the layout with SGLang's text)."""
         return _core.PoolSpec(
             "mla",
             self.layout,
             self.layer_num,
-            self.size,
+            self._spec_size() if size is None else size,
             self.page_size,
-            [self.kv_cache_dim],
+            [self._row_width()],
             self.dtype.itemsize,
             dcp_size=self.dcp_size,
             dcp_rank=self.dcp_rank,
@@ -341,8 +341,22 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
 
     _device_pool_geometry = (("dtype", "store_dtype"), ("kv_cache_dim", "kv_cache_dim"))
 
+    def _row_width(self) -> int:
+        """`kv_cache_dim`; a pool built by hand may set only `kv_lora_rank` and
+        `qk_rope_head_dim`, or neither (SGLang's page methods read only `kv_buffer`, whose last
+        dimension is the row in every layout)."""
+        width = self.__dict__.get("kv_cache_dim")
+        if width is not None:
+            return width
+        if hasattr(self, "kv_lora_rank") and hasattr(self, "qk_rope_head_dim"):
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        buffer = self.__dict__.get("kv_buffer")
+        if isinstance(buffer, torch.Tensor) and buffer.dim():
+            return buffer.shape[-1]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute 'kv_cache_dim'")
+
     def _device_rows_like(self) -> list:
-        return [(self.dtype, (1, self.kv_cache_dim))]
+        return [(self.dtype, (1, self._row_width()))]
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False

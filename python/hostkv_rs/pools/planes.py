@@ -62,8 +62,27 @@ class TokenPlanesPool(HostKVCache):
         refuse_unserved(self._layout_reason(layout) or device_type_reason(source))
         return source
 
-    def _make_spec(self):
+    def _make_spec(self, size=None):
+        """The pool's geometry in the core for `size` tokens (default: the pool's)."""
         raise NotImplementedError()
+
+    def _spec_size(self) -> int:
+        """`size`, or for a pool built by hand without it (SGLang's page methods never read
+        it) the tokens its `kv_buffer` holds: `page_num` whole pages, else the buffer's
+        elements over one page's of the same geometry."""
+        size = self.__dict__.get("size")
+        if size is not None:
+            return size
+        page_num = self.__dict__.get("page_num")
+        if page_num is not None:
+            return page_num * self.page_size
+        buffer = self.__dict__.get("kv_buffer")
+        if buffer is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'size'")
+        first = buffer[0] if isinstance(buffer, tuple) and buffer else buffer
+        one_page = torch.Size(self._make_spec(self.page_size).allocation_shapes[0]).numel()
+        numel = first.numel() if isinstance(first, torch.Tensor) else 0
+        return self.page_size * (numel // one_page) if one_page else 0
 
     def _hand_set_geometry(self):
         """(spec, allocations or None) of a pool without a spec of its own, from its attributes
