@@ -425,7 +425,7 @@ def test_the_symmetric_class_refuses_v_rows_of_another_width(v_head_dim, monkeyp
     allocations = []
     monkeypatch.setattr(MHATokenToKVPoolHost, "_allocate", lambda *a: allocations.append(a))
     with pytest.raises(
-        ValueError, match="v_head_dim=%d.*AsymmetricMHATokenToKVPoolHost" % v_head_dim
+        ValueError, match=f"v_head_dim={v_head_dim}.*AsymmetricMHATokenToKVPoolHost"
     ):
         MHATokenToKVPoolHost(dp, 2.0, 0, P, "page_first")
     assert allocations == []

@@ -280,9 +280,9 @@ def test_the_pool_is_bounded_by_the_cgroup_headroom_sglang_reads(side, name, cap
     refused = partial(pytest.raises, ValueError, match="Not enough host memory available")
     with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: 0), refused():
         U.kv_host(side, name, dev)
-    with caplog.at_level(logging.INFO, logger=host_memory.__name__):
-        with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: 2**62):
-            U.kv_host(side, name, dev)
+    roomy = mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: 2**62)
+    with caplog.at_level(logging.INFO, logger=host_memory.__name__), roomy:
+        U.kv_host(side, name, dev)
     assert "HiCache memory headroom" in caplog.text
     with mock.patch.object(host_memory, "_cgroup_memory_headroom", lambda *a, **k: None):
         U.kv_host(side, name, dev)
