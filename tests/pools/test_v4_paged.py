@@ -745,6 +745,18 @@ def test_page_aligned_refusal_of_a_pool_made_with_new():
         pool.load_to_device_per_layer(None, three, three, 0, "direct")
 
 
+def test_a_pool_made_with_new_says_why_a_whole_page_call_cannot_move():
+    """Past the refusals SGLang makes first, a pool made with `__new__` has no device side:
+    the message says so, not only that there are no page rows."""
+    pool = DeepSeekV4PagedHostPool.__new__(DeepSeekV4PagedHostPool)
+    pool.pool_name, pool.slot_page_size, pool.layer_num = "c4", 2, 2
+    pool.kv_buffer = torch.zeros(4, 2, 4, dtype=torch.uint8)
+    four = torch.arange(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="c4 transfer: .*built without its constructor"):
+        pool.backup_from_device_all_layer(None, four, four, "kernel")
+    assert not pool.kv_buffer.any()
+
+
 def test_page_alignment_follows_the_flag_as_it_is_at_the_call():
     """The page-alignment refusal reads the pool's `page_aligned_only` when the call is made, so a
     flag set after construction (as SGLang's unit tests set it) takes effect."""

@@ -109,7 +109,8 @@ impl PyV4Transfers {
 
     fn no_rows(&self) -> PyErr {
         value_err(format!(
-            "{} transfer: the host pool has no page rows",
+            "{} transfer: the host pool has no page rows (it has no pages, or was built \
+             without its constructor and holds no device side)",
             self.name
         ))
     }
