@@ -3,8 +3,9 @@
 //! A container's memory limit is not in the machine's `MemAvailable`, so a host pool sized from
 //! that alone can be killed by the kernel's OOM killer long after it was built. The budget check
 //! takes the smaller of the machine's figure and the tightest cgroup level's `limit - usage`
-//! (cgroup v2 first, then v1's memory controller), with inactive file pages counted as free, as
-//! the kernel reclaims them before it refuses memory (the kubelet's working set).
+//! (cgroup v2's `memory.max` and `memory.high` first, then v1's memory controller), with
+//! inactive file pages counted as free, as the kernel reclaims them before it refuses memory
+//! (the kubelet's working set).
 
 use std::fs;
 use std::path::{Component, Path, PathBuf};
@@ -17,21 +18,24 @@ pub struct CgroupLimit {
 }
 
 struct Files {
-    limit: &'static str,
+    /// The files whose value bounds the level's usage; the smallest binds.
+    limits: &'static [&'static str],
     usage: &'static str,
     inactive: &'static str,
     version: &'static str,
 }
 
+// v2's `memory.high` throttles and reclaims hard above it, so (as SGLang 0.5.22+ reads it) a pool
+// is sized below it as below `memory.max`.
 const V2: Files = Files {
-    limit: "memory.max",
+    limits: &["memory.max", "memory.high"],
     usage: "memory.current",
     inactive: "inactive_file",
     version: "v2",
 };
 
 const V1: Files = Files {
-    limit: "memory.limit_in_bytes",
+    limits: &["memory.limit_in_bytes"],
     usage: "memory.usage_in_bytes",
     inactive: "total_inactive_file",
     version: "v1",
@@ -119,10 +123,14 @@ fn read_stat(path: &Path, key: &str) -> u64 {
 fn tightest(levels: &[PathBuf], files: &Files) -> Option<CgroupLimit> {
     let mut best: Option<CgroupLimit> = None;
     for level in levels {
-        let (Some(limit), Some(usage)) = (
-            read_value(&level.join(files.limit)),
-            read_value(&level.join(files.usage)),
-        ) else {
+        let limit = files
+            .limits
+            .iter()
+            .filter_map(|name| Some((read_value(&level.join(name))?, *name)))
+            .min();
+        let (Some((limit, limit_name)), Some(usage)) =
+            (limit, read_value(&level.join(files.usage)))
+        else {
             continue;
         };
         let reclaimable = read_stat(&level.join("memory.stat"), files.inactive);
@@ -141,7 +149,7 @@ fn tightest(levels: &[PathBuf], files: &Files) -> Option<CgroupLimit> {
             "cgroup {} limit {}: {} {} GB - {usage_text}",
             files.version,
             level.display(),
-            files.limit,
+            limit_name,
             gb(limit),
         );
         best = Some(CgroupLimit {
@@ -265,6 +273,26 @@ mod tests {
         t.write("cgroup/memory/d/a/memory.limit_in_bytes", "max\n");
         assert_eq!(t.limit(), None);
         fs::remove_file(t.dir.join("proc_cgroup")).unwrap();
+        assert_eq!(t.limit(), None);
+    }
+
+    #[test]
+    fn v2_memory_high_binds_below_memory_max() {
+        let t = Tree::new("high");
+        t.write("proc_cgroup", "0::/p\n");
+        t.write("cgroup/p/memory.max", &format!("{}\n", 30 * GIB));
+        t.write("cgroup/p/memory.high", &format!("{}\n", 12 * GIB));
+        t.write("cgroup/p/memory.current", &format!("{}\n", 10 * GIB));
+        let limit = t.limit().unwrap();
+        assert_eq!(limit.available, 2 * GIB);
+        assert!(
+            limit.source.contains("memory.high 12.88 GB"),
+            "{}",
+            limit.source
+        );
+        t.write("cgroup/p/memory.high", "max\n");
+        assert_eq!(t.limit().unwrap().available, 20 * GIB);
+        t.write("cgroup/p/memory.max", "max\n");
         assert_eq!(t.limit(), None);
     }
 

@@ -47,10 +47,10 @@ class HostMemory:
 
 
 def cgroup_memory_limit() -> HostMemory | None:
-    """What the memory cgroup of this process still allows (cgroup v2 `memory.max -
-    memory.current`, else v1 `memory.limit_in_bytes - memory.usage_in_bytes`, the tightest level
-    of the hierarchy, inactive file pages counted as free; read by the core), or None without a
-    limit."""
+    """What the memory cgroup of this process still allows (cgroup v2 the smaller of
+    `memory.max` and `memory.high` less `memory.current`, else v1 `memory.limit_in_bytes -
+    memory.usage_in_bytes`, the tightest level of the hierarchy, inactive file pages counted as
+    free; read by the core), or None without a limit."""
     found = _core.cgroup_memory_limit(CGROUP_ROOT, PROC_SELF_CGROUP)
     return None if found is None else HostMemory(*found)
 
