@@ -301,3 +301,17 @@ def test_a_huge_double_free_message_is_capped():
     text = str(info.value)
     assert text.startswith("Double-free detected: slots not currently allocated: [0, 1, 2,")
     assert text.endswith(f", ...] ({(1 << 20)} slots).") and len(text) < 400
+
+
+def test_slots_put_back_after_a_failed_call_are_handed_out_next(pool):
+    """`_untake_slots` undoes the allocation that returned the slots, even one that merged
+    parked chunks first: the next allocation is the one the pool would have made without it."""
+    first = pool.alloc(8)
+    pool.free(first[:4].clone())
+    pool.free(first[4:].clone())  # two chunks parked on the release list
+    expected = torch.cat([pool.free_slots, *pool.release_slots]).tolist()
+    taken = pool.alloc(36)
+    assert taken is not None
+    pool._untake_slots(taken)
+    assert pool.available_size() == 36 and not bool(pool.slot_used.any())
+    assert pool.alloc(36).tolist() == expected

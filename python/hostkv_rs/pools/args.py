@@ -19,6 +19,12 @@ class SlotRangeError(ValueError, IndexError):
     slot bookkeeping raises for the same slots."""
 
 
+class RequestRowError(ValueError, RuntimeError):
+    """A HiSparse request row that cannot take the slots a call needs (too narrow, or an
+    allocated length inside a page): a ValueError naming the row, and the RuntimeError
+    SGLang's pools raise for it (a failed allocation, or torch's write of the slots)."""
+
+
 class NoHeadSplitError(ValueError, AttributeError):
     """A head split asked of a pool without one: a ValueError naming the split, and the
     AttributeError SGLang's pools raise there (they have no split-heads method)."""

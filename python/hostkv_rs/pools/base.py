@@ -643,6 +643,12 @@ class HostKVCache(SlotFreeList, abc.ABC):
         return slots
 
     @synchronized
+    def _untake(self, slots: torch.Tensor) -> None:
+        """Put back the slots the last `alloc` returned, for a call that failed after it
+        (`SlotFreeList._untake_slots`)."""
+        self._untake_slots(slots)
+
+    @synchronized
     def free(self, indices) -> int:
         """Return slots to the pool (any tensor, GPU included); returns how many were freed.
 

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from hostkv_rs.pools.args import as_int
+from hostkv_rs.pools.args import RequestRowError, as_int
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class HiSparseHostPoolMixin:
             )
         # SGLang would take the slots and then fail to store them (leaking them); refuse first.
         if page_end > width:
-            raise ValueError(
+            raise RequestRowError(
                 f"request row holds {width} host slots but {page_end} are needed "
                 f"(start_pos={start_pos}, num_tokens={num_tokens})"
             )
@@ -92,7 +92,7 @@ class HiSparseHostPoolMixin:
         # The row grows by whole pages from its end; an end inside a page would take slots that
         # do not fit the row's gap.
         if page_end > allocated_len and allocated_len % self.page_size != 0:
-            raise ValueError(
+            raise RequestRowError(
                 f"request row {req_pool_idx} has an allocated length of {allocated_len}, not a "
                 f"multiple of the page size {self.page_size}"
             )
@@ -123,13 +123,13 @@ class HiSparseHostPoolMixin:
                 row.copy_(host_locs.to(device=device, non_blocking=True))
                 req_to_host_pool_allocated_len[req_pool_idx] = page_end
             except BaseException:
-                # A table torch would not write: put the row back and return the slots, or they
-                # are lost to the pool.
+                # A table torch would not write: put the row back and the slots at the head of
+                # the free list, as if this call had not been made.
                 try:
                     if not torch.equal(row, before):
                         row.copy_(before)
                 finally:
-                    self.free(host_locs)
+                    self._untake(host_locs)
                 raise
 
         return req_to_host_pool[req_pool_idx, start_pos:end_pos]

@@ -92,6 +92,13 @@ class SlotFreeList:
         self.slot_used[selected] = True
         return selected
 
+    def _untake_slots(self, slots: torch.Tensor) -> None:
+        """Undo the `_take_slots` that returned `slots` (nothing taken or released since):
+        they go back to the head of the free list, so the pool hands them out next, as if
+        that call had not been made."""
+        self.slot_used[slots] = False
+        self.free_slots = torch.cat([slots, self.free_slots])
+
     def _release_slots(self, slots: torch.Tensor) -> None:
         """Give back `slots` (CPU int64, in range): all must be allocated and distinct, or
         nothing is released (AssertionError, as SGLang's double-free detection)."""
