@@ -212,13 +212,19 @@ def test_handed_to_sglang(what, hk, hk_log, publish):
             return H.build_kv_host_pool(kv_pool=dev, page_size=dev.page_size, use_mla=use_mla)
 
     without = H.outcome(build)
+    name = "MLATokenToKVPoolHost" if use_mla else "MHATokenToKVPoolHost"
     shim.install()
     try:
         hk_log.clear()
         with_ = H.outcome(build)
         lines = _hostkv_records(hk_log)
+        # SGLang's code checks pools against the name its module now holds (ours): the pool
+        # SGLang's class built passes, as it does without hostkv_rs.
+        now = getattr(H.ph_mla if use_mla else H.ph_mha, name)
+        passes = with_[0] != "ok" or isinstance(with_[1], now)
     finally:
         shim.uninstall()
+    assert passes, f"{what}: isinstance(pool, {name}) is False once {name} is hostkv_rs's"
     if without[0] == "raise":
         assert with_[0] == "raise", f"{what}: SGLang raises {without[1]!r}, ours built {with_[1]}"
         assert (msg := H.same_error(with_[1], without[1])) is None, f"{what}: {msg}"

@@ -179,7 +179,7 @@ def run_destroy_callbacks(pool) -> None:
             logger.exception("a destroy callback of %s failed", type(pool).__name__)
 
 
-class HostKVCache(SlotFreeList, abc.ABC):
+class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
     """Abstract HiCache host pool with SGLang's constructor sequence and slot allocator.
 
     Two constructor forms, as SGLang's releases have them:

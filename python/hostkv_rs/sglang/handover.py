@@ -10,6 +10,7 @@ silently either way.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 
@@ -22,8 +23,28 @@ _originals: dict[type, type] = {}
 
 def set_originals(mapping: dict[type, type]) -> None:
     with _lock:
+        changed = [*_originals, *mapping]
         _originals.clear()
         _originals.update(mapping)
+    for ours in changed:
+        if isinstance(ours, abc.ABCMeta):
+            ours._abc_caches_clear()  # answers cached under the previous mapping
+
+
+class PoolMeta(abc.ABCMeta):
+    """The metaclass of our KV pool classes. Once install() has put our class under SGLang's
+    name, an instance of SGLang's own class (what a hand-over builds, or anything built before
+    install()) still passes SGLang's `isinstance` checks against that name, as it did before.
+    `ABCMeta.register` cannot say so: ours is registered under SGLang's class, and the reverse
+    would be a cycle. Only a cache miss reaches this: ABCMeta caches each answer per type."""
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        if super().__subclasscheck__(subclass):
+            return True
+        original = _originals.get(cls)
+        # The MRO, not issubclass: SGLang's class has ours registered under it, so asking the
+        # ABC machinery would come back here.
+        return original is not None and original in getattr(subclass, "__mro__", ())
 
 
 def original_for(cls: type) -> type | None:
