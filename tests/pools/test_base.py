@@ -501,3 +501,24 @@ def test_a_flat_page_set_never_writes_memory_freed_while_the_page_was_read(kind)
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "REFUSED" in done.stdout and "out of bounds for storage of size 0" in done.stdout
+
+
+@pytest.mark.parametrize("make", [make_mha, make_mla])
+def test_a_page_call_that_meets_destroy_midway_gets_the_destroyed_pools_error(make, monkeypatch):
+    """destroy() on another thread may clear `kv_buffer` between a page call's first look and
+    the view it makes: the call reads the buffer once and says the pool holds no bytes."""
+    host, _ = make("page_first", 4)
+    page = host.get_data_page(0).clone()
+    real = type(host)._page_geometry
+
+    def geometry_then_destroy(self, index):
+        geometry = real(self, index)
+        self.destroy()
+        return geometry
+
+    monkeypatch.setattr(type(host), "_page_geometry", geometry_then_destroy)
+    with pytest.raises(RuntimeError, match="holds no KV bytes"):
+        host.get_data_page(0)
+    host, _ = make("page_first", 4)
+    with pytest.raises(RuntimeError, match="holds no KV bytes"):
+        host.set_from_flat_data_page(0, page)

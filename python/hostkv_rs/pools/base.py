@@ -701,7 +701,11 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             self._view_at(geometry).copy_(source)
 
     def _page_base(self) -> torch.Tensor:
-        return self.kv_buffer
+        # Read once: destroy() on another thread may clear it after `_require_bytes` looked.
+        buffer = getattr(self, "kv_buffer", None)
+        if buffer is None:
+            raise self._no_bytes()
+        return buffer
 
     @staticmethod
     def _flat_page_as(data_page, shape) -> torch.Tensor:
@@ -1017,9 +1021,12 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
 
     def _require_bytes(self):
         if getattr(self, "kv_buffer", None) is None:
-            raise NoKVBytesError(
-                f"{type(self).__name__} holds no KV bytes (dummy mode or destroyed); it has no pages"
-            )
+            raise self._no_bytes()
+
+    def _no_bytes(self) -> NoKVBytesError:
+        return NoKVBytesError(
+            f"{type(self).__name__} holds no KV bytes (dummy mode or destroyed); it has no pages"
+        )
 
     def _live_core(self):
         if getattr(self, "_destroyed", False):
