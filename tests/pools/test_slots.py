@@ -315,3 +315,13 @@ def test_slots_put_back_after_a_failed_call_are_handed_out_next(pool):
     pool._untake_slots(taken)
     assert pool.available_size() == 36 and not bool(pool.slot_used.any())
     assert pool.alloc(36).tolist() == expected
+
+
+def test_slots_put_back_after_a_clear_on_another_thread_are_not_doubled(pool):
+    """A clear() (or a free of them) between the allocation and its undo already put the slots
+    back: the undo leaves them alone rather than listing them twice."""
+    taken = pool.alloc(8).clone()
+    pool.clear()
+    pool._untake_slots(taken)
+    assert pool.available_size() == 36
+    assert sorted(torch.cat([pool.free_slots, *pool.release_slots]).tolist()) == list(range(36))

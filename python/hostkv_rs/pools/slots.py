@@ -93,9 +93,11 @@ class SlotFreeList:
         return selected
 
     def _untake_slots(self, slots: torch.Tensor) -> None:
-        """Undo the `_take_slots` that returned `slots` (nothing taken or released since):
-        they go back to the head of the free list, so the pool hands them out next, as if
-        that call had not been made."""
+        """Undo the `_take_slots` that returned `slots`: they go back to the head of the free
+        list, so the pool hands them out next, as if that call had not been made. Only those
+        still allocated: a `clear()` or `free` of them on another thread in between has put
+        them back already."""
+        slots = slots[self.slot_used[slots]]
         self.slot_used[slots] = False
         self.free_slots = torch.cat([slots, self.free_slots])
 
