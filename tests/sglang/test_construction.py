@@ -238,6 +238,34 @@ def test_handed_to_sglang(what, hk, hk_log, publish):
     H.REPORT.append(f"hand-off {what}: {lines[0].getMessage()}")
 
 
+def test_sglangs_own_classes_keep_passing_checks_against_the_names_install_replaces():
+    """A pool of SGLang's own class (a hand-over, or one built before install()) passes
+    isinstance against each name SGLang's modules hold once install() puts ours there, and
+    uninstall() takes every such answer back (also where a base class cached it)."""
+    import hostkv_rs
+    import hostkv_rs.sglang as shim
+
+    replaced = {
+        name: cls
+        for name, cls in H.ORIG_CLASSES.items()
+        if name != "HostKVCache" and isinstance(getattr(hostkv_rs, name, None), type)
+    }
+    assert "LogicalHostPool" in replaced and "MLATokenToKVPoolHost" in replaced
+    shim.install()
+    try:
+        for name, original in replaced.items():
+            now = getattr(H._DEFINING[name], name)
+            assert now is getattr(hostkv_rs, name), name
+            assert issubclass(original, now), name
+        assert issubclass(H.ORIG["MHATokenToKVPoolHost"], hostkv_rs.HostKVCache)
+    finally:
+        shim.uninstall()
+    for name, original in replaced.items():
+        ours = getattr(hostkv_rs, name)
+        assert not issubclass(original, ours), name
+        assert not issubclass(original, hostkv_rs.HostKVCache), name
+
+
 # --------------------------------------------------------------------------- SGLang's other pools
 
 

@@ -10,9 +10,10 @@ from hostkv_rs.pools.args import ZeroSizeError, as_int
 from hostkv_rs.pools.base import new_pool_lock, synchronized
 from hostkv_rs.pools.indices import as_tensor
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.sglang import handover as _handover
 
 
-class LogicalHostPool(SlotFreeList):
+class LogicalHostPool(SlotFreeList, metaclass=_handover.PoolMeta):
     """Page-aligned token slots without any KV bytes: the V4 HiCache anchor pool."""
 
     # G-Sep26 storage hooks; a logical anchor has no physical page envelope.

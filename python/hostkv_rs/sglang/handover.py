@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import weakref
+from typing import ClassVar
 
 logger = logging.getLogger("hostkv_rs")
 
@@ -23,12 +25,12 @@ _originals: dict[type, type] = {}
 
 def set_originals(mapping: dict[type, type]) -> None:
     with _lock:
-        changed = [*_originals, *mapping]
         _originals.clear()
         _originals.update(mapping)
-    for ours in changed:
-        if isinstance(ours, abc.ABCMeta):
-            ours._abc_caches_clear()  # answers cached under the previous mapping
+    # Answers cached under the previous mapping, on every pool class: a base class caches what
+    # its subclasses answered.
+    for ours in list(PoolMeta.classes):
+        ours._abc_caches_clear()
 
 
 class PoolMeta(abc.ABCMeta):
@@ -37,6 +39,12 @@ class PoolMeta(abc.ABCMeta):
     install()) still passes SGLang's `isinstance` checks against that name, as it did before.
     `ABCMeta.register` cannot say so: ours is registered under SGLang's class, and the reverse
     would be a cycle. Only a cache miss reaches this: ABCMeta caches each answer per type."""
+
+    classes: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+
+    def __init__(cls, name, bases, namespace, **kwargs):
+        super().__init__(name, bases, namespace, **kwargs)
+        PoolMeta.classes.add(cls)
 
     def __subclasscheck__(cls, subclass) -> bool:
         if super().__subclasscheck__(subclass):
