@@ -553,7 +553,7 @@ impl PoolSpec {
     }
 
     /// DCP: a logical page start -> this rank's physical slot (identity without DCP).
-    fn storage_page_index(&self, index: i64) -> Result<i64> {
+    pub(crate) fn storage_page_index(&self, index: i64) -> Result<i64> {
         if self.dcp_size == 1 {
             return Ok(index);
         }
@@ -595,13 +595,14 @@ impl PoolSpec {
                     "{n} indices is not a multiple of the logical page size {lp}"
                 )));
             }
-            // SGLang refuses page_unified after its length assert, before reading an index.
-            self.refuse_unified()?;
-            return indices
+            let starts = indices
                 .iter()
                 .step_by(lp as usize)
                 .map(|&i| self.storage_page_index(i).map(|t| t as u64))
-                .collect();
+                .collect::<Result<Vec<_>>>()?;
+            // SGLang reads every logical page start before it refuses page_unified.
+            self.refuse_unified()?;
+            return Ok(starts);
         }
         let p = self.page_size;
         if n % p != 0 {

@@ -147,6 +147,29 @@ def test_transfers_sglang_refuses_and_ours_moves(kind):
             direct(ours)
 
 
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_an_mla_pool_under_dcp_checks_the_page_start_before_the_layout(dcp_rank):
+    """SGLang's MLA pool under DCP reads a page call's index (a logical page start inside the
+    pool) before it refuses page_unified; without DCP the layout comes first."""
+    _, call = _call("mla")
+    call = H.Call(call.name, call.cls, call.args, dict(call.kwargs, dcp_size=2, dcp_rank=dcp_rank))
+    theirs, ours = call.theirs(), call.ours()
+    n = theirs.logical_size
+    page = theirs.get_dummy_flat_data_page()
+    for what in (
+        lambda pool: pool.get_data_page(1),
+        lambda pool: pool.get_data_page(n),
+        lambda pool: pool.get_data_page(0),
+        lambda pool: pool.set_from_flat_data_page(1, page),
+        lambda pool: pool.get_page_buffer_meta(torch.arange(n, n + 2 * pool.page_size)),
+        lambda pool: pool.get_page_buffer_meta(torch.arange(2 * pool.page_size)),
+    ):
+        kind_t, exc = H.outcome(lambda what=what: what(theirs))
+        assert kind_t == "raise", exc
+        with pytest.raises(type(exc), match=f"^{re.escape(str(exc))}$"):
+            what(ours)
+
+
 @pytest.mark.parametrize(("groups", "head_dim"), [(3, 16), (4, 2), (0, 16)])
 def test_geometry_refusals_match_sglangs(groups, head_dim):
     dev = H.mha_device(size=256, page=16, heads=4, head_dim=head_dim, layers=3)
