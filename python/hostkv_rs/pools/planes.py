@@ -122,6 +122,8 @@ class TokenPlanesPool(HostKVCache):
         return self._allocate(spec)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        if not self._spec.page_strided:
+            return False  # SGLang's answer for these layouts, the argument unread
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.kv_buffer is None:
             return False

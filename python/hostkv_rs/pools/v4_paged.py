@@ -345,6 +345,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         return self._pool.contiguous_buf_infos()
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        spec = self.__dict__.get("_spec")  # none on a pool made with `__new__`
+        if spec is not None and not spec.page_strided:
+            return False  # SGLang's answer for layer_first, the argument unread
         page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.kv_buffer is None:
             return False

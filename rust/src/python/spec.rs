@@ -211,6 +211,13 @@ impl PyPoolSpec {
         self.spec.token_rows()
     }
 
+    /// Whether the layout lays pages a fixed stride apart (the only layouts SGLang's
+    /// `is_stride_page_aligned` looks at; every other answers False unread).
+    #[getter]
+    fn page_strided(&self) -> bool {
+        self.spec.page_strides().is_some()
+    }
+
     /// The shape SGLang's `get_dummy_flat_data_page` fills, or None where it has none.
     #[getter]
     fn dummy_page_shape(&self) -> Option<Vec<u64>> {
