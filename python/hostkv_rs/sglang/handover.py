@@ -19,40 +19,50 @@ from typing import ClassVar
 logger = logging.getLogger("hostkv_rs")
 
 _lock = threading.Lock()
-# our class -> SGLang's class it replaces (filled by hostkv_rs.sglang.install()).
+# our class -> SGLang's class it replaces (filled by hostkv_rs.sglang.install()). Replaced whole,
+# never changed in place, so a check reading it without the lock sees one mapping or the other.
 _originals: dict[type, type] = {}
 
 
 def set_originals(mapping: dict[type, type]) -> None:
+    global _originals
     with _lock:
-        _originals.clear()
-        _originals.update(mapping)
+        _originals = dict(mapping)
+        classes = list(PoolMeta.classes)
     # Answers cached under the previous mapping, on every pool class: a base class caches what
     # its subclasses answered.
-    for ours in list(PoolMeta.classes):
+    for ours in classes:
         ours._abc_caches_clear()
 
 
+def _replaces(cls: type, subclass) -> bool:
+    """Whether `subclass` is (or derives from) SGLang's class that `cls` stands in for. The MRO,
+    not issubclass: SGLang's class has ours registered under it, so asking the ABC machinery
+    would come back here."""
+    original = _originals.get(cls)
+    return original is not None and original in getattr(subclass, "__mro__", ())
+
+
 class PoolMeta(abc.ABCMeta):
-    """The metaclass of our KV pool classes. Once install() has put our class under SGLang's
-    name, an instance of SGLang's own class (what a hand-over builds, or anything built before
+    """The metaclass of our pool classes. Once install() has put our class under SGLang's name,
+    an instance of SGLang's own class (what a hand-over builds, or anything built before
     install()) still passes SGLang's `isinstance` checks against that name, as it did before.
     `ABCMeta.register` cannot say so: ours is registered under SGLang's class, and the reverse
-    would be a cycle. Only a cache miss reaches this: ABCMeta caches each answer per type."""
+    would be a cycle. Asked before ABCMeta's own answer, which it caches per type (a cached
+    "no" would otherwise hide this one from the second check on)."""
 
     classes: ClassVar[weakref.WeakSet] = weakref.WeakSet()
 
     def __init__(cls, name, bases, namespace, **kwargs):
         super().__init__(name, bases, namespace, **kwargs)
-        PoolMeta.classes.add(cls)
+        with _lock:
+            PoolMeta.classes.add(cls)
+
+    def __instancecheck__(cls, instance) -> bool:
+        return _replaces(cls, type(instance)) or super().__instancecheck__(instance)
 
     def __subclasscheck__(cls, subclass) -> bool:
-        if super().__subclasscheck__(subclass):
-            return True
-        original = _originals.get(cls)
-        # The MRO, not issubclass: SGLang's class has ours registered under it, so asking the
-        # ABC machinery would come back here.
-        return original is not None and original in getattr(subclass, "__mro__", ())
+        return _replaces(cls, subclass) or super().__subclasscheck__(subclass)
 
 
 def original_for(cls: type) -> type | None:
