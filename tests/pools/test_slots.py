@@ -310,9 +310,10 @@ def test_slots_put_back_after_a_failed_call_are_handed_out_next(pool):
     pool.free(first[:4].clone())
     pool.free(first[4:].clone())  # two chunks parked on the release list
     expected = torch.cat([pool.free_slots, *pool.release_slots]).tolist()
+    generation = pool._slot_generation
     taken = pool.alloc(36)
     assert taken is not None
-    pool._untake_slots(taken)
+    pool._untake_slots(taken, generation)
     assert pool.available_size() == 36 and not bool(pool.slot_used.any())
     assert pool.alloc(36).tolist() == expected
 
@@ -320,8 +321,19 @@ def test_slots_put_back_after_a_failed_call_are_handed_out_next(pool):
 def test_slots_put_back_after_a_clear_on_another_thread_are_not_doubled(pool):
     """A clear() (or a free of them) between the allocation and its undo already put the slots
     back: the undo leaves them alone rather than listing them twice."""
+    generation = pool._slot_generation
     taken = pool.alloc(8).clone()
-    pool.clear()
-    pool._untake_slots(taken)
+    pool.free(taken[:4].clone())
+    pool._untake_slots(taken, generation)  # the freed four are not put back twice
     assert pool.available_size() == 36
     assert sorted(torch.cat([pool.free_slots, *pool.release_slots]).tolist()) == list(range(36))
+    # After a clear() the slots may have a new owner: the undo leaves them alone.
+    generation = pool._slot_generation
+    taken = pool.alloc(8).clone()
+    pool.clear()
+    again = pool.alloc(8).clone()
+    assert set(again.tolist()) & set(taken.tolist())  # some have a new owner
+    pool._untake_slots(taken, generation)
+    assert pool.available_size() == 28 and bool(pool.slot_used[again].all())
+    listed = torch.cat([pool.free_slots, *pool.release_slots]).tolist()
+    assert len(listed) == len(set(listed)) == 28

@@ -643,10 +643,10 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         return slots
 
     @synchronized
-    def _untake(self, slots: torch.Tensor) -> None:
-        """Put back the slots the last `alloc` returned, for a call that failed after it
-        (`SlotFreeList._untake_slots`)."""
-        self._untake_slots(slots)
+    def _untake(self, slots: torch.Tensor, generation: int) -> None:
+        """Put back the slots an `alloc` returned at free-list `generation`, for a call that
+        failed after it (`SlotFreeList._untake_slots`)."""
+        self._untake_slots(slots, generation)
 
     @synchronized
     def free(self, indices) -> int:

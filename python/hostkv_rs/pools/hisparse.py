@@ -12,6 +12,7 @@ import logging
 import torch
 
 from hostkv_rs.pools.args import RequestRowError, as_int
+from hostkv_rs.pools.base import _pool_lock
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,9 @@ class HiSparseHostPoolMixin:
                         f"outside inference mode"
                     )
             num_new_pages = (page_end - allocated_len) // self.page_size
-            host_locs = self.alloc_page(num_new_pages)
+            with _pool_lock(self):  # no clear() between the slots and their generation
+                host_locs = self.alloc_page(num_new_pages)
+                generation = self._slot_generation
             if host_locs is None:
                 logger.error(
                     "HiSparse: host mem pool alloc failed for %d host pages "
@@ -129,7 +132,7 @@ class HiSparseHostPoolMixin:
                     if not torch.equal(row, before):
                         row.copy_(before)
                 finally:
-                    self._untake(host_locs)
+                    self._untake(host_locs, generation)
                 raise
 
         return req_to_host_pool[req_pool_idx, start_pos:end_pos]

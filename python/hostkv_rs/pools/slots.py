@@ -55,7 +55,12 @@ class SlotFreeList:
     merge, not per free; #30658). `slot_used` marks what is allocated, so a slot is never handed
     to two owners and a double or foreign free is refused before anything is released."""
 
+    # Counts the resets (`clear()`): an undo of an allocation made before one has nothing to
+    # undo, the slots were reclaimed, and possibly handed out again.
+    _slot_generation = 0
+
     def _reset_free_list(self, n: int) -> None:
+        self._slot_generation += 1
         self.free_slots = torch.arange(n, dtype=torch.int64)
         self.release_slots = []
         self.num_release_slots = 0
@@ -92,11 +97,13 @@ class SlotFreeList:
         self.slot_used[selected] = True
         return selected
 
-    def _untake_slots(self, slots: torch.Tensor) -> None:
-        """Undo the `_take_slots` that returned `slots`: they go back to the head of the free
-        list, so the pool hands them out next, as if that call had not been made. Only those
-        still allocated: a `clear()` or `free` of them on another thread in between has put
-        them back already."""
+    def _untake_slots(self, slots: torch.Tensor, generation: int) -> None:
+        """Undo the `_take_slots` that returned `slots` while the free list was at
+        `generation`: they go back to the head of the free list, so the pool hands them out
+        next, as if that call had not been made. Nothing after a `clear()` in between (the
+        slots were reclaimed, and may have a new owner), and only those still allocated."""
+        if generation != self._slot_generation:
+            return
         slots = slots[self.slot_used[slots]]
         self.slot_used[slots] = False
         self.free_slots = torch.cat([slots, self.free_slots])
