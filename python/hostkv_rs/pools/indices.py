@@ -160,3 +160,9 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     if not indices.is_contiguous():
         indices = indices.contiguous()
     return indices
+
+
+def index_arg(indices: torch.Tensor) -> tuple[int, int, int, bool]:
+    """`(address, length, itemsize, on_device)` of a tensor from `as_index_array`, as the core
+    takes it."""
+    return (indices.data_ptr(), indices.numel(), indices.element_size(), indices.is_cuda)
