@@ -155,6 +155,8 @@ def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_d
 def test_a_pool_built_with_new_without_a_buffer_still_gives_its_dummy_page(host):
     pool = _hand_built(host, None)
     assert pool.get_dummy_flat_data_page().shape == host.get_dummy_flat_data_page().shape
+    del pool.size  # nor the geometry a spec needs: no bytes, no page to align
+    assert pool.is_stride_page_aligned() is False
     assert not hasattr(pool, "_pool_core")  # no bytes, so no core
 
 

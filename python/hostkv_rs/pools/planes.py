@@ -122,11 +122,12 @@ class TokenPlanesPool(HostKVCache):
         return self._allocate(spec)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if not self._spec.page_strided:
-            return False  # SGLang's answer for these layouts, the argument unread
-        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
-        if self.kv_buffer is None:
+        # A pool without bytes has no page to align (and one built by hand may not have the
+        # geometry a spec needs); nor has a layout without page strides, SGLang's answer there
+        # given without reading the argument.
+        if getattr(self, "kv_buffer", None) is None or not self._spec.page_strided:
             return False
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         return self._pool_core.is_stride_page_aligned(page_size_bytes)
 
     def _check_io(self, io_backend):
