@@ -520,6 +520,10 @@ impl PoolSpec {
             return Ok(row as u64);
         }
         let index = self.storage_page_index(index)?;
+        // SGLang's pools refuse page_unified here: after a DCP page start is read (MLA), and
+        // before the index is taken for a slot (the bindings refuse it earlier where no DCP
+        // start is read first).
+        self.refuse_unified()?;
         let (s, p) = (self.rows as i64, self.page_size as i64);
         if self.page_major() {
             if !(0..s).contains(&index) {
@@ -553,7 +557,7 @@ impl PoolSpec {
     }
 
     /// DCP: a logical page start -> this rank's physical slot (identity without DCP).
-    pub(crate) fn storage_page_index(&self, index: i64) -> Result<i64> {
+    fn storage_page_index(&self, index: i64) -> Result<i64> {
         if self.dcp_size == 1 {
             return Ok(index);
         }

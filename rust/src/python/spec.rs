@@ -258,9 +258,9 @@ impl PyPoolSpec {
         index: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, Vec<u64>, Vec<u64>)> {
         // SGLang refuses the layout before it reads the index, except under DCP, where its MLA
-        // pool first checks the index as a logical page start inside the pool.
-        let dcp = self.spec.dcp_size > 1;
-        if !dcp {
+        // pool first checks the index as a logical page start inside the pool
+        // (`data_page_start`).
+        if self.spec.dcp_size == 1 {
             self.spec.refuse_unified().map_err(|e| to_py(py, e))?;
         }
         let int = py_int(index, "index")?;
@@ -277,12 +277,6 @@ impl PyPoolSpec {
                 )),
             )
         })?;
-        if dcp {
-            self.spec
-                .storage_page_index(index)
-                .and_then(|_| self.spec.refuse_unified())
-                .map_err(|e| to_py(py, e))?;
-        }
         let start = self.spec.data_page_start(index).map_err(|e| to_py(py, e))?;
         let v = self.spec.page_view(start).map_err(|e| to_py(py, e))?;
         Ok((v.offset, u64s(&v.shape), u64s(&v.strides)))
