@@ -40,18 +40,22 @@ def ranks_per_host() -> int:
     `ranks_per_host` (0.5.19+: the world group's or the launch world's size // its nnodes), none
     in 0.5.18 (its budget is not split). Without SGLang: world_size // SGLANG_NNODES (or NNODES)
     when torch.distributed runs."""
-    release = sglang_release()
-    if release is not None:
-        try:
-            base = importlib.import_module(SGLANG_POOL_BASE)
-        except ImportError as exc:
-            logger.debug("ranks_per_host: SGLang's pool base does not import (%s)", exc)
-        else:
-            sglang_ranks = getattr(base, "ranks_per_host", None)
-            if sglang_ranks is None:
-                return 1  # 0.5.18: every rank may take the whole host's budget
-            return max(int(sglang_ranks()), 1)
+    base = _sglang_pool_base("ranks_per_host") if sglang_release() is not None else None
+    if base is not None:
+        sglang_ranks = getattr(base, "ranks_per_host", None)
+        if sglang_ranks is None:
+            return 1  # 0.5.18: every rank may take the whole host's budget
+        return max(int(sglang_ranks()), 1)
     return _ranks_from_environment()
+
+
+def _sglang_pool_base(why: str):
+    """SGLang's pool base module, or None where it does not import (logged for `why`)."""
+    try:
+        return importlib.import_module(SGLANG_POOL_BASE)
+    except ImportError as exc:
+        logger.debug("%s: SGLang's pool base does not import (%s)", why, exc)
+        return None
 
 
 def _ranks_from_environment() -> int:
@@ -130,11 +134,7 @@ def _sglang_available_memory(auto_size: bool) -> _memory.HostMemory | None:
     release = sglang_release()
     if release is None or release < (0, 5, 21):
         return None
-    try:
-        base = importlib.import_module(SGLANG_POOL_BASE)
-    except ImportError as exc:
-        logger.debug("available memory: SGLang's pool base does not import (%s)", exc)
-        return None
+    base = _sglang_pool_base("available memory")
     available = getattr(base, "available_host_memory_bytes", None)
     if available is None:
         return None
