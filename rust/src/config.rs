@@ -1,5 +1,6 @@
 //! Every environment variable the core reads, parsed here and nowhere else; a bad value is
-//! refused with the variable's name, its value and what is allowed.
+//! refused with the variable's name, its value and what is allowed (except
+//! `HOSTKV_UNREGISTER_TIMEOUT_S`, see there).
 //!
 //! When each is read is part of its meaning: `HOSTKV_CPU_ENGINE` once per device binding (the
 //! engine is chosen when the binding is built); the CUDA tuning and diagnostic switches at their
@@ -66,9 +67,17 @@ pub fn tensor_extent_reads() -> Result<bool> {
     }
 }
 
-/// `HOSTKV_DIRECT_BATCH=0` forces the direct backend's per-copy path (a diagnostic switch).
-pub fn direct_batch() -> bool {
-    var("HOSTKV_DIRECT_BATCH").is_none_or(|v| v.trim() != "0")
+/// `HOSTKV_DIRECT_BATCH`: `0` forces the direct backend's per-copy path (a diagnostic switch);
+/// `1` or unset batches where the driver can.
+pub fn direct_batch() -> Result<bool> {
+    let raw = var("HOSTKV_DIRECT_BATCH").unwrap_or_default();
+    match raw.trim() {
+        "" | "1" => Ok(true),
+        "0" => Ok(false),
+        _ => Err(Error::unsupported(format!(
+            "HOSTKV_DIRECT_BATCH must be 0 or 1, got {raw:?}"
+        ))),
+    }
 }
 
 /// `HOSTKV_UNREGISTER_TIMEOUT_S` (seconds, finite, >= 0; default 60): how long unregistering a
@@ -82,11 +91,19 @@ pub fn unregister_timeout() -> Duration {
 }
 
 /// `HOSTKV_REGISTER_PARALLEL_BYTES`: regions at least this large register on several threads
-/// (lets tests exercise the threaded path on small regions); `default` when unset or unusable.
-pub fn register_parallel_bytes(default: usize) -> usize {
-    var("HOSTKV_REGISTER_PARALLEL_BYTES")
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
+/// (lets tests exercise the threaded path on small regions); `default` when unset. Read before a
+/// registration pins anything, so a bad value refuses the pool before any memory is pinned.
+pub fn register_parallel_bytes(default: usize) -> Result<usize> {
+    match var("HOSTKV_REGISTER_PARALLEL_BYTES") {
+        None => Ok(default),
+        Some(v) if v.trim().is_empty() => Ok(default),
+        Some(v) => v.trim().parse::<usize>().map_err(|_| {
+            Error::unsupported(format!(
+                "HOSTKV_REGISTER_PARALLEL_BYTES must be a byte count (a non-negative integer), \
+                 got {v:?}"
+            ))
+        }),
+    }
 }
 
 /// `HOSTKV_LOG_REGISTER` (any value): log each registration's size, chunks and speed.
@@ -125,8 +142,23 @@ mod tests {
         std::env::remove_var("HOSTKV_UNREGISTER_TIMEOUT_S");
 
         std::env::set_var("HOSTKV_DIRECT_BATCH", "0");
-        assert!(!direct_batch());
+        assert!(!direct_batch().unwrap());
+        std::env::set_var("HOSTKV_DIRECT_BATCH", "off");
+        assert!(direct_batch()
+            .unwrap_err()
+            .to_string()
+            .contains("HOSTKV_DIRECT_BATCH must be 0 or 1, got \"off\""));
         std::env::remove_var("HOSTKV_DIRECT_BATCH");
-        assert!(direct_batch());
+        assert!(direct_batch().unwrap());
+
+        std::env::set_var("HOSTKV_REGISTER_PARALLEL_BYTES", "abc");
+        assert!(register_parallel_bytes(7)
+            .unwrap_err()
+            .to_string()
+            .contains("HOSTKV_REGISTER_PARALLEL_BYTES"));
+        std::env::set_var("HOSTKV_REGISTER_PARALLEL_BYTES", " 65536 ");
+        assert_eq!(register_parallel_bytes(7).unwrap(), 65536);
+        std::env::remove_var("HOSTKV_REGISTER_PARALLEL_BYTES");
+        assert_eq!(register_parallel_bytes(7).unwrap(), 7);
     }
 }

@@ -76,8 +76,8 @@ fn batch_fn(driver_version: i32) -> Batch {
 static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// Whether to submit batches: not after the driver refused one, nor under `HOSTKV_DIRECT_BATCH=0`.
-fn batch_enabled() -> bool {
-    !BATCH_REFUSED.load(Ordering::Relaxed) && crate::config::direct_batch()
+fn batch_enabled() -> Result<bool> {
+    Ok(!BATCH_REFUSED.load(Ordering::Relaxed) && crate::config::direct_batch()?)
 }
 
 const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
@@ -127,7 +127,9 @@ impl<'e> Submitter<'e> {
     ) -> Result<Self> {
         // The legacy NULL stream (0, or CU_STREAM_LEGACY = 1) is rejected by the batch API.
         let legacy = stream <= 1;
-        let batch = if legacy || !batch_enabled() {
+        // Read before the stream test, so a bad value is refused on every stream.
+        let enabled = batch_enabled()?;
+        let batch = if legacy || !enabled {
             Batch::None
         } else {
             batch_fn(driver_version)

@@ -131,16 +131,16 @@ fn register_chunks(
     parts: &[(usize, usize)],
     len: usize,
     unit: usize,
+    parallel_from: usize,
 ) -> (Vec<Outcome>, usize) {
-    let threads =
-        if len >= crate::config::register_parallel_bytes(PARALLEL_BYTES) && parts.len() > 1 {
-            std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(MAX_THREADS)
-                .min(parts.len())
-        } else {
-            1
-        };
+    let threads = if len >= parallel_from && parts.len() > 1 {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_THREADS)
+            .min(parts.len())
+    } else {
+        1
+    };
     let mut outcomes: Vec<Outcome> = parts.iter().map(|_| Outcome::default()).collect();
     let fill = |first: usize, slots: &mut [Outcome]| {
         for (k, out) in slots.iter_mut().enumerate() {
@@ -219,6 +219,7 @@ pub(crate) unsafe fn register(
     if parts.is_empty() {
         return Ok(Vec::new());
     }
+    let parallel_from = crate::config::register_parallel_bytes(PARALLEL_BYTES)?;
     probe::ready()?;
     // The device the caller names (the pool's GPU, as SGLang registers on torch's current
     // device), else the thread's current context, else device 0's primary context. PORTABLE
@@ -231,7 +232,7 @@ pub(crate) unsafe fn register(
     let device: c_int = probe::current_device()?;
     let unit = unit_of(granularity, chunk_limit);
     let start = Instant::now();
-    let (outcomes, threads) = register_chunks(scope.ctx(), ptr, &parts, len, unit);
+    let (outcomes, threads) = register_chunks(scope.ctx(), ptr, &parts, len, unit, parallel_from);
     let pieces: Vec<(usize, usize)> = outcomes
         .iter()
         .flat_map(|o| o.pieces.iter().copied())
