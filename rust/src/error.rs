@@ -64,12 +64,21 @@ pub enum PlanError {
         max: i64,
         bound: u64,
     },
-    /// SGLang's kernels' text.
-    #[error("Source and destination indices must have the same length")]
-    LengthMismatch { host: usize, device: usize },
-    /// SGLang's direct ops' text.
-    #[error("Source indices size must be divisible by page size")]
-    PartialPage { len: usize, page_size: usize },
+    /// SGLang's kernels' text; with `pool` (a paged pool's name), its paged pools' text.
+    #[error("{}", length_mismatch_text(pool.as_deref(), *host, *device))]
+    LengthMismatch {
+        host: usize,
+        device: usize,
+        pool: Option<String>,
+    },
+    /// SGLang's direct ops' text; with `pool` (a paged pool's name), its paged pools' text.
+    #[error("{}", partial_page_text(pool.as_deref(), *len, *device_len, *page_size))]
+    PartialPage {
+        len: usize,
+        device_len: usize,
+        page_size: usize,
+        pool: Option<String>,
+    },
     #[error("host layer {layer} is out of range [0, {layers})")]
     LayerOutOfRange { layer: i64, layers: usize },
     /// A layer the call names that the device pool handed to it does not have.
@@ -282,3 +291,25 @@ impl Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+fn length_mismatch_text(pool: Option<&str>, host: usize, device: usize) -> String {
+    match pool {
+        Some(name) => format!("{name} transfer index size mismatch: host={host}, device={device}"),
+        None => "Source and destination indices must have the same length".to_owned(),
+    }
+}
+
+fn partial_page_text(
+    pool: Option<&str>,
+    len: usize,
+    device_len: usize,
+    page_size: usize,
+) -> String {
+    match pool {
+        Some(name) => format!(
+            "{name} expects page-aligned indices: got {len} host and {device_len} device indices \
+             for page size {page_size}."
+        ),
+        None => "Source indices size must be divisible by page size".to_owned(),
+    }
+}

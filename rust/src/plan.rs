@@ -150,6 +150,7 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
         return Err(PlanError::LengthMismatch {
             host: host_len,
             device: dev_len,
+            pool: None,
         }
         .into());
     }
@@ -159,7 +160,9 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
         return Err(PlanError::PartialPage {
             len,
+            device_len: len,
             page_size: g.page_size,
+            pool: None,
         }
         .into());
     }

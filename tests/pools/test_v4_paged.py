@@ -599,9 +599,13 @@ def test_length_mismatch_is_refused(backend, layout):
     with pytest.raises(ValueError) as e:
         pool.backup_from_device_all_layer(None, torch.arange(4), torch.arange(2), backend)
     assert str(e.value) == "c4_kv transfer index size mismatch: host=4, device=2"
+    # The same class and fields as every other pool's length refusal, with SGLang's V4 text.
+    assert isinstance(e.value, TransferError)
+    assert (e.value.kind, e.value.host_len, e.value.device_len) == ("length_mismatch", 4, 2)
     with pytest.raises(ValueError) as e:
         pool.load_to_device_per_layer(None, torch.arange(2), torch.arange(6), 0, backend)
     assert str(e.value) == "c4_kv transfer index size mismatch: host=2, device=6"
+    assert (e.value.kind, e.value.host_len, e.value.device_len) == ("length_mismatch", 2, 6)
     assert_unchanged(pool, dev, snap)
 
 
@@ -739,8 +743,10 @@ def test_page_aligned_refusal_of_a_pool_made_with_new():
     pool.pool_name, pool.slot_page_size, pool.layer_num = "c4_indexer", 4, 1
     pool.page_aligned_only = True
     three = torch.arange(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="c4_indexer expects page-aligned indices"):
+    with pytest.raises(ValueError, match="c4_indexer expects page-aligned indices") as e:
         pool.backup_from_device_all_layer(None, three, three, "direct")
+    assert isinstance(e.value, TransferError)
+    assert (e.value.kind, e.value.len, e.value.page_size) == ("partial_page", 3, 4)
     with pytest.raises(ValueError, match="page-aligned"):
         pool.load_to_device_per_layer(None, three, three, 0, "direct")
 

@@ -169,11 +169,11 @@ fn set_fields(py: Python<'_>, err: &PyErr, e: &PlanError) -> PyResult<()> {
             set("max", int(max as i128)?)?;
             set("bound", int(bound as i128)?)?;
         }
-        T::LengthMismatch { host, device } => {
+        T::LengthMismatch { host, device, .. } => {
             set("host_len", int(host as i128)?)?;
             set("device_len", int(device as i128)?)?;
         }
-        T::PartialPage { len, page_size } => {
+        T::PartialPage { len, page_size, .. } => {
             set("len", int(len as i128)?)?;
             set("page_size", int(page_size as i128)?)?;
         }

@@ -12,8 +12,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::binding::{index_tensor, layer_int, torch, PyDeviceBinding};
-use super::errors::value_err;
+use super::errors::{to_py, value_err};
 use super::spec::PyPoolSpec;
+use crate::error::PlanError;
 use crate::pool::c4;
 
 /// Which layers a call moves: every one (a backup), or one load layer (read once, by
@@ -63,20 +64,24 @@ impl PyV4Transfers {
         let (host, n) = index_tensor(py, host, false)?;
         let (device, m) = index_tensor(py, device, false)?;
         if n != m {
-            return Err(value_err(format!(
-                "{} transfer index size mismatch: host={n}, device={m}",
-                self.name
-            )));
+            let mismatch = PlanError::LengthMismatch {
+                host: n,
+                device: m,
+                pool: Some(self.name.clone()),
+            };
+            return Err(to_py(py, mismatch.into()));
         }
         Ok((n > 0).then_some((host, device, n)))
     }
 
-    fn unaligned(&self, n: usize) -> PyErr {
-        value_err(format!(
-            "{} expects page-aligned indices: got {n} host and {n} device indices for page \
-             size {}.",
-            self.name, self.page_size
-        ))
+    fn unaligned(&self, py: Python<'_>, n: usize) -> PyErr {
+        let partial = PlanError::PartialPage {
+            len: n,
+            device_len: n,
+            page_size: self.page_size,
+            pool: Some(self.name.clone()),
+        };
+        to_py(py, partial.into())
     }
 
     /// The refusals every transfer makes first: device buffers that are not rows, a partial
@@ -87,7 +92,7 @@ impl PyV4Transfers {
             return Err(value_err(format!("{} transfer: {refusal}", self.name)));
         }
         if !aligned {
-            return Err(self.unaligned(n));
+            return Err(self.unaligned(py, n));
         }
         if self.device_type != "cpu" && self.device_type != "cuda" {
             // The copy engines address CPU or CUDA memory only (a meta tensor has no bytes).
