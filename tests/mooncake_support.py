@@ -43,7 +43,7 @@ def mooncake_unavailable() -> str | None:
 
 
 def _v4(layout: str):
-    from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+    from hostkv_rs import DeepSeekV4PagedHostPool
 
     g = torch.Generator().manual_seed(7)
     dev = [torch.randint(0, 256, (7, 656), dtype=torch.uint8, generator=g) for _ in range(3)]

@@ -24,8 +24,8 @@ _LAZY = {
     "MLATokenToKVPoolHost": "hostkv_rs.pools.mla",
     "MHATokenToKVPool": "hostkv_rs.tools.device_pools",
     "MLATokenToKVPool": "hostkv_rs.tools.device_pools",
-    "DeepSeekV4PagedHostPool": "hostkv_rs.v4",
-    "LogicalHostPool": "hostkv_rs.v4",
+    "DeepSeekV4PagedHostPool": "hostkv_rs.pools.v4_paged",
+    "LogicalHostPool": "hostkv_rs.pools.logical",
 }
 
 

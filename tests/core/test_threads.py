@@ -234,7 +234,7 @@ def test_v4_page_rows_from_four_threads(layout, backend):
     # checked.
     _run(
         f"""
-        from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+        from hostkv_rs import DeepSeekV4PagedHostPool
         L, P, ITEM, DEV_PAGES = 3, 4, 656, 16
         dev = [torch.zeros(DEV_PAGES, ITEM, dtype=torch.uint8) for _ in range(L)]
         host = DeepSeekV4PagedHostPool("c4_kv", dev, ITEM, 16, P, layout={layout!r})

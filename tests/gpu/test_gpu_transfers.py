@@ -224,7 +224,7 @@ def test_mla(backend, layout, dtype, where, idx_dtype, stream_kind):
 @pytest.mark.parametrize("where", ["cpu", "cuda"])
 @pytest.mark.parametrize("backend,layout", V4_PAIRS)
 def test_v4_paged(backend, layout, where, stream_kind):
-    from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+    from hostkv_rs import DeepSeekV4PagedHostPool
 
     L, item, pages, P, dev_pages = 3, 656, 8, 4, 9
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -476,7 +476,7 @@ def test_smoke_mla_dcp_reads_this_ranks_share_on_the_gpu(backend, layout, where)
 def test_smoke_v4_c4_token_rows_on_the_gpu(backend, where):
     # Token-granular V4 transfers: the core maps each token to its 576-byte value row and 8-byte
     # scale row inside the C4 page row (index maps c4_value / c4_scale).
-    from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+    from hostkv_rs import DeepSeekV4PagedHostPool
 
     L, pages, P, row = 2, 3, _core.C4_PAGE_TOKENS, _core.C4_ROW_BYTES
     value, scale = _core.C4_VALUE_BYTES, _core.C4_SCALE_BYTES

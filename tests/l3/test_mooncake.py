@@ -21,9 +21,9 @@ import uuid
 
 import pytest
 import torch
+from hostkv_rs import LogicalHostPool
 from hostkv_rs.l3 import PageResult, Status, host_buffers, page_format
 from hostkv_rs.pools.base import on_destroy
-from hostkv_rs.v4 import LogicalHostPool
 from mooncake_support import (
     DST_PAGES,
     POOLS,

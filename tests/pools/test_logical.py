@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hostkv_rs.v4 import LogicalHostPool
+from hostkv_rs import LogicalHostPool
 
 
 def test_attributes():

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
+from hostkv_rs import DeepSeekV4PagedHostPool, LogicalHostPool
 from hostkv_rs.pools.base import HostKVCache
-from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 from reference import make_mha, make_mla
 
 KINDS = ["mla", "mha", "asymmetric_mha", "v4_paged", "logical"]

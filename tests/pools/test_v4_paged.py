@@ -11,12 +11,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from hostkv_rs import LayerIndexError, TransferError
+from hostkv_rs import DeepSeekV4PagedHostPool, LayerIndexError, LogicalHostPool, TransferError
 from hostkv_rs.pools import v4_paged
 from hostkv_rs.pools.base import HostKVCache
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.sglang import budgets as _budgets
-from hostkv_rs.v4 import DeepSeekV4PagedHostPool, LogicalHostPool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -51,7 +51,7 @@ def _mla(layout, **kwargs):
 
 
 def _v4(layout):
-    from hostkv_rs.v4 import DeepSeekV4PagedHostPool
+    from hostkv_rs import DeepSeekV4PagedHostPool
 
     dev = [torch.zeros(7, 656, dtype=torch.uint8) for _ in range(3)]
     return DeepSeekV4PagedHostPool("c4_kv", dev, 656, 6, 4, layout=layout)
@@ -182,7 +182,7 @@ def _register(backend, pool, v2):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     if v2:
-        from hostkv_rs.v4 import LogicalHostPool
+        from hostkv_rs import LogicalHostPool
 
         backend.register_mem_pool_host(LogicalHostPool(64, pool.page_size))  # the KV anchor
         backend.register_mem_host_pool_v2(pool, PoolName.DEEPSEEK_V4_C4)
