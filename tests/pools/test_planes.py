@@ -3,6 +3,8 @@ every layout with flat pages."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hostkv_rs.pools.args import FlatPageError
@@ -181,3 +183,29 @@ def test_a_pool_built_with_new_without_size_counts_it_from_what_it_was_given(hos
     assert ours[1] == theirs[1]
     assert torch.equal(pool.get_data_page(host.page_size), host.get_data_page(host.page_size))
     assert pool.is_stride_page_aligned() == host.is_stride_page_aligned()
+
+
+def test_a_page_read_from_the_pool_is_written_over_the_page_it_overlaps(host):
+    """`get_data_page` at a token index that is not a page start is a view of the pool that
+    overlaps the page at the next page start; writing it there moves the bytes it held, where
+    torch's `copy_` alone refuses overlapping memory with a RuntimeError."""
+    step = max(host.page_size // 2, 1)
+    for index in range(0, 4 * host.page_size, step):
+        host.get_data_page(index, flat=False).view(torch.uint8).random_(0, 256)
+    source = host.get_data_page(host.page_size + step)
+    want = source.contiguous().view(torch.uint8).clone()
+    host.set_from_flat_data_page(2 * host.page_size, source)
+    # Bytes, not values: random bytes include NaNs, which never compare equal.
+    assert torch.equal(host.get_data_page(2 * host.page_size).contiguous().view(torch.uint8), want)
+
+
+def test_a_quantized_flat_page_is_refused_by_type_and_changes_nothing(host):
+    index = host.page_size
+    before = host.get_data_page(index).clone()
+    n = host.get_dummy_flat_data_page().numel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors
+        quantized = torch.quantize_per_tensor(torch.ones(n), 0.5, 0, torch.quint8)
+    with pytest.raises(TypeError, match="flat data page: expected a tensor of plain values"):
+        host.set_from_flat_data_page(index, quantized)
+    assert torch.equal(host.get_data_page(index), before)

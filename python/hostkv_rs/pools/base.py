@@ -696,9 +696,14 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         only now, after the caller's page was read: Python run while it was read (a subclass's or
         a torch-function mode's hook) could have freed or moved the pool's memory, which a view
         made earlier would still point at (`as_strided` refuses a storage now too small). The
-        view and the copy run with torch-function overrides off."""
+        view and the copy run with torch-function overrides off. A source that is a view of the
+        pool itself (a page read with `get_data_page` at a token index that is not a page start)
+        may overlap the page it is written to, which `copy_` refuses: it is copied out first."""
         with torch._C.DisableTorchFunction():
-            self._view_at(geometry).copy_(source)
+            view = self._view_at(geometry)
+            if source.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                source = source.clone()
+            view.copy_(source)
 
     def _page_base(self) -> torch.Tensor:
         # Read once: destroy() on another thread may clear it after `_require_bytes` looked.

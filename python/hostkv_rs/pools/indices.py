@@ -84,6 +84,9 @@ def check_storage(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided:
         # A sparse or nested tensor has no one storage at an address to read.
         raise TypeError(f"{what}: expected a dense (strided) tensor, got {tensor.layout}")
+    if tensor.is_quantized:
+        # Its storage holds integer codes, not the values (torch refuses to copy it raw).
+        raise TypeError(f"{what}: expected a tensor of plain values, got quantized {tensor.dtype}")
     if not storage_holds(tensor):
         raise ValueError(
             f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "
