@@ -587,6 +587,9 @@ impl HostRegion {
         self.numa_node
     }
 
+    /// Lock order against the GIL: taken only without the GIL (registration and unregistration
+    /// run detached, and the Python getters detach before they read), because a registration
+    /// holds it for seconds.
     fn ranges(&self) -> std::sync::MutexGuard<'_, Vec<(u64, usize)>> {
         // A poisoned lock only means another thread panicked while holding it; the list is
         // still a valid list.

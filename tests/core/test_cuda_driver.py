@@ -748,6 +748,43 @@ def test_registration_is_chunked_at_the_limit_and_retried_by_halving(mock_dir):
     )
 
 
+def test_reading_a_region_during_another_threads_registration_leaves_the_gil_free(mock_dir):
+    # Before: `pinned` / `registered_ranges` waited for the range lock, which a registration
+    # holds throughout, with the GIL held, so every Python thread stopped until it ended.
+    run_scenario(
+        mock_dir,
+        """
+        import threading, time
+        region = _core.HostRegion(1 << 20)
+        pinning = threading.Thread(target=region.register_cuda, args=(0, 64 << 10))
+        pinning.start()
+        while m.mock_registrations() == 0:      # the registration holds the range lock now
+            time.sleep(0.001)
+        ticks = []
+        def tick():
+            end = time.monotonic() + 0.4
+            while time.monotonic() < end:
+                ticks.append(time.monotonic())
+                time.sleep(0.001)
+            ticks.append(time.monotonic())
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.02)
+        waited = time.monotonic()
+        pinned = region.pinned                  # waits for the registration to end
+        waited = time.monotonic() - waited
+        ticker.join()
+        pinning.join()
+        assert pinned and waited > 0.2, (pinned, waited)
+        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        assert max(gaps) < 0.15, max(gaps)      # the ticker kept running meanwhile
+        assert region.registered_ranges and "pinned=True" in repr(region)
+        region.unregister_cuda()
+        """,
+        MOCK_REGISTER_DELAY_US=40000,
+    )
+
+
 def test_unregistration_runs_on_the_device_the_range_was_registered_on(mock_dir):
     # Before: a thread with no current context unregistered with GPU 0's primary context,
     # creating a context on GPU 0 (on every rank of an 8-GPU node).

@@ -36,7 +36,8 @@
 //   * blocking calls (JIT, pinning, allocation, synchronisation, pageable copies) made by a
 //     thread that holds the Python GIL are violations (unless MOCK_ALLOW_GIL=1).
 // Knobs (environment): MOCK_CUDA_VERSION (default 13000), MOCK_DEVICES (1), MOCK_INIT_RC (0),
-// MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_MAX_BYTES,
+// MOCK_FAIL_REGISTER_AT (n: the n-th cuMemHostRegister fails), MOCK_REGISTER_DELAY_US (each
+// cuMemHostRegister sleeps first), MOCK_REGISTER_MAX_BYTES,
 // MOCK_UNREGISTER_WAITS_ALL (cuMemHostUnregister waits for all work, hung kernels included),
 // MOCK_SYNC_WAITS_ALL (cuCtxSynchronize blocks behind a hung kernel instead of flagging it),
 // MOCK_EVENT_RECORD_FAIL (cuEventRecord fails),
@@ -773,6 +774,11 @@ API int cuCtxSynchronize() {
 
 API int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
     blocking("cuMemHostRegister");
+    // MOCK_REGISTER_DELAY_US: a slow pin (a real one takes about a second per 10 GiB).
+    long long delay_us = env_ll("MOCK_REGISTER_DELAY_US", 0);
+    if (delay_us > 0) {
+        usleep(static_cast<useconds_t>(delay_us));
+    }
     LOCK;
     if (unsafe_in_capture("cuMemHostRegister")) {
         return E_CAPTURE_UNSUPPORTED;

@@ -125,14 +125,18 @@ impl PyHostRegion {
         self.inner.numa_node()
     }
 
+    // The range lock is held for a whole registration, which runs without the GIL: these wait
+    // for it without the GIL too, so another thread's registration never stalls the rest.
     #[getter]
-    fn pinned(&self) -> bool {
-        self.inner.pinned()
+    fn pinned(&self, py: Python<'_>) -> bool {
+        let region = &self.inner;
+        py.detach(|| region.pinned())
     }
 
     #[getter]
-    fn registered_ranges(&self) -> Vec<(u64, usize)> {
-        self.inner.registered_ranges()
+    fn registered_ranges(&self, py: Python<'_>) -> Vec<(u64, usize)> {
+        let region = &self.inner;
+        py.detach(|| region.registered_ranges())
     }
 
     /// Pins the region for `device` (a CUDA ordinal: the pool's GPU; None: this thread's current
@@ -177,13 +181,13 @@ impl PyHostRegion {
         self.inner.len()
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "HostRegion(nbytes={}, address={:#x}, hugepage_tier={:?}, pinned={})",
             self.inner.len(),
             self.inner.addr(),
             self.inner.tier().name(),
-            if self.inner.pinned() { "True" } else { "False" }
+            if self.pinned(py) { "True" } else { "False" }
         )
     }
 
@@ -237,7 +241,9 @@ impl PyHostRegion {
 
 impl Drop for PyHostRegion {
     /// Garbage collection of a pinned region: unpinning waits for the transfers queued on it,
-    /// so do it with the GIL released (the inner region's own drop then only unmaps).
+    /// so do it with the GIL released (the inner region's own drop then only unmaps). Reading
+    /// `pinned` here with the GIL held cannot wait: no other thread can be registering a region
+    /// that is being dropped.
     fn drop(&mut self) {
         if self.inner.pinned() {
             let region = &self.inner;
