@@ -392,6 +392,7 @@ pub mod workers {
         helpers: usize,
         /// Bumped (under `slot`) for every job; polled without the lock by awake workers.
         generation: AtomicU64,
+        /// Held only to post or take a job (no copy, no Python under it).
         slot: Mutex<Option<Arc<Job>>>,
         /// The workers, for `unpark` (a no-op syscall-free flag for one that is not parked).
         threads: OnceLock<Vec<Thread>>,

@@ -34,6 +34,8 @@ struct Record {
 }
 
 /// Keyed by `probe::ctx_key` (a context's unique id where the driver has one).
+/// Against the GIL: a leaf lock in code that never calls Python, so it is never held while the
+/// GIL is waited for (design.md, "Locks and the GIL").
 static RECORDS: Mutex<Option<HashMap<u64, Record>>> = Mutex::new(None);
 /// Serialises the allocation of new records.
 static SETUP: Mutex<()> = Mutex::new(());

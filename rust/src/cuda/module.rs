@@ -36,6 +36,8 @@ struct Loaded {
     warm: Vec<u64>,
 }
 
+/// Against the GIL: a leaf lock in code that never calls Python, so it is never held while the
+/// GIL is waited for (design.md, "Locks and the GIL").
 static LOADED: Mutex<Loaded> = Mutex::new(Loaded {
     kernels: None,
     warm: Vec::new(),

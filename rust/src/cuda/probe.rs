@@ -38,6 +38,8 @@ impl Probe {
     }
 }
 
+/// Against the GIL: a leaf lock in code that never calls Python, so it is never held while the
+/// GIL is waited for (design.md, "Locks and the GIL").
 static PROBE: Mutex<Option<Arc<Probe>>> = Mutex::new(None);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -363,7 +365,7 @@ pub(crate) fn describe(p: &Probe) -> String {
 }
 
 /// Primary contexts we retained, per device ordinal (kept for the life of the process, like
-/// the CUDA runtime does).
+/// the CUDA runtime does). A leaf lock in code that never calls Python, as `PROBE`.
 static PRIMARY: Mutex<Option<HashMap<i32, usize>>> = Mutex::new(None);
 
 /// The primary context of device `ordinal` (the one torch and every CUDA runtime user share),

@@ -63,6 +63,7 @@ struct State {
 
 struct Region {
     chunks: Vec<Chunk>,
+    /// Never held together with `REGIONS` (a lookup drops that first); no Python runs under it.
     state: Mutex<State>,
     idle: Condvar,
 }
@@ -94,6 +95,8 @@ impl Region {
     }
 }
 
+/// Against the GIL: a leaf lock in code that never calls Python, so it is never held while the
+/// GIL is waited for (design.md, "Locks and the GIL").
 static REGIONS: Mutex<BTreeMap<u64, Arc<Region>>> = Mutex::new(BTreeMap::new());
 
 fn regions() -> MutexGuard<'static, BTreeMap<u64, Arc<Region>>> {

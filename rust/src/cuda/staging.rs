@@ -32,6 +32,8 @@ struct Block {
 }
 
 /// Keyed by `probe::ctx_key`.
+/// Against the GIL: a leaf lock in code that never calls Python, so it is never held while the
+/// GIL is waited for (design.md, "Locks and the GIL").
 static POOLS: Mutex<Option<HashMap<u64, Vec<Block>>>> = Mutex::new(None);
 
 /// A staging pair held for one launch.
