@@ -37,7 +37,7 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs.pools.indices import check_storage
+from hostkv_rs.pools.indices import check_page_values
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
@@ -724,7 +724,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             raise FlatPageError(f"a flat data page of this pool has {expected} elements, got {got}")
         if data_page.device.type == "meta":
             raise ValueError("a flat data page on the meta device holds no values")
-        check_storage(data_page, "flat data page")
+        check_page_values(data_page, "flat data page")
         return data_page.reshape(shape)
 
     # ----------------------------------------------------------------- transfer glue

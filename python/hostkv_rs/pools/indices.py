@@ -59,6 +59,14 @@ def as_tensor(indices) -> torch.Tensor:
     return converted
 
 
+def check_page_values(tensor: torch.Tensor, what: str) -> None:
+    """`check_storage` for a page of values written into a pool."""
+    if tensor.is_quantized:
+        # Its storage holds integer codes, not the values (torch refuses to copy it raw).
+        raise TypeError(f"{what}: expected a tensor of plain values, got quantized {tensor.dtype}")
+    check_storage(tensor, what)
+
+
 def storage_holds(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s storage really holds the elements its shape claims (a storage shrunk
     with `untyped_storage().resize_()` does not, and reading or writing through the tensor's
@@ -84,9 +92,6 @@ def check_storage(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided:
         # A sparse or nested tensor has no one storage at an address to read.
         raise TypeError(f"{what}: expected a dense (strided) tensor, got {tensor.layout}")
-    if tensor.is_quantized:
-        # Its storage holds integer codes, not the values (torch refuses to copy it raw).
-        raise TypeError(f"{what}: expected a tensor of plain values, got quantized {tensor.dtype}")
     if not storage_holds(tensor):
         raise ValueError(
             f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "

@@ -24,7 +24,7 @@ from hostkv_rs.pools.base import (
 )
 from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.indices import check_storage
+from hostkv_rs.pools.indices import check_page_values, check_storage
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang.budgets import SGLANG_V4_POOLS, budget_source_text
 from hostkv_rs.sglang.sources import hicache_device_kernels, sglang_release
@@ -545,7 +545,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} set_from_flat_data_page: a page on the meta device holds no "
                 f"values"
             )
-        check_storage(data_page, f"{self.pool_name} set_from_flat_data_page")
+        check_page_values(data_page, f"{self.pool_name} set_from_flat_data_page")
         expected = self.layer_num * self.item_bytes
         got = data_page.numel() * data_page.element_size()
         if got != expected:
