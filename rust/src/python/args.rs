@@ -1,9 +1,8 @@
 //! Argument conversion shared by the bindings: integers with named ranges, index arrays.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::type_err;
+use super::errors::{type_err, value_err};
 use crate::request::IndexMap;
 
 /// `value` as the Python int its `__index__` gives, or the TypeError naming `name` for a
@@ -37,7 +36,7 @@ pub(crate) fn int_in(
     let int = py_int(value, name)?;
     match int.extract::<i128>() {
         Ok(v) if v >= lo as i128 && (v as u128) <= hi => Ok(v as u128),
-        _ => Err(PyValueError::new_err(format!(
+        _ => Err(value_err(format!(
             "{name} must lie in {range}, got {}",
             int.repr()?
         ))),
@@ -75,7 +74,7 @@ pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> 
     let allowed = "None, ('dcp', dcp_size, dcp_rank), ('dcp_share', dcp_size, dcp_rank), \
                    ('page_rows', page_size), ('c4_value',) or ('c4_scale',)";
     let bad = || -> PyResult<IndexMap> {
-        Err(PyValueError::new_err(format!(
+        Err(value_err(format!(
             "index_map must be {allowed}, got {}",
             value.repr()?
         )))
@@ -106,6 +105,6 @@ pub(crate) fn index_map(value: Option<&Bound<'_, PyAny>>) -> PyResult<IndexMap> 
         _ => return bad(),
     };
     map.check()
-        .map_err(|e| PyValueError::new_err(format!("index_map: {e}")))?;
+        .map_err(|e| value_err(format!("index_map: {e}")))?;
     Ok(map)
 }

@@ -17,14 +17,13 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyType};
 
 use super::args;
-use super::errors::to_py;
+use super::errors::{not_implemented_err, runtime_err, to_py, type_err, value_err};
 use super::extent;
 use super::host_pool::PyHostPool;
 use super::spec::PyPoolSpec;
@@ -253,7 +252,7 @@ fn one_row_pitch(strided: &BTreeSet<u64>, packed: bool) -> PyResult<Option<u64>>
     match (strided.len(), packed) {
         (0, _) => Ok(None),
         (1, false) => Ok(strided.first().copied()),
-        _ => Err(PyNotImplementedError::new_err(format!(
+        _ => Err(not_implemented_err(format!(
             "HiCache: the device KV buffers do not share one row stride (strided rows {:?} B, \
              mixed with packed ones)",
             strided.iter().collect::<Vec<_>>()
@@ -299,7 +298,7 @@ fn strided_pitch(
     let mut inner = 1i128;
     for (&extent, &stride) in shape.iter().zip(&strides).skip(1).rev() {
         if extent > 1 && stride as i128 != inner {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "{what}: device layer tensors must be contiguous, or rows of contiguous \
                  elements a fixed stride apart (strides {strides:?} for shape {shape:?})"
             )));
@@ -312,7 +311,7 @@ fn strided_pitch(
     );
     // The core refuses such a pitch as well; here the refusal can name the tensor.
     if pitch < row_bytes || pitch > u64::MAX as i128 {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_err(format!(
             "{what}: device rows {pitch} bytes apart do not hold rows of {row_bytes} bytes"
         )));
     }
@@ -362,7 +361,7 @@ impl PyDeviceBinding {
                 let tensor = self.tensor(plane, layer).bind(py);
                 let where_ = format!("{} plane {plane} layer {layer}", self.what);
                 if !tensor.is_instance(t.tensor.bind(py))? {
-                    return Err(PyTypeError::new_err(format!(
+                    return Err(type_err(format!(
                         "{where_}: expected a torch.Tensor, got {}",
                         tensor.get_type().name()?
                     )));
@@ -370,7 +369,7 @@ impl PyDeviceBinding {
                 let dev = tensor.getattr("device")?;
                 let dev_type: String = dev.getattr("type")?.extract()?;
                 if dev_type != "cpu" && dev_type != "cuda" {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_err(format!(
                         "{where_}: device pools must be on CPU or CUDA, got {}",
                         dev.str()?
                     )));
@@ -381,13 +380,13 @@ impl PyDeviceBinding {
                         device_type = dev_type.clone();
                     }
                     Some(first) if dev_type != device_type => {
-                        return Err(PyValueError::new_err(format!(
+                        return Err(value_err(format!(
                             "{where_}: device tensors mix {device_type} and {dev_type}"
                         )));
                     }
                     Some(first) if !first.eq(&dev)? => {
                         // One call runs on one GPU's stream; another GPU's layer is not its memory.
-                        return Err(PyValueError::new_err(format!(
+                        return Err(value_err(format!(
                             "{where_}: device tensors mix {} and {}",
                             first.str()?,
                             dev.str()?
@@ -407,7 +406,7 @@ impl PyDeviceBinding {
                     // Its pointer and shape are what this binding writes through, and a
                     // subclass's own methods (or `__torch_function__`) could report memory it
                     // does not own.
-                    return Err(PyTypeError::new_err(format!(
+                    return Err(type_err(format!(
                         "{where_}: expected a plain torch.Tensor, got the subclass {} (pass \
                          `t.as_subclass(torch.Tensor)`)",
                         kind.name()?
@@ -415,7 +414,7 @@ impl PyDeviceBinding {
                 }
                 let shape: Vec<i64> = tensor.getattr("shape")?.extract()?;
                 if shape.is_empty() {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_err(format!(
                         "{where_}: expected a tensor with a token dimension"
                     )));
                 }
@@ -423,7 +422,7 @@ impl PyDeviceBinding {
                 // SGLang's unified pools hand over: one layer's share of token-major entries.
                 let contiguous = m.ask(&m.is_contiguous, tensor)?.is_truthy()?;
                 if !contiguous && self.byte_rows.is_some() {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_err(format!(
                         "{where_}: device layer tensors must be contiguous"
                     )));
                 }
@@ -432,7 +431,7 @@ impl PyDeviceBinding {
                 {
                     // Its stored values are not the ones it reads as: a copy of its bytes would
                     // move the un-negated (un-conjugated) values.
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_err(format!(
                         "{where_}: a negative or conjugate view cannot be a device layer \
                          (resolve it first: `t.resolve_neg()`, `t.resolve_conj()`)"
                     )));
@@ -451,7 +450,7 @@ impl PyDeviceBinding {
                     // neither).
                     for unit in [units[plane], want] {
                         if nbytes % unit as i128 != 0 {
-                            return Err(PyValueError::new_err(format!(
+                            return Err(value_err(format!(
                                 "{where_}: {nbytes} bytes are not whole rows of {unit} bytes"
                             )));
                         }
@@ -467,7 +466,7 @@ impl PyDeviceBinding {
                 if let Some(like) = self.like.get(plane) {
                     let dtype = tensor.getattr("dtype")?;
                     if !dtype.eq(like.dtype.bind(py))? {
-                        return Err(PyValueError::new_err(format!(
+                        return Err(value_err(format!(
                             "{where_}: dtype {} differs from the host pool's {}",
                             dtype.str()?,
                             like.dtype.bind(py).str()?
@@ -475,7 +474,7 @@ impl PyDeviceBinding {
                     }
                     if let Some((heads, dim)) = like.split {
                         if shape.len() == 3 && (shape[1], shape[2]) != (heads, dim) {
-                            return Err(PyValueError::new_err(format!(
+                            return Err(value_err(format!(
                                 "{where_}: head split {} (heads, head_dim) differs from the host \
                                  pool's ({heads}, {dim})",
                                 py_tuple_text(&shape[1..])
@@ -484,7 +483,7 @@ impl PyDeviceBinding {
                     }
                 }
                 if row_bytes != want as i128 {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_err(format!(
                         "{where_}: device rows are {row_bytes} bytes but the host pool's item \
                          size is {want} bytes (dtype or head geometry differs from the host pool)"
                     )));
@@ -653,7 +652,7 @@ impl PyDeviceBinding {
                 })
             }
             None => Ok(Queue {
-                engine: self.cpu_engine.clone().map_err(PyValueError::new_err)?,
+                engine: self.cpu_engine.clone().map_err(value_err)?,
                 stream: 0,
                 torch_stream: None,
             }),
@@ -675,7 +674,7 @@ impl PyDeviceBinding {
     fn live_core(&self, py: Python<'_>) -> PyResult<Py<PyHostPool>> {
         let core = self.lock_core(py)?;
         core.as_ref().map(|c| c.clone_ref(py)).ok_or_else(|| {
-            PyRuntimeError::new_err(format!(
+            runtime_err(format!(
                 "{} has been destroyed; it cannot transfer",
                 self.name
             ))
@@ -751,7 +750,7 @@ impl PyDeviceBinding {
             }
             keep.push(checked);
         }
-        Err(PyRuntimeError::new_err(format!(
+        Err(runtime_err(format!(
             "{}: the device layers or the host memory kept changing while the call was prepared",
             self.what
         )))
@@ -1078,7 +1077,7 @@ fn dense_index(
             t.check_storage.bind(py).call1((plain, "index tensor"))
         })?;
         // What torch's objects said is what is read: never past it, whatever Python said.
-        return Err(PyValueError::new_err(format!(
+        return Err(value_err(format!(
             "index tensor: its storage holds {} bytes, fewer than the {need} its {len} values \
              at offset {} need",
             dense.storage_nbytes, dense.storage_offset
@@ -1193,12 +1192,12 @@ impl PyDeviceBinding {
         let rows_of = view.as_ref().unwrap_or(&host.geom);
         let item_bytes: Vec<u64> = rows_of.item_bytes.iter().map(|&b| b as u64).collect();
         let spec = host.spec.as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
-            PyValueError::new_err(format!(
+            value_err(format!(
                 "{what}: the host pool has no PoolSpec to check (layout, io_backend) pairs by"
             ))
         })?;
         if planes.len() != item_bytes.len() {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "{what}: {} planes of device layers for a host pool of {}",
                 planes.len(),
                 item_bytes.len()
@@ -1206,14 +1205,14 @@ impl PyDeviceBinding {
         }
         if let Some(units) = &byte_rows {
             if units.len() != planes.len() || units.contains(&0) {
-                return Err(PyValueError::new_err(format!(
+                return Err(value_err(format!(
                     "{what}: byte_rows needs one positive unit per plane, got {units:?}"
                 )));
             }
         }
         let count = planes.first().map_or(0, Vec::len);
         if planes.iter().any(|p| p.len() != count) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "{what}: every plane needs one tensor per owned layer and draft"
             )));
         }

@@ -263,10 +263,20 @@ pub(crate) fn transfer_err(py: Python<'_>, msg: String) -> PyErr {
     to_py(py, Error::transfer(msg))
 }
 
-pub(crate) fn type_err(message: String) -> PyErr {
-    PyTypeError::new_err(message)
+// The refusals the PyO3 layer makes itself (arguments it reads from Python objects), by class:
+// the layer names the class through these, so every class is picked in this file.
+pub(crate) fn type_err(message: impl Into<String>) -> PyErr {
+    PyTypeError::new_err(message.into())
 }
 
-pub(crate) fn value_err(message: String) -> PyErr {
-    PyValueError::new_err(message)
+pub(crate) fn value_err(message: impl Into<String>) -> PyErr {
+    PyValueError::new_err(message.into())
+}
+
+pub(crate) fn runtime_err(message: impl Into<String>) -> PyErr {
+    PyRuntimeError::new_err(message.into())
+}
+
+pub(crate) fn not_implemented_err(message: impl Into<String>) -> PyErr {
+    PyNotImplementedError::new_err(message.into())
 }

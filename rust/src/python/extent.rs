@@ -47,7 +47,7 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use pyo3::exceptions::PyValueError;
+use super::errors::value_err;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyDict, PySlice};
@@ -166,7 +166,7 @@ pub(crate) fn layout(py: Python<'_>) -> PyResult<Option<TorchLayout>> {
         Ok(true) => Ok(calibrate(py).ok().flatten()),
         Err(e) => Err(e.to_string()),
     });
-    found.clone().map_err(PyValueError::new_err)
+    found.clone().map_err(value_err)
 }
 
 /// Reads of any address that fail instead of faulting: the kernel copies the bytes from our

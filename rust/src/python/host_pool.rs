@@ -1,12 +1,11 @@
 //! `_core.HostPool`: one host pool's planes, the spec they follow, and the transfers between them
 //! and device layers.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 #[cfg(feature = "raw-calls")]
 use super::args;
-use super::errors::{to_py, transfer_err};
+use super::errors::{to_py, transfer_err, value_err};
 use super::extent;
 use super::memory::{host_memory, HostMemory, StorageWatch};
 use super::page_watch::{self, PageWatch};
@@ -61,7 +60,7 @@ impl PyHostPool {
         let mut storages = Vec::new();
         for (p, (pl, mem)) in planes.iter().zip(memory).enumerate() {
             if mem.len < pl.nbytes || (mem.addr == 0 && pl.nbytes > 0) {
-                return Err(PyValueError::new_err(format!(
+                return Err(value_err(format!(
                     "plane {p} memory of {} bytes at {:#x} cannot hold {} bytes",
                     mem.len, mem.addr, pl.nbytes
                 )));
@@ -223,7 +222,7 @@ impl PyHostPool {
     fn spec_of(&self, what: &str) -> PyResult<&PyPoolSpec> {
         match &self.spec {
             Some(spec) => Ok(spec.get()),
-            _ => Err(PyValueError::new_err(format!(
+            _ => Err(value_err(format!(
                 "{what}: this host pool was built without a PoolSpec (HostPool.from_geometry)"
             ))),
         }
@@ -295,7 +294,7 @@ impl PyHostPool {
         let s = &spec.get().spec;
         let (shapes, placement) = s.allocations();
         if allocations.len() != shapes.len() {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "this pool has {} allocation(s), got {}",
                 shapes.len(),
                 allocations.len()
@@ -328,7 +327,7 @@ impl PyHostPool {
         let mut pool = Self::with_memory(geom_of, planes, memory, Some(spec.clone_ref(py)))?;
         if watch_pages {
             if s.unified().is_some() {
-                return Err(PyValueError::new_err(
+                return Err(value_err(
                     "page_unified pools have no page metadata to digest pages by",
                 ));
             }
@@ -375,14 +374,14 @@ impl PyHostPool {
     ) -> PyResult<Self> {
         let layout = Layout::parse(layout).map_err(|e| to_py(py, e))?;
         if item_bytes.is_empty() || item_bytes.len() > 2 || item_bytes.len() != planes.len() {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "a host pool has 1 or 2 planes: got {} item sizes and {} planes",
                 item_bytes.len(),
                 planes.len()
             )));
         }
         if item_bytes.contains(&0) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "item_bytes must be positive (bytes of one row of one layer), got {item_bytes:?}"
             )));
         }
@@ -473,7 +472,7 @@ impl PyHostPool {
         let spec = &self.spec_of("split_heads_meta")?.spec;
         spec.check_split_heads_layout().map_err(|e| to_py(py, e))?;
         if split_factor.le(0)? {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "split_factor must be positive, got {split_factor}"
             )));
         }
@@ -509,7 +508,7 @@ impl PyHostPool {
         let spec = &self.spec_of("is_stride_page_aligned")?.spec;
         let page_size_bytes = page_size_bytes.cast::<pyo3::types::PyInt>()?;
         if page_size_bytes.lt(0)? {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "page_size_bytes must be positive, got {page_size_bytes}"
             )));
         }
@@ -519,9 +518,7 @@ impl PyHostPool {
             return Ok(false);
         };
         if page_size_bytes == 0 {
-            return Err(PyValueError::new_err(
-                "page_size_bytes must be positive, got 0",
-            ));
+            return Err(value_err("page_size_bytes must be positive, got 0"));
         }
         Ok(spec.page_strides().is_some_and(|strides| {
             strides

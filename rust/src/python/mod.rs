@@ -22,7 +22,7 @@ mod v4;
 use pyo3::prelude::*;
 
 use crate::cuda;
-use errors::to_py;
+use errors::{to_py, value_err};
 
 /// The first call probes the driver (`cuInit` can take seconds): without the GIL.
 #[pyfunction]
@@ -75,26 +75,23 @@ fn runtime_info(py: Python<'_>) -> String {
 /// `dst` writable, the two not overlapping; the caller keeps both unchanged during the call.
 #[pyfunction]
 fn stream_copy(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
-    use pyo3::exceptions::PyValueError;
     let d = pyo3::buffer::PyBuffer::<u8>::get(dst)?;
     let s = pyo3::buffer::PyBuffer::<u8>::get(src)?;
     if !d.is_c_contiguous() || !s.is_c_contiguous() {
-        return Err(PyValueError::new_err(
-            "stream_copy needs C-contiguous buffers",
-        ));
+        return Err(value_err("stream_copy needs C-contiguous buffers"));
     }
     if d.readonly() {
-        return Err(PyValueError::new_err("stream_copy: dst is read-only"));
+        return Err(value_err("stream_copy: dst is read-only"));
     }
     let (dp, sp, n) = (d.buf_ptr() as usize, s.buf_ptr() as usize, d.len_bytes());
     if s.len_bytes() != n {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_err(format!(
             "stream_copy: dst has {n} bytes, src {}",
             s.len_bytes()
         )));
     }
     if n > 0 && dp < sp + n && sp < dp + n {
-        return Err(PyValueError::new_err("stream_copy: dst and src overlap"));
+        return Err(value_err("stream_copy: dst and src overlap"));
     }
     py.detach(|| {
         // SAFETY: both buffers are held (exported) for this call, C-contiguous, `n` bytes long,
@@ -122,9 +119,7 @@ fn digest(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u128> {
         .map(|b| {
             let view = pyo3::buffer::PyBuffer::<u8>::get(b)?;
             if !view.is_c_contiguous() {
-                return Err(pyo3::exceptions::PyValueError::new_err(
-                    "digest needs C-contiguous buffers",
-                ));
+                return Err(value_err("digest needs C-contiguous buffers"));
             }
             Ok(view)
         })

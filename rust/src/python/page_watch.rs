@@ -14,9 +14,9 @@
 
 use std::sync::Mutex;
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
+use super::errors::runtime_err;
 use crate::digest::PageDigests;
 
 #[derive(Default)]
@@ -75,7 +75,7 @@ impl PageWatch {
 
 /// The refusal of a load whose page changed since its backup.
 pub(crate) fn changed_page(name: &str, page: u64, page_size: u64) -> PyErr {
-    PyRuntimeError::new_err(format!(
+    runtime_err(format!(
         "{name}: host page {page} (slots [{}, {})) changed since its backup \
          (HOSTKV_PAGE_DIGEST): its bytes were overwritten or corrupted in host memory; nothing \
          was loaded",

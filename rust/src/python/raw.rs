@@ -3,10 +3,9 @@
 //! wrong address is a crash, so the release wheel leaves them out; pools go through
 //! `DeviceBinding`, which takes tensors.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::{to_py, transfer_err};
+use super::errors::{to_py, transfer_err, value_err};
 use super::host_pool::PyHostPool;
 use crate::config::CpuEngine;
 use crate::engine::{self, CopyEngine};
@@ -31,11 +30,11 @@ impl PyHostPool {
         match (device, engine) {
             ("cpu", "plan") => Ok(engine::for_cpu(CpuEngine::Plan)),
             ("cpu", "emulated") => Ok(engine::for_cpu(CpuEngine::Emulated)),
-            ("cpu", other) => Err(PyValueError::new_err(format!(
+            ("cpu", other) => Err(value_err(format!(
                 "Unsupported engine: {other}; expected 'plan' or 'emulated'"
             ))),
             ("cuda", _) => Ok(engine::for_cuda()),
-            (other, _) => Err(PyValueError::new_err(format!(
+            (other, _) => Err(value_err(format!(
                 "Unsupported device: {other}; expected 'cpu' or 'cuda'"
             ))),
         }

@@ -7,7 +7,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::args::{int_in, str_or};
-use super::errors::to_py;
+use super::errors::{to_py, type_err};
 use super::memory::StorageWatch;
 use crate::host_mem::{self, HugePage, HugePageMode, RegionOptions};
 
@@ -79,12 +79,12 @@ impl PyHostRegion {
     #[staticmethod]
     fn adopt(tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
         if tensor.cast::<PyHostRegion>().is_ok() {
-            return Err(pyo3::exceptions::PyTypeError::new_err(
+            return Err(type_err(
                 "HostRegion.adopt takes a CPU tensor, not a HostRegion",
             ));
         }
         if tensor.cast::<pyo3::types::PyTuple>().is_ok() {
-            return Err(pyo3::exceptions::PyTypeError::new_err(
+            return Err(type_err(
                 "HostRegion.adopt takes a CPU tensor (its view of the storage is the region), \
                  not an (owner, byte_offset) pair",
             ));

@@ -1,11 +1,10 @@
 //! `_core.PoolSpec`: a pool's geometry in SGLang's terms (shapes, pair checks, page metadata).
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::args::{int_in, py_int};
-use super::errors::to_py;
+use super::errors::{to_py, value_err};
 use crate::pool::{PoolKind, PoolSpec};
 use crate::request::Layout;
 
@@ -191,7 +190,7 @@ impl PyPoolSpec {
     fn registration_unit(&self, allocation: usize) -> PyResult<u64> {
         let count = self.spec.allocations().0.len();
         if allocation >= count {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "allocation {allocation} is out of range [0, {count})"
             )));
         }
@@ -286,7 +285,7 @@ impl PyPoolSpec {
 impl PyPoolSpec {
     fn check_plane(&self, plane: usize) -> PyResult<()> {
         if plane >= self.spec.planes().len() {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "plane {plane} is out of range [0, {})",
                 self.spec.planes().len()
             )));
