@@ -19,6 +19,11 @@ class SlotRangeError(ValueError, IndexError):
     slot bookkeeping raises for the same slots."""
 
 
+class NegativeSlotError(SlotRangeError, AssertionError):
+    """A negative slot: also the AssertionError SGLang 0.5.23's `free` raises for it (its
+    double-free assert reads the slot as counted from the end, not allocated)."""
+
+
 class RequestRowError(ValueError, RuntimeError):
     """A HiSparse request row that cannot take the slots a call needs (too narrow, or an
     allocated length inside a page): a ValueError naming the row, and the RuntimeError

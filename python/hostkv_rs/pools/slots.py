@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hostkv_rs.pools.args import SlotRangeError
+from hostkv_rs.pools.args import NegativeSlotError, SlotRangeError
 from hostkv_rs.pools.indices import as_index_array
 
 _CPU = torch.device("cpu")
@@ -31,7 +31,8 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= size:
-            raise SlotRangeError(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
+            error = NegativeSlotError if lo < 0 else SlotRangeError
+            raise error(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
     return slots.clone()
 
 
