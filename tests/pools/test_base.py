@@ -193,6 +193,14 @@ def test_bad_constructor_arguments():
         match=re.escape("HostTensorAllocator only supports CPU allocations; got device='cuda'"),
     ):
         MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", device="cuda")
+    # None, read as SGLang reads it: the allocator's assert for device, `if pin_memory:` for pinning.
+    with pytest.raises(
+        AssertionError,
+        match=re.escape("HostTensorAllocator only supports CPU allocations; got device=None"),
+    ):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", device=None)
+    unpinned = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", pin_memory=None)
+    assert unpinned.pin_memory is None and not unpinned.kv_buffer.is_pinned()
 
 
 def test_storage_allocator_type_warns(caplog):

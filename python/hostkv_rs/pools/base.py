@@ -284,9 +284,9 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                 host_size=host_size,
                 page_size=page_size,
                 layout=layout,
-                pin_memory=pin_memory,
-                device=device,
             )
+        # pin_memory and device are read as SGLang reads them (`if pin_memory:`, the allocator's
+        # CPU assert) in _init_args, whichever form built the pool.
         self._init_args(
             page_size,
             layout,
