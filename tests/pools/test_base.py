@@ -203,6 +203,13 @@ def test_bad_constructor_arguments():
     assert unpinned.pin_memory is None and not unpinned.kv_buffer.is_pinned()
 
 
+def test_a_negative_device_capacity_is_refused_not_sized_to_an_empty_pool():
+    dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
+    dp.size = -1
+    with pytest.raises(ValueError, match="device_capacity_tokens must be non-negative"):
+        MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
+
+
 def test_storage_allocator_type_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="hostkv_rs"):
         host, _ = make_mha("page_first", 16, allocator_type="mooncake")

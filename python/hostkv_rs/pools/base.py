@@ -464,6 +464,13 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                 raise ValueError(
                     f"host_to_device_ratio must be a finite non-negative number, got {ratio!r}"
                 )
+            if self.device_capacity_tokens < 0:
+                # SGLang sizes a negative pool and fails in its allocator (OSError); rounding up
+                # to whole pages would otherwise give an empty pool.
+                raise ValueError(
+                    "device_capacity_tokens must be non-negative to size the pool by "
+                    f"host_to_device_ratio, got {self.device_capacity_tokens}"
+                )
             size = int(
                 finite_product(
                     "host_to_device_ratio",
