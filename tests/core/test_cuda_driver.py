@@ -1015,7 +1015,7 @@ def test_four_threads_and_a_busy_one_share_the_driver_without_deadlock_or_lost_b
 
         def worker(k):
             s = m.mock_stream_create(0)
-            for r in range(40):
+            for r in range(1000):
                 layout, backend = [("layer_first", "kernel"), ("page_first", "kernel"),
                                    ("layer_first", "direct"),
                                    ("page_first_direct", "direct")][(k + r) % 4]
@@ -1056,7 +1056,7 @@ def test_four_threads_share_one_pool_without_deadlock_or_lost_bytes(mock_dir):
             hi = (np.arange(8) + 8 * k + 16).astype(np.int64)
             di = (np.arange(8) + 8 * k).astype(np.int64)
             h, d = arr(hi), arr(di)
-            for r in range(60):
+            for r in range(1000):
                 backend = ("kernel", "direct")[r % 2]
                 if r % 3 == 0:
                     for dev, twin in zip(pool.dev, pool.dev_cpu):

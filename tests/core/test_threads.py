@@ -89,7 +89,7 @@ def test_first_use_of_a_binding_by_two_threads_at_once():
     # A fresh pool per round: both threads reach the binding's first full check together.
     _run(
         """
-        for _ in range(300):
+        for _ in range(1000):
             dev = MHATokenToKVPool(64, 16, torch.bfloat16, head_num=2, head_dim=8, layer_num=3)
             host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
             h = host.alloc(16)
