@@ -152,6 +152,19 @@ def test_a_pool_built_with_new_refuses_a_hand_set_buffer_its_geometry_does_not_d
         pool.get_data_page(0)
     with pytest.raises(ValueError, match="kv_buffer holds"):
         pool.get_page_buffer_meta(torch.arange(host.page_size))
+    if host.layout != "layer_first":
+        # A (layout, backend) pair SGLang refuses is still refused first, with its text, before
+        # the buffer is read (SGLang's asymmetric unit test sets a dtype its buffers do not have).
+        other = "kernel" if host.layout == "page_first_direct" else "direct"
+        indices = torch.arange(host.page_size)
+        for transfer in (
+            lambda: pool.load_to_device_per_layer(None, indices, indices, 0, other),
+            lambda: pool.backup_from_device_all_layer(None, indices, indices, other),
+        ):
+            with pytest.raises(ValueError) as refused:
+                transfer()
+            assert "kv_buffer holds" not in str(refused.value)
+            assert "expected" in str(refused.value) or "Unsupported" in str(refused.value)
 
 
 def test_a_pool_built_with_new_without_a_buffer_still_gives_its_dummy_page(host):

@@ -872,11 +872,16 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         cache[key] = binding
         return binding
 
+    def _hand_built_pair_first(self, io_backend) -> None:
+        """A pool built by hand: SGLang's (layout, backend) refusal comes first, before its
+        buffers are read (the geometry `_check_io` reads also checks them)."""
+        if self._layer_index_or_none() is None:
+            self._make_spec().check_pair(io_backend)
+
     def _foreign_load(self, device_pool, layer_id, io_backend, is_draft):
         """The binding of a per-layer load from a device pool handed to the call, or None when
         this pool does not hold that target layer (SGLang returns without copying)."""
-        if self._layer_index_or_none() is None:
-            self._check_io(io_backend)  # a pool built by hand: SGLang's refusal comes first
+        self._hand_built_pair_first(io_backend)
         host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None
@@ -947,6 +952,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         ):
             if binding is None:
                 device_pool = self.device_pool if device_pool is None else device_pool
+            self._hand_built_pair_first(io_backend)
             self._check_io(io_backend)
             self._live_core()
             binding = self._foreign_backup(device_pool)
