@@ -203,11 +203,13 @@ def test_bad_constructor_arguments():
     assert unpinned.pin_memory is None and not unpinned.kv_buffer.is_pinned()
 
 
-def test_a_negative_device_capacity_is_refused_not_sized_to_an_empty_pool():
+def test_a_negative_device_capacity_that_sizes_no_page_is_refused_not_built_empty():
     dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS)
     dp.size = -1
-    with pytest.raises(ValueError, match="device_capacity_tokens must be non-negative"):
+    with pytest.raises(ValueError, match=r"device_capacity_tokens \(-1\) sizes the host pool"):
         MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
+    # As in SGLang: ratio 0 still gives the one extra page.
+    assert MHATokenToKVPoolHost(dp, 0.0, 0, 16, "layer_first").size == 16
 
 
 def test_storage_allocator_type_warns(caplog):

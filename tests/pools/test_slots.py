@@ -169,7 +169,7 @@ def test_free_accepts_any_integer_tensor_and_returns_count(pool):
         pool.free(torch.tensor([8.0]))
     with pytest.raises(ValueError, match=r"must lie in \[0, 36\)") as e:
         pool.free(torch.tensor([-1]))
-    # Also what SGLang 0.5.23's free raises for a negative slot (its double-free assert).
+    # Also what SGLang's free raises for a negative slot (its double-free assert).
     assert isinstance(e.value, AssertionError) and isinstance(e.value, IndexError)
     with pytest.raises(ValueError, match=r"must lie in \[0, 36\)") as e:
         pool.free(torch.tensor([36]))

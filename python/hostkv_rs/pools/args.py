@@ -20,8 +20,9 @@ class SlotRangeError(ValueError, IndexError):
 
 
 class NegativeSlotError(SlotRangeError, AssertionError):
-    """A negative slot: also the AssertionError SGLang 0.5.23's `free` raises for it (its
-    double-free assert reads the slot as counted from the end, not allocated)."""
+    """A negative slot: also an AssertionError, the double-free assert SGLang's `free` raises
+    for it (it reads the slot counted from the end, so it asserts while the last slot is free
+    and otherwise frees that slot)."""
 
 
 class RequestRowError(ValueError, RuntimeError):

@@ -315,6 +315,13 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         self.size, self.page_num = self._host_capacity(
             host_to_device_ratio, host_size, host_token_capacity
         )
+        if self.page_num <= 0 and not is_dummy:
+            # Only a negative device capacity gets here (ratio x capacity below one page less
+            # than none); SGLang's allocator then fails on the empty size (OSError).
+            raise ValueError(
+                f"host_to_device_ratio x device_capacity_tokens ({self.device_capacity_tokens}) "
+                f"sizes the host pool at {self.page_num} pages; it needs at least one"
+            )
         self.start_layer = start_layer
         self.end_layer = end_layer
         if not is_dummy:
@@ -463,13 +470,6 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             if ratio < 0:
                 raise ValueError(
                     f"host_to_device_ratio must be a finite non-negative number, got {ratio!r}"
-                )
-            if self.device_capacity_tokens < 0:
-                # SGLang sizes a negative pool and fails in its allocator (OSError); rounding up
-                # to whole pages would otherwise give an empty pool.
-                raise ValueError(
-                    "device_capacity_tokens must be non-negative to size the pool by "
-                    f"host_to_device_ratio, got {self.device_capacity_tokens}"
                 )
             size = int(
                 finite_product(

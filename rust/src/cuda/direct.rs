@@ -77,7 +77,9 @@ static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// Whether to submit batches: not after the driver refused one, nor under `HOSTKV_DIRECT_BATCH=0`.
 fn batch_enabled() -> Result<bool> {
-    Ok(!BATCH_REFUSED.load(Ordering::Relaxed) && crate::config::direct_batch()?)
+    // The variable first, so a bad value is refused even after the driver refused a batch.
+    let asked = crate::config::direct_batch()?;
+    Ok(asked && !BATCH_REFUSED.load(Ordering::Relaxed))
 }
 
 const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
