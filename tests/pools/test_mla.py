@@ -210,7 +210,9 @@ def test_hisparse_request_rows():
     assert host.alloc_paged_token_slots(rows, lens, 0, 0, 0).numel() == 0
     with pytest.raises(AssertionError):
         host.alloc_paged_token_slots(rows, lens, 0, 3, 1)
-    with pytest.raises(ValueError, match="slots"):
+    # Five pages for a row of 16 slots, and the pool has fewer: SGLang takes the pages first,
+    # so the pool's failure is raised (a narrow row alone: test_hisparse_a_pool_too_short...).
+    with pytest.raises(RuntimeError, match="alloc failed for 5 pages"):
         host.alloc_paged_token_slots(rows, lens, 0, 0, 17)
     big = torch.full((1, 4096), -1, dtype=torch.int64)
     with pytest.raises(
@@ -578,6 +580,26 @@ def test_hisparse_refusals_take_no_slots(args, exc):
     with pytest.raises(exc):
         host.alloc_paged_token_slots(rows, lens, *args)
     assert host.available_size() == free and not lens.any() and bool((rows == -1).all())
+
+
+def test_hisparse_a_pool_too_short_fails_before_a_row_too_narrow_as_in_sglang(caplog):
+    """SGLang takes the pages before it writes the row, so when both fall short the pool's
+    failure is what it raises."""
+    host, _ = host_and_device("layer_first")
+    host.alloc(host.available_size() - 4)  # one page left
+    rows = torch.full((1, 4), -1, dtype=torch.int64)
+    lens = torch.zeros(1, dtype=torch.int64)
+    with (
+        caplog.at_level(logging.ERROR),
+        pytest.raises(RuntimeError) as e,
+    ):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 8)  # two pages, a row of one
+    assert str(e.value) == "HiSparse host mem pool alloc failed for 2 pages"
+    assert host.available_size() == 4 and int(lens[0]) == 0
+    # With the pages there, the narrow row is what is refused.
+    host.clear()
+    with pytest.raises(ValueError, match="request row holds 4 host slots but 8 are needed"):
+        host.alloc_paged_token_slots(rows, lens, 0, 0, 8)
 
 
 def test_alloc_page_refuses_negative_counts():

@@ -35,6 +35,19 @@ def _table(name: str, table, dims: int) -> torch.Tensor:
     return table
 
 
+def _alloc_failed(num_new_pages: int, req_pool_idx: int, start_pos: int, num_tokens: int):
+    """SGLang's log line and error for a request row the pool has too few pages for."""
+    logger.error(
+        "HiSparse: host mem pool alloc failed for %d host pages "
+        "(req_pool_idx=%d, start_pos=%d, num_tokens=%d)",
+        num_new_pages,
+        req_pool_idx,
+        start_pos,
+        num_tokens,
+    )
+    return RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
+
+
 class HiSparseHostPoolMixin:
     def _round_up_to_page_size(self, size: int) -> int:
         return (size + self.page_size - 1) // self.page_size * self.page_size
@@ -83,6 +96,10 @@ class HiSparseHostPoolMixin:
             raise AssertionError(
                 f"start_pos ({start_pos}) must not exceed the allocated length ({allocated_len})"
             )
+        num_new_pages = max(page_end - allocated_len, 0) // self.page_size
+        if num_new_pages and self.available_size() < num_new_pages * self.page_size:
+            # SGLang takes the pages before it writes the row: a pool too short fails first.
+            raise _alloc_failed(num_new_pages, req_pool_idx, start_pos, num_tokens)
         # SGLang would take the slots and then fail to store them (leaking them); refuse first.
         if page_end > width:
             raise RequestRowError(
@@ -106,20 +123,11 @@ class HiSparseHostPoolMixin:
                         f"{name} is an inference tensor, which torch does not update in place "
                         f"outside inference mode"
                     )
-            num_new_pages = (page_end - allocated_len) // self.page_size
             with _pool_lock(self):  # no clear() between the slots and their generation
                 host_locs = self.alloc_page(num_new_pages)
                 generation = self._slot_generation
-            if host_locs is None:
-                logger.error(
-                    "HiSparse: host mem pool alloc failed for %d host pages "
-                    "(req_pool_idx=%d, start_pos=%d, num_tokens=%d)",
-                    num_new_pages,
-                    req_pool_idx,
-                    start_pos,
-                    num_tokens,
-                )
-                raise RuntimeError(f"HiSparse host mem pool alloc failed for {num_new_pages} pages")
+            if host_locs is None:  # another thread took the pages since the check above
+                raise _alloc_failed(num_new_pages, req_pool_idx, start_pos, num_tokens)
             row = req_to_host_pool[req_pool_idx, allocated_len:page_end]
             before = row.clone()
             try:
