@@ -852,8 +852,8 @@ impl PoolSpec {
             // and still sizes `kv_buffer[i]` for each layer i: page row i's bytes.
             (PoolKind::V4Paged, _) if self.release.is_none_or(|r| r >= (0, 5, 20)) => {
                 if s < l {
-                    // SGLang fails indexing kv_buffer[i] there.
-                    return Err(Error::value(format!(
+                    // SGLang fails indexing kv_buffer[i] there (an IndexError).
+                    return Err(Error::page_index(format!(
                         "{} get_contiguous_buf_infos: kv_buffer has {s} page rows but the pool \
                          has {l} layers (layout {:?})",
                         self.name,
@@ -878,8 +878,8 @@ impl PoolSpec {
                     _ => (l * p * t, l * p * t, self.page_num()),
                 };
                 if dim0 < l {
-                    // SGLang fails indexing kv_buffer[l] there.
-                    return Err(Error::value(format!(
+                    // SGLang fails indexing kv_buffer[l] there (an IndexError).
+                    return Err(Error::page_index(format!(
                         "get_contiguous_buf_infos: kv_buffer has {dim0} entries along dim 0 but \
                          the pool has {l} layers (layout {:?})",
                         layout.name()
