@@ -153,9 +153,13 @@ def test_probe_fails_fast_in_one_line_naming_the_address():
     metadata_down = pytest.raises(StoreUnavailable, match="server http://127.0.0.1:1/metadata")
     with metadata_down, _listening() as port:
         _native.probe(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata", timeout=2.0)
-    with _listening() as port:  # both answer
-        _native.probe(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata", timeout=2.0)
+    with _listening() as port, _listening() as http:  # both answer
+        _native.probe(f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/metadata", timeout=2.0)
         _native.probe(f"127.0.0.1:{port}", "P2PHANDSHAKE")
+        # The master's HTTP port given as its RPC port answers TCP, and Mooncake's setup would
+        # then wait forever: refused by name before any connection.
+        with pytest.raises(StoreUnavailable, match="is the metadata server's HTTP port"):
+            _native.probe(f"127.0.0.1:{http}", f"http://127.0.0.1:{http}/metadata")
 
 
 def _listening():

@@ -334,7 +334,10 @@ class MooncakeTier:
 
         The master's port (and an http metadata server's) must accept a TCP connection within
         `probe_timeout` seconds, else StoreUnavailable is raised at once (None: no probe, leave
-        it to Mooncake's retries). With the tcp protocol on a loopback `local_hostname`,
+        it to Mooncake's retries); so is a master address that names the metadata server's own
+        HTTP port. Another open port that is not a master's RPC port passes the probe, and
+        Mooncake's setup then waits for a reply that never comes (it has no timeout and holds
+        the GIL), as it does without hostkv_rs. With the tcp protocol on a loopback `local_hostname`,
         MC_TCP_BIND_ADDRESS is set to it when unset, so the client advertises loopback and not
         the machine's first interface. MC_LOG_LEVEL defaults to ERROR and the setup's known
         harmless lines are dropped, unless HOSTKV_MOONCAKE_LOG is set."""
