@@ -207,14 +207,20 @@ class LoopbackMaster:
                     break
                 time.sleep(0.02)
             exited_early = process.poll() is not None
+            exit_code = process.returncode
             last_log = master.log_tail()
             master.stop()
             master.remove_log()
             if not exited_early:  # it ran but never listened: retrying will not help
                 break
+        why = (
+            f"exited with code {exit_code} (3 tries)"
+            if exited_early
+            else f"did not listen within {timeout:.0f} s"
+        )
         raise MasterError(
-            f"mooncake_master did not come up on {LOOPBACK} within {timeout:.0f} s; "
-            f"last lines of its log:\n{last_log}"
+            f"mooncake_master did not come up on {LOOPBACK}: it {why}; last lines of its log:\n"
+            f"{last_log}"
         )
 
     def log_tail(self, lines: int = 20) -> str:
