@@ -1021,6 +1021,16 @@ def test_a_key_listed_twice_in_one_save_is_refused_and_nothing_is_stored(make_ti
     with pytest.raises(ValueError, match=f"key '{k1}' is listed twice in one save"):
         a.save([k1, k2, k1], slots(pool, [1, 2, 3]))
     assert a.exists([k1, k2]) == [False, False]
+    # A key that is not UTF-8 text (a lone surrogate) is refused by name in every operation.
+    bad = k2 + "\udc80"
+    for call in (
+        lambda: a.save([k1, bad], slots(pool, [1, 2])),
+        lambda: a.load([k1, bad], slots(pool, [1, 2])),
+        lambda: a.exists([k1, bad]),
+    ):
+        with pytest.raises(ValueError, match="at position 1 is not UTF-8 text"):
+            call()
+    assert a.exists([k1, k2]) == [False, False]
 
 
 @needs_mooncake

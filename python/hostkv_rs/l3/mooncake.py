@@ -178,6 +178,21 @@ def _fits(size: int | None, fmt) -> bool:
     return size == fmt.object_bytes or size == UNKNOWN_SIZE
 
 
+def _key_texts(keys) -> list[str]:
+    """Each key as its text, refused (ValueError naming it) where the text is not encodable as
+    UTF-8 (a lone surrogate), which Mooncake's binding fails on with a bare TypeError."""
+    texts = [str(k) for k in keys]
+    for position, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"key {text!r} at position {position} is not UTF-8 text ({exc.reason}); Mooncake "
+                "stores keys as UTF-8"
+            ) from None
+    return texts
+
+
 def _refuse_repeats(values, text: str) -> None:
     """ValueError(`text` formatted with the value and both positions) for the first value listed
     twice."""
@@ -667,7 +682,7 @@ class MooncakeTier:
         bytes (its proof is checked when it is loaded)."""
         with self._lock:
             _pool, fmt = self._require_pool()
-            store_keys = [f"{k}@{fmt.tag}" for k in keys]
+            store_keys = [f"{k}@{fmt.tag}" for k in _key_texts(keys)]
             if not store_keys:
                 return []
             _codes, sizes = self._stored_sizes(store_keys)
@@ -678,7 +693,7 @@ class MooncakeTier:
         already stored with the same bytes are skipped; other bytes under the key are another
         writer's, kept and reported (CONFLICT). A key listed twice raises ValueError before
         anything is stored: its two pages cannot both be what the key names."""
-        keys = [str(k) for k in keys]
+        keys = _key_texts(keys)
         _refuse_repeats(
             keys,
             "key {!r} is listed twice in one save (positions {} and {}); each key names one page",
@@ -897,7 +912,7 @@ class MooncakeTier:
         again). A key or a page listed twice raises ValueError before anything moves: the store
         fills one destination of a key named twice in one get and reports both, and one page
         cannot hold two objects."""
-        keys = [str(k) for k in keys]
+        keys = _key_texts(keys)
         _refuse_repeats(
             keys,
             "key {!r} is listed twice in one load (positions {} and {}); each key fills one page",
@@ -1030,7 +1045,7 @@ class MooncakeTier:
         for a while after each read) reports BUSY unless `force`."""
         with self._lock:
             _pool, fmt = self._require_pool()
-            store_keys = [f"{k}@{fmt.tag}" for k in keys]
+            store_keys = [f"{k}@{fmt.tag}" for k in _key_texts(keys)]
             if not store_keys:
                 return []
             rcs = self.store.batch_remove(store_keys, bool(force))
