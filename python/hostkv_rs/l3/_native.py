@@ -108,23 +108,26 @@ def probe(master: str, metadata_server: str | None = None, timeout: float = PROB
     from hostkv_rs.l3.mooncake import StoreUnavailable
 
     target = _split_host_port(master) if "://" not in master and "," not in master else None
-    if target is not None and metadata_server and metadata_server.startswith("http"):
-        url = urllib.parse.urlsplit(metadata_server)
-        with contextlib.suppress(ValueError):
-            if url.port == target[1] and (url.hostname or "").strip("[]") == target[0]:
-                # That port answers TCP, and Mooncake's setup would then wait for an RPC reply
-                # that never comes, holding the GIL (no timeout, no Ctrl-C).
-                raise StoreUnavailable(
-                    f"Mooncake master {master} is the metadata server's HTTP port "
-                    f"({metadata_server}); give the master's RPC port (mooncake_master "
-                    "--rpc_port, 50051 unless set)"
-                )
     if target is not None:
         why = _reach(*target, timeout)
         if why is not None:
             raise StoreUnavailable(
                 f"Mooncake master {master} does not answer ({why}); is mooncake_master running "
                 "there, and is that its RPC port?"
+            )
+    if target is not None and metadata_server and metadata_server.startswith("http"):
+        url = urllib.parse.urlsplit(metadata_server)
+        try:
+            http = ((url.hostname or "").strip("[]"), url.port)
+        except ValueError:  # a bad port: the metadata check below names it
+            http = None
+        if http == target:
+            # That port answers TCP, and Mooncake's setup would then wait for an RPC reply that
+            # never comes, holding the GIL (no timeout, no Ctrl-C).
+            raise StoreUnavailable(
+                f"Mooncake master {master} is the metadata server's HTTP port "
+                f"({metadata_server}); give the master's RPC port (mooncake_master "
+                "--rpc_port, 50051 unless set)"
             )
     if metadata_server and metadata_server.startswith(("http://", "https://")):
         url = urllib.parse.urlsplit(metadata_server)
