@@ -169,3 +169,18 @@ def test_an_sglang_found_by_an_editable_install_finder_is_served(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "not serving SGLang host pools" in proc.stderr, proc.stderr
+
+
+def test_install_called_before_the_first_import_in_an_armed_process_returns(tmp_path):
+    # The hook runs install() at the first `import sglang`; an install() of the process's own
+    # that makes that import must not wait for itself (it hung on its own lock).
+    proc = _hooked(
+        tmp_path,
+        "import faulthandler, hostkv_rs.sglang as s\n"
+        "faulthandler.dump_traceback_later(120, exit=True)\n"
+        "s.install()\n"
+        "print('installed', s.installed())\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "installed True" in proc.stdout, proc.stdout + proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "serving SGLang" in line]) == 1

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -151,6 +152,11 @@ def install() -> dict[str, list[str]]:
             f"interpreter ({sys.executable}); install it (pip install sglang) first"
         )
     ours = _replacements()
+    # SGLang itself is imported before the lock: in a process the launcher armed
+    # (HOSTKV_RS_SGLANG=1), the first `import sglang` runs install() from its hook, which would
+    # otherwise wait for this call's lock on this very thread. What fails here is reported below.
+    with contextlib.suppress(Exception):
+        importlib.import_module("sglang")
     with _lock:
         imported, failures = _import_known()
         if not imported:
