@@ -252,6 +252,10 @@ def test_demo_invalid_pair_exit_code_from_the_command_line():
         (["--preset", "deepseek-v3", "--heads", "4"], "--heads does not apply"),
         (["--host-ratio", "-1"], "--host-ratio must be a finite number >= 0"),
         (["--host-ratio", "nan"], "--host-ratio must be a finite number >= 0"),
+        # finite, but the host pool's token count is not (it was an OverflowError traceback)
+        (["--host-ratio", "1e308"], "--host-ratio 1e+308 sizes the host pool past any memory"),
+        # too small for the pages the demo backs up: refused before the pools are allocated
+        (["--host-ratio", "1e-9"], "gives the host pool 1 pages, fewer than the"),
     ],
 )
 def test_demo_bad_options(capsys, monkeypatch, args, message):

@@ -12,6 +12,7 @@ controller does. Then three checks:
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -62,8 +63,24 @@ def demo_bytes(cfg: DemoConfig) -> tuple[int, int]:
     per_token = p.bytes_per_token()
     device = (cfg.pages + 1) * P * per_token
     host_pools = 2 if cfg.l3 else 1
-    host = (int(cfg.pages * P * cfg.host_ratio) // P + 1) * P * per_token * host_pools
+    host = host_pages(cfg) * P * per_token * host_pools
     return device, host
+
+
+def host_pages(cfg: DemoConfig) -> int:
+    """Pages of each host pool: int(device tokens x ratio) // page_size + 1 (SGLang's rule)."""
+    tokens = cfg.pages * cfg.page_size * cfg.host_ratio
+    if not math.isfinite(tokens):
+        raise ValueError(
+            f"--host-ratio {cfg.host_ratio:g} sizes the host pool past any memory "
+            f"({cfg.pages} pages of {cfg.page_size} tokens x {cfg.host_ratio:g})"
+        )
+    return int(tokens) // cfg.page_size + 1
+
+
+def pages_backed_up(cfg: DemoConfig) -> int:
+    """Host pages the demo takes: two per source page (it backs up into a random half)."""
+    return 2 * max(cfg.pages // 2, 1)
 
 
 def _gb(n: int) -> str:
@@ -92,6 +109,12 @@ def check_memory(cfg: DemoConfig) -> None:
     from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
 
     device, host = demo_bytes(cfg)
+    room, wanted = host_pages(cfg), pages_backed_up(cfg)
+    if room < wanted:
+        raise ValueError(
+            f"--host-ratio {cfg.host_ratio:g} gives the host pool {room} pages, fewer than the "
+            f"{wanted} the demo backs up into; raise --host-ratio"
+        )
     available, source = available_memory()
     pools, needs = ("host pools", "need") if cfg.l3 else ("host pool", "needs")
     keeps = (
@@ -145,7 +168,7 @@ def _choose_pages(cfg: DemoConfig, gen):
     as fit disjointly; with a single page the target is the source page."""
     import torch
 
-    n = max(cfg.pages // 2, 1)
+    n = pages_backed_up(cfg) // 2
     order = torch.randperm(cfg.pages, generator=gen) + 1
     src = order[:n]
     dst = order[n : 2 * n] if cfg.pages >= 2 else src.clone()
