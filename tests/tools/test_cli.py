@@ -793,3 +793,30 @@ def test_nt_ratio_is_the_per_round_median_and_refused_when_impossible():
     assert nt_ratio(row) == 0.9
     row["nt_ratio_rounds"] = {"min": 3.0, "median": 4.0, "rounds": 9}
     assert nt_ratio(row) is None  # one thread cannot be 4x faster than one contiguous copy
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch-sglang", "--model-path", "m", "--port", "1"],
+        ["launch-sglang", "--", "--model-path", "m", "--port", "1"],
+    ],
+)
+def test_launch_sglang_passes_sglangs_options_with_or_without_the_separator(monkeypatch, argv):
+    # Without `--`, SGLang's options were read as unknown options of ours.
+    import importlib.util
+    import os
+
+    from hostkv_rs.tools import cli
+
+    ran = {}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(os, "execve", lambda exe, cmd, env: ran.update(cmd=cmd, env=env))
+    assert cli.main(argv) == 0
+    assert ran["cmd"][1:] == ["-m", "sglang.launch_server", "--model-path", "m", "--port", "1"]
+    assert ran["env"]["HOSTKV_RS_SGLANG"] == "1"
+
+
+def test_demo_seed_outside_64_bits_is_one_line(capsys):
+    rc, _out, err = run_main(capsys, "demo", "--seed", str(2**64), *SMALL)
+    assert rc == 2 and "--seed must be a 64-bit integer" in err

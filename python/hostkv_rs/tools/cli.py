@@ -335,6 +335,8 @@ def cmd_demo(args) -> int:
         layout = args.layout or preset.layout
         backend = args.backend or preset.backend
         check_pair(preset, layout, backend)
+        if not -(2**63) <= args.seed < 2**64:
+            raise ValueError(f"--seed must be a 64-bit integer, got {args.seed}")
         if not args.host_ratio >= 0 or args.host_ratio == float("inf"):
             raise ValueError(f"--host-ratio must be a finite number >= 0, got {args.host_ratio}")
         cfg = DemoConfig(
@@ -573,7 +575,9 @@ def cmd_info(_args) -> int:
     try:
         lines = info_lines()
     except ImportError as exc:
-        return _fail("info", f"the Rust extension is not importable: {exc}")
+        name = exc.name or ""
+        what = "the Rust extension" if name.startswith("hostkv_rs") else f"module {name!r}"
+        return _fail("info", f"{what} is not importable: {exc}")
     print("\n".join(lines))
     return 0
 
@@ -581,6 +585,9 @@ def cmd_info(_args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch-sglang"] and argv[1:2] not in ([], ["--"], ["-h"], ["--help"]):
+        # SGLang's own options (--model-path ...) would read as unknown options of ours.
+        argv = ["launch-sglang", "--", *argv[1:]]
     args = parser.parse_args(argv)
     args.argv = argv
     if args.command is None:
