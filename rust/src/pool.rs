@@ -855,7 +855,8 @@ impl PoolSpec {
                     // SGLang fails indexing kv_buffer[i] there (an IndexError).
                     return Err(Error::page_index(format!(
                         "{} get_contiguous_buf_infos: kv_buffer has {s} page rows but the pool \
-                         has {l} layers (layout {:?})",
+                         has {l} layers, and SGLang sizes kv_buffer[i] for each layer i (page \
+                         row {s} is outside the pool; layout {:?})",
                         self.name,
                         self.layout.name()
                     )));
@@ -881,7 +882,8 @@ impl PoolSpec {
                     // SGLang fails indexing kv_buffer[l] there (an IndexError).
                     return Err(Error::page_index(format!(
                         "get_contiguous_buf_infos: kv_buffer has {dim0} entries along dim 0 but \
-                         the pool has {l} layers (layout {:?})",
+                         the pool has {l} layers, and SGLang reads kv_buffer[l] for each layer l \
+                         (entry {dim0} is outside the pool; layout {:?})",
                         layout.name()
                     )));
                 }

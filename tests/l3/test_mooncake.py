@@ -162,6 +162,18 @@ def test_probe_fails_fast_in_one_line_naming_the_address():
             _native.probe(f"127.0.0.1:{http}", f"http://127.0.0.1:{http}/metadata")
 
 
+@needs_mooncake
+def test_the_metadata_port_given_as_the_master_is_refused_with_the_probe_off():
+    # The check is on the text alone: connect makes it without the probe too (Mooncake's setup
+    # would wait forever on that port, holding the GIL).
+    from hostkv_rs.l3 import MooncakeTier, StoreUnavailable
+
+    with _listening() as http, pytest.raises(StoreUnavailable, match="metadata server's HTTP"):
+        MooncakeTier.connect(
+            f"127.0.0.1:{http}", f"http://127.0.0.1:{http}/metadata", probe_timeout=None
+        )
+
+
 def _listening():
     import contextlib
     import socket

@@ -604,6 +604,20 @@ def test_hisparse_a_pool_too_short_fails_before_a_row_too_narrow_as_in_sglang(ca
         host.alloc_paged_token_slots(rows, lens, 0, 0, 8)
 
 
+def test_hisparse_under_dcp_asserts_the_page_multiple_before_the_pool_is_found_short():
+    # SGLang's alloc asserts whole widened pages first, full pool or not.
+    host = MLATokenToKVPoolHost(duck_mla(size=64, page_size=4), 2.0, 0, 8, "layer_first",
+                                dcp_size=2, dcp_rank=0)  # fmt: skip
+    rows = torch.full((1, 64), -1, dtype=torch.int64)
+    lens = torch.zeros(1, dtype=torch.int64)
+    for full in (False, True):
+        host.clear()
+        if full:
+            host.alloc(host.available_size())
+        with pytest.raises(AssertionError, match="multiple of the page size"):
+            host.alloc_paged_token_slots(rows, lens, 0, 0, 4)  # one rank-local page of 4
+
+
 def test_alloc_page_refuses_negative_counts():
     host, _ = host_and_device("layer_first")
     with pytest.raises(ValueError, match="num_pages must not be negative"):

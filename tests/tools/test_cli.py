@@ -820,3 +820,7 @@ def test_launch_sglang_passes_sglangs_options_with_or_without_the_separator(monk
 def test_demo_seed_outside_64_bits_is_one_line(capsys):
     rc, _out, err = run_main(capsys, "demo", "--seed", str(2**64), *SMALL)
     assert rc == 2 and "--seed must be a 64-bit integer" in err
+    # The ends of the range work (the per-layer seeds derived from it stay in 64 bits).
+    for seed in (2**64 - 1, -(2**63)):
+        rc, out, err = run_main(capsys, "demo", "--seed", str(seed), *SMALL)
+        assert rc == 0 and "verified OK" in out, err

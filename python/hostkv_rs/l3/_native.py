@@ -101,6 +101,27 @@ def _reach(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc)
 
 
+def refuse_metadata_port_as_master(master: str, metadata_server: str | None) -> None:
+    """StoreUnavailable when the master address is the http metadata server's own host:port.
+    That port answers TCP, and Mooncake's setup would then wait for an RPC reply that never
+    comes, holding the GIL (no timeout, no Ctrl-C). Text only: no connection is made."""
+    from hostkv_rs.l3.mooncake import StoreUnavailable
+
+    target = _split_host_port(master) if "://" not in master and "," not in master else None
+    if target is None or not metadata_server or not metadata_server.startswith("http"):
+        return
+    url = urllib.parse.urlsplit(metadata_server)
+    try:
+        http = ((url.hostname or "").strip("[]"), url.port)
+    except ValueError:  # a bad port: the metadata probe names it
+        return
+    if http == target:
+        raise StoreUnavailable(
+            f"Mooncake master {master} is the metadata server's HTTP port ({metadata_server}); "
+            "give the master's RPC port (mooncake_master --rpc_port, 50051 unless set)"
+        )
+
+
 def probe(master: str, metadata_server: str | None = None, timeout: float = PROBE_TIMEOUT_S):
     """Raise StoreUnavailable, in one line naming the address, when the master (HOST:PORT) or an
     http(s) metadata server does not accept a TCP connection within `timeout` seconds. Other
@@ -115,20 +136,7 @@ def probe(master: str, metadata_server: str | None = None, timeout: float = PROB
                 f"Mooncake master {master} does not answer ({why}); is mooncake_master running "
                 "there, and is that its RPC port?"
             )
-    if target is not None and metadata_server and metadata_server.startswith("http"):
-        url = urllib.parse.urlsplit(metadata_server)
-        try:
-            http = ((url.hostname or "").strip("[]"), url.port)
-        except ValueError:  # a bad port: the metadata check below names it
-            http = None
-        if http == target:
-            # That port answers TCP, and Mooncake's setup would then wait for an RPC reply that
-            # never comes, holding the GIL (no timeout, no Ctrl-C).
-            raise StoreUnavailable(
-                f"Mooncake master {master} is the metadata server's HTTP port "
-                f"({metadata_server}); give the master's RPC port (mooncake_master "
-                "--rpc_port, 50051 unless set)"
-            )
+    refuse_metadata_port_as_master(master, metadata_server)
     if metadata_server and metadata_server.startswith(("http://", "https://")):
         url = urllib.parse.urlsplit(metadata_server)
         try:

@@ -359,6 +359,8 @@ class MooncakeTier:
         store_cls = _import_store_class()
         if probe_timeout is not None:
             _native.probe(master, metadata_server, probe_timeout)
+        else:
+            _native.refuse_metadata_port_as_master(master, metadata_server)
         if protocol == "tcp" and _is_loopback(local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
         with _native.filtered_stderr():

@@ -97,8 +97,10 @@ class HiSparseHostPoolMixin:
                 f"start_pos ({start_pos}) must not exceed the allocated length ({allocated_len})"
             )
         num_new_pages = max(page_end - allocated_len, 0) // self.page_size
-        if num_new_pages and self.available_size() < num_new_pages * self.page_size:
-            # SGLang takes the pages before it writes the row: a pool too short fails first.
+        need = num_new_pages * self.page_size
+        # SGLang takes the pages before it writes the row: a pool too short fails first, after
+        # the allocator's own page-multiple assert (DCP pools take whole widened pages).
+        if need and need % self.logical_page_size == 0 and self.available_size() < need:
             raise _alloc_failed(num_new_pages, req_pool_idx, start_pos, num_tokens)
         # SGLang would take the slots and then fail to store them (leaking them); refuse first.
         if page_end > width:

@@ -201,7 +201,7 @@ def run_demo(cfg: DemoConfig, out=None) -> DemoResult:
     device_pool = build_device_pool(p, cfg.pages * P, P, cfg.device)
     dplanes = torch_baseline.device_planes(device_pool, p.kind)
     for i, layers in enumerate(dplanes):
-        dgen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 31 + i)
+        dgen = torch.Generator(device=cfg.device).manual_seed((cfg.seed * 31 + i) % 2**64)
         for t in layers:
             t.view(torch.uint8).random_(0, 256, generator=dgen)
     items = p.plane_item_bytes()
