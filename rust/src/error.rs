@@ -72,10 +72,9 @@ pub enum PlanError {
         pool: Option<String>,
     },
     /// SGLang's direct ops' text; with `pool` (a paged pool's name), its paged pools' text.
-    #[error("{}", partial_page_text(pool.as_deref(), *len, *device_len, *page_size))]
+    #[error("{}", partial_page_text(pool.as_deref(), *len, *page_size))]
     PartialPage {
         len: usize,
-        device_len: usize,
         page_size: usize,
         pool: Option<String>,
     },
@@ -299,15 +298,11 @@ fn length_mismatch_text(pool: Option<&str>, host: usize, device: usize) -> Strin
     }
 }
 
-fn partial_page_text(
-    pool: Option<&str>,
-    len: usize,
-    device_len: usize,
-    page_size: usize,
-) -> String {
+/// `len` is both sides' count: a partial page is refused only after the lengths matched.
+fn partial_page_text(pool: Option<&str>, len: usize, page_size: usize) -> String {
     match pool {
         Some(name) => format!(
-            "{name} expects page-aligned indices: got {len} host and {device_len} device indices \
+            "{name} expects page-aligned indices: got {len} host and {len} device indices \
              for page size {page_size}."
         ),
         None => "Source indices size must be divisible by page size".to_owned(),

@@ -160,7 +160,6 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     if strategy != Strategy::PerItem && len as u64 % g.page_size as u64 != 0 {
         return Err(PlanError::PartialPage {
             len,
-            device_len: len,
             page_size: g.page_size,
             pool: None,
         }

@@ -77,7 +77,6 @@ impl PyV4Transfers {
     fn unaligned(&self, py: Python<'_>, n: usize) -> PyErr {
         let partial = PlanError::PartialPage {
             len: n,
-            device_len: n,
             page_size: self.page_size,
             pool: Some(self.name.clone()),
         };
