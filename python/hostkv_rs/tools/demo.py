@@ -78,9 +78,10 @@ def host_pages(cfg: DemoConfig) -> int:
     return int(tokens) // cfg.page_size + 1
 
 
-def pages_backed_up(cfg: DemoConfig) -> int:
-    """Host pages the demo takes: two per source page (it backs up into a random half)."""
-    return 2 * max(cfg.pages // 2, 1)
+def source_pages(cfg: DemoConfig) -> int:
+    """Device pages the demo backs up: half of them (one when there is one); the host pool
+    takes two pages per source page (it backs up into a random half)."""
+    return max(cfg.pages // 2, 1)
 
 
 def _gb(n: int) -> str:
@@ -109,7 +110,7 @@ def check_memory(cfg: DemoConfig) -> None:
     from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
 
     device, host = demo_bytes(cfg)
-    room, wanted = host_pages(cfg), pages_backed_up(cfg)
+    room, wanted = host_pages(cfg), 2 * source_pages(cfg)
     if room < wanted:
         raise ValueError(
             f"--host-ratio {cfg.host_ratio:g} gives the host pool {room} pages, fewer than the "
@@ -168,7 +169,7 @@ def _choose_pages(cfg: DemoConfig, gen):
     as fit disjointly; with a single page the target is the source page."""
     import torch
 
-    n = pages_backed_up(cfg) // 2
+    n = source_pages(cfg)
     order = torch.randperm(cfg.pages, generator=gen) + 1
     src = order[:n]
     dst = order[n : 2 * n] if cfg.pages >= 2 else src.clone()
