@@ -101,13 +101,19 @@ def _reach(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc)
 
 
+def _master_target(master: str) -> tuple[str, int] | None:
+    """(host, port) of a plain HOST:PORT master address; None for the other forms (etcd://, an
+    HA list), which are left to Mooncake."""
+    return _split_host_port(master) if "://" not in master and "," not in master else None
+
+
 def refuse_metadata_port_as_master(master: str, metadata_server: str | None) -> None:
     """StoreUnavailable when the master address is the http metadata server's own host:port.
     That port answers TCP, and Mooncake's setup would then wait for an RPC reply that never
     comes, holding the GIL (no timeout, no Ctrl-C). Text only: no connection is made."""
     from hostkv_rs.l3.mooncake import StoreUnavailable
 
-    target = _split_host_port(master) if "://" not in master and "," not in master else None
+    target = _master_target(master)
     if target is None or not metadata_server or not metadata_server.startswith("http"):
         return
     url = urllib.parse.urlsplit(metadata_server)
@@ -128,7 +134,7 @@ def probe(master: str, metadata_server: str | None = None, timeout: float = PROB
     forms (etcd://, P2PHANDSHAKE, an HA list) are left to Mooncake."""
     from hostkv_rs.l3.mooncake import StoreUnavailable
 
-    target = _split_host_port(master) if "://" not in master and "," not in master else None
+    target = _master_target(master)
     if target is not None:
         why = _reach(*target, timeout)
         if why is not None:
