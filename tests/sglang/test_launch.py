@@ -128,6 +128,13 @@ def _hooked(tmp_path, code: str, extra_path: str = "") -> subprocess.CompletedPr
     )
 
 
+def _assert_served_once(proc: subprocess.CompletedProcess) -> None:
+    """The probe ran to its end with ours installed, and the hook said so in one line."""
+    assert proc.returncode == 0, proc.stderr
+    assert "installed True" in proc.stdout, proc.stdout + proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "serving SGLang" in line]) == 1
+
+
 def test_a_find_spec_probe_before_the_import_leaves_the_hook_armed(tmp_path):
     # Availability checks (`importlib.util.find_spec("sglang")`) run before the real import in
     # many launchers; the spec they get is never executed.
@@ -139,9 +146,7 @@ def test_a_find_spec_probe_before_the_import_leaves_the_hook_armed(tmp_path):
         "import sglang\n"
         "print('installed', s.installed())\n",
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "installed True" in proc.stdout, proc.stdout + proc.stderr
-    assert len([line for line in proc.stderr.splitlines() if "serving SGLang" in line]) == 1
+    _assert_served_once(proc)
 
 
 def test_an_sglang_found_by_an_editable_install_finder_is_served(tmp_path):
@@ -181,6 +186,4 @@ def test_install_called_before_the_first_import_in_an_armed_process_returns(tmp_
         "s.install()\n"
         "print('installed', s.installed())\n",
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "installed True" in proc.stdout, proc.stdout + proc.stderr
-    assert len([line for line in proc.stderr.splitlines() if "serving SGLang" in line]) == 1
+    _assert_served_once(proc)
