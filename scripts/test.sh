@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test: lint, cargo test, build + install the wheel, pytest. Installs what it needs itself.
+# Every test: lint, the PTX and driver-ABI checks, cargo test, build + install the wheel, stubtest,
+# pytest, the SGLang releases. Installs what it needs itself.
 # `.ci/run` runs exactly this. Works on a machine with or without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."

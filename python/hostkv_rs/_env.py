@@ -5,7 +5,7 @@ surfacing as a bare `int()` error deep inside a pool constructor.
 A variable set to an empty (or all-blank) string counts as unset, as SGLang's `os.environ.get(...)
 or default` reads do. Variables read only by the Rust core (`HOSTKV_CPU_ENGINE`,
 `HOSTKV_UNREGISTER_TIMEOUT_S`, `HOSTKV_REGISTER_PARALLEL_BYTES`, `HOSTKV_LOG_REGISTER`,
-`HOSTKV_DIRECT_BATCH`, `HOSTKV_BLOCK_QUOTA`) are parsed there.
+`HOSTKV_DIRECT_BATCH`, `HOSTKV_BLOCK_QUOTA`, `HOSTKV_TENSOR_EXTENT`) are parsed there.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
     installed SGLang <= 0.5.21 a device pool without K/V layers gives only its geometry, as
     there: each transfer then reads the layers of the pool it names.
 
-    Supported (io_backend, layout): kernel + layer_first/page_first/page_head, direct +
-    layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
+    Supported (io_backend, layout): kernel + layer_first/page_first/page_head/page_unified
+    (page_unified from SGLang 0.5.23), direct + layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
     page_first_direct as `Unsupported IO backend: kernel_ascend`, otherwise with SGLang's
     `Unsupported layout: {layout}`.
 
