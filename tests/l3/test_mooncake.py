@@ -151,15 +151,58 @@ def test_probe_fails_fast_in_one_line_naming_the_address():
     text = str(caught.value)
     assert f"Mooncake master {nobody} does not answer" in text and "\n" not in text
     metadata_down = pytest.raises(StoreUnavailable, match="server http://127.0.0.1:1/metadata")
-    with metadata_down, _listening() as port:
+    with metadata_down, _answering_rpc() as port:
         _native.probe(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata", timeout=2.0)
-    with _listening() as port, _listening() as http:  # both answer
+    with _answering_rpc() as port, _listening() as http:  # both answer
         _native.probe(f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/metadata", timeout=2.0)
         _native.probe(f"127.0.0.1:{port}", "P2PHANDSHAKE")
         # The master's HTTP port given as its RPC port answers TCP, and Mooncake's setup would
         # then wait forever: refused by name before any connection.
         with pytest.raises(StoreUnavailable, match="is the metadata server's HTTP port"):
             _native.probe(f"127.0.0.1:{http}", f"http://127.0.0.1:{http}/metadata")
+
+
+def test_probe_refuses_an_open_port_that_is_not_a_masters_rpc_port():
+    # Mooncake's setup against such a port waits for an RPC reply forever, holding the GIL: the
+    # probe asks the port an RPC question first and refuses what does not answer as a master.
+    from hostkv_rs.l3 import StoreUnavailable, _native
+
+    with _listening() as silent:
+        t0 = time.perf_counter()
+        with pytest.raises(StoreUnavailable, match="sent no Mooncake RPC reply within 1 s"):
+            _native.probe(f"127.0.0.1:{silent}", "P2PHANDSHAKE", timeout=1.0)
+        assert time.perf_counter() - t0 < 4
+    with _answering(b"HTTP/1.1 400 Bad Request\r\n\r\n") as http:
+        with pytest.raises(StoreUnavailable, match="not as a Mooncake master's RPC port") as caught:
+            _native.probe(f"127.0.0.1:{http}", "P2PHANDSHAKE", timeout=2.0)
+        assert f"Mooncake master 127.0.0.1:{http} does not answer" in str(caught.value)
+    hung_up = pytest.raises(StoreUnavailable, match="closed the connection without a Mooncake RPC")
+    with _answering(b"") as closing, hung_up:  # accepts, then hangs up
+        _native.probe(f"127.0.0.1:{closing}", "P2PHANDSHAKE", timeout=2.0)
+
+
+@needs_mooncake
+def test_connect_to_an_open_port_that_is_not_a_master_ends_in_a_clear_error(tmp_path):
+    # Without the RPC question this call never returned (Mooncake's setup waits with the GIL
+    # held, so no Python deadline can end it): run it in a child with a watchdog.
+    script = tmp_path / "connect.py"
+    script.write_text(
+        "import socket, sys\n"
+        "from hostkv_rs.l3 import MooncakeTier, StoreUnavailable\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(4)\n"
+        "port = s.getsockname()[1]\n"
+        "try:\n"
+        "    MooncakeTier.connect(f'127.0.0.1:{port}', 'P2PHANDSHAKE', probe_timeout=1.0)\n"
+        "except StoreUnavailable as exc:\n"
+        "    print('refused:', exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sent no Mooncake RPC reply within 1 s" in done.stdout
 
 
 @needs_mooncake
@@ -189,6 +232,54 @@ def _listening():
             sock.close()
 
     return server()
+
+
+def _answering(reply: bytes):
+    """A loopback port that accepts connections, reads what comes, sends `reply` and hangs up."""
+    import contextlib
+    import socket
+    import threading
+
+    @contextlib.contextmanager
+    def server():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        sock.settimeout(0.2)
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(1.0)
+                    try:
+                        conn.recv(64)
+                        conn.sendall(reply)
+                    except OSError:
+                        pass
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield sock.getsockname()[1]
+        finally:
+            stop.set()
+            thread.join(5)
+            sock.close()
+
+    return server()
+
+
+def _answering_rpc():
+    """A port that answers as a Mooncake master's RPC port does: a coro_rpc error reply (magic 21,
+    a 16-byte header) to any request."""
+    import struct
+
+    return _answering(struct.pack("<BBBBIII", 21, 0, 11, 0, 1, 0, 0))
 
 
 NOISE = (
@@ -798,10 +889,10 @@ def test_connect_to_a_master_that_does_not_answer_fails_in_seconds():
     from hostkv_rs.l3 import MooncakeTier, StoreUnavailable
     from hostkv_rs.l3.master import free_port
 
-    nobody = f"127.0.0.1:{free_port()}"
+    nobody, metadata = f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata"
     t0 = time.perf_counter()
     with pytest.raises(StoreUnavailable, match=f"Mooncake master {nobody} does not answer"):
-        MooncakeTier.connect(nobody, f"http://{nobody}/metadata", global_segment_size=0)
+        MooncakeTier.connect(nobody, metadata, global_segment_size=0)
     assert time.perf_counter() - t0 < 10  # Mooncake's own retries take ~100 s
 
 

@@ -8,8 +8,9 @@
   `HOSTKV_MOONCAKE_LOG=1` (or a level: TRACE, INFO, WARNING, ERROR) leaves Mooncake's logging as
   it is, at that level.
 * Quick: a master that does not accept TCP connections is retried by the client for ~100 s with
-  an error line per attempt; `probe` asks the master's port (and an HTTP metadata server's) with a
-  short timeout first and raises one error naming the address.
+  an error line per attempt, and a port that accepts but is not a master's RPC port makes the
+  client's setup wait for good (no timeout, the GIL held); `probe` asks the master's port (and an
+  HTTP metadata server's) with a short timeout first and raises one error naming the address.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import contextlib
 import os
 import re
 import socket
+import struct
 import sys
 import tempfile
+import time
 import urllib.parse
 
 from hostkv_rs import _env
@@ -101,6 +104,50 @@ def _reach(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc)
 
 
+# The master speaks coro_rpc (yalantinglibs): a request is a 20-byte little-endian header (magic
+# 21, version, serialize type, message type, sequence number, function id, body length, attachment
+# length) and every reply starts with a 16-byte header whose first byte is that magic, an error
+# reply included. A request for a function id no master registers gets such an error reply at
+# once, and nothing else (an HTTP server waits for more bytes, most servers answer in text).
+_RPC_MAGIC = 21
+_RPC_REPLY_HEADER_BYTES = 16
+_RPC_PROBE = struct.pack("<BBBBIIII", _RPC_MAGIC, 0, 0, 0, 1, 0x686B7672, 0, 0)
+
+
+def _rpc_reply(host: str, port: int, timeout: float) -> str | None:
+    """None when (host, port) answers a coro_rpc request as a master does within `timeout`
+    seconds, else why not."""
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_RPC_PROBE)
+            reply, closed = b"", False
+            while len(reply) < _RPC_REPLY_HEADER_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                sock.settimeout(left)
+                try:
+                    chunk = sock.recv(_RPC_REPLY_HEADER_BYTES - len(reply))
+                except TimeoutError:
+                    break
+                if not chunk:
+                    closed = True
+                    break
+                reply += chunk
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if len(reply) == _RPC_REPLY_HEADER_BYTES and reply[0] == _RPC_MAGIC:
+        return None
+    if reply:
+        return f"it answered, but not as a Mooncake master's RPC port (first bytes {reply[:8]!r})"
+    if closed:
+        return "it closed the connection without a Mooncake RPC reply"
+    return f"it accepted the connection but sent no Mooncake RPC reply within {timeout:g} s"
+
+
 def _master_target(master: str) -> tuple[str, int] | None:
     """(host, port) of a plain HOST:PORT master address; None for the other forms (etcd://, an
     HA list), which are left to Mooncake."""
@@ -129,20 +176,21 @@ def refuse_metadata_port_as_master(master: str, metadata_server: str | None) -> 
 
 
 def probe(master: str, metadata_server: str | None = None, timeout: float = PROBE_TIMEOUT_S):
-    """Raise StoreUnavailable, in one line naming the address, when the master (HOST:PORT) or an
-    http(s) metadata server does not accept a TCP connection within `timeout` seconds. Other
-    forms (etcd://, P2PHANDSHAKE, an HA list) are left to Mooncake."""
+    """Raise StoreUnavailable, in one line naming the address, when the master (HOST:PORT) does
+    not answer an RPC request as a Mooncake master within `timeout` seconds, or an http(s)
+    metadata server does not accept a TCP connection in that time. Other forms (etcd://,
+    P2PHANDSHAKE, an HA list) are left to Mooncake."""
     from hostkv_rs.l3.mooncake import StoreUnavailable
 
+    refuse_metadata_port_as_master(master, metadata_server)
     target = _master_target(master)
     if target is not None:
-        why = _reach(*target, timeout)
+        why = _rpc_reply(*target, timeout)
         if why is not None:
             raise StoreUnavailable(
                 f"Mooncake master {master} does not answer ({why}); is mooncake_master running "
-                "there, and is that its RPC port?"
+                "there, and is that its RPC port (mooncake_master --rpc_port, 50051 unless set)?"
             )
-    refuse_metadata_port_as_master(master, metadata_server)
     if metadata_server and metadata_server.startswith(("http://", "https://")):
         url = urllib.parse.urlsplit(metadata_server)
         try:

@@ -347,11 +347,12 @@ class MooncakeTier:
         """Set up a Mooncake client against `master` ("host:port") and `metadata_server`
         ("http://host:port/metadata" for the master's embedded one, or "P2PHANDSHAKE").
 
-        The master's port (and an http metadata server's) must accept a TCP connection within
-        `probe_timeout` seconds, else StoreUnavailable is raised at once (None: no probe, leave
-        it to Mooncake's retries); so is a master address that names the metadata server's own
-        HTTP port. Another open port that is not a master's RPC port passes the probe, and
-        Mooncake's setup then waits for a reply that never comes (it has no timeout and holds
+        The master's port must answer an RPC request as a Mooncake master does (and an http
+        metadata server's port accept a TCP connection) within `probe_timeout` seconds, else
+        StoreUnavailable is raised at once; so is a master address that names the metadata
+        server's own HTTP port. With `probe_timeout=None` there is no probe: a master that is
+        down is left to Mooncake's retries, and an open port that is not a master's RPC port
+        makes Mooncake's setup wait for a reply that never comes (it has no timeout and holds
         the GIL), as it does without hostkv_rs. With the tcp protocol on a loopback `local_hostname`,
         MC_TCP_BIND_ADDRESS is set to it when unset, so the client advertises loopback and not
         the machine's first interface. MC_LOG_LEVEL defaults to ERROR and the setup's known
