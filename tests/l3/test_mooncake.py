@@ -415,6 +415,15 @@ def test_page_digests_read_only_the_pools_own_memory():
             memory.check([*ptrs, ptr], [*sizes, size])
         with pytest.raises(ValueError, match="outside the pool's host memory"):
             memory.pieces(([*ptrs, ptr], [*sizes, size]))
+    # A buffer whose end wraps past 2**64 (its start past every allocation) is outside too.
+    wraps = (2**64 - 16, 32)
+    with pytest.raises(ValueError, match="outside the pool's host memory"):
+        memory.check([*ptrs, wraps[0]], [*sizes, wraps[1]])
+    with pytest.raises(ValueError, match="outside the pool's host memory"):
+        memory.piece(*wraps)
+    for ptr, size in ((-1, 16), (ptrs[0], 2**63)):
+        with pytest.raises(ValueError, match=r"addresses in \[0, 2\*\*64\)"):
+            memory.check([ptr], [size])
 
 
 # ----------------------------------------------------------------- a real store

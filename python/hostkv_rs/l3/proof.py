@@ -135,15 +135,22 @@ class PoolBytes:
     def check(self, ptrs, sizes) -> None:
         """Raise ValueError unless every buffer lies inside one of the pool's allocations (all
         at once, before any byte moves)."""
-        p = np.asarray(ptrs, dtype=np.uint64)
-        n = np.asarray(sizes, dtype=np.int64)
+        try:
+            p = np.asarray(ptrs, dtype=np.uint64)
+            n = np.asarray(sizes, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError(
+                "page buffers must be given as addresses in [0, 2**64) and sizes in [0, 2**63)"
+            ) from None
         if not p.size:
             return
         inside = n > 0
         if len(self._starts):
             j = np.searchsorted(self._starts, p, side="right").astype(np.int64) - 1
-            at = np.clip(j, 0, None)
-            inside &= (j >= 0) & (p + np.clip(n, 0, None).astype(np.uint64) <= self._ends[at])
+            end = self._ends[np.clip(j, 0, None)]
+            # `p + n` could wrap past 2**64 and land inside: compare what is left after p.
+            room = np.where(p <= end, end - p, 0)
+            inside &= (j >= 0) & (p <= end) & (np.clip(n, 0, None).astype(np.uint64) <= room)
         else:
             inside[:] = False
         if not inside.all():
