@@ -140,12 +140,6 @@ impl PoolSpec {
         name: &str,
     ) -> Result<Self> {
         let layout = support::build(kind, layout)?;
-        if layout == Layout::PageUnified {
-            let mla = kind == PoolKind::Mla;
-            let (h, g) = if mla { (1, 1) } else { (heads, head_groups) };
-            let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
-            unified::check([page_size, layers, h, g, dims[0], itemsize].map(field), mla)?;
-        }
         let want = match kind {
             PoolKind::Mha | PoolKind::AsymmetricMha => 2,
             // The page rows, and the NPU indexer's scale rows once they are attached.
@@ -157,6 +151,12 @@ impl PoolSpec {
                 "a {kind:?} pool has {want} plane(s), got {} dims",
                 dims.len()
             )));
+        }
+        if layout == Layout::PageUnified {
+            let mla = kind == PoolKind::Mla;
+            let (h, g) = if mla { (1, 1) } else { (heads, head_groups) };
+            let field = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+            unified::check([page_size, layers, h, g, dims[0], itemsize].map(field), mla)?;
         }
         for (what, v) in [
             ("page_size", page_size),
@@ -1294,6 +1294,13 @@ mod tests {
                 "",
             )
         };
+        // A plane count that does not fit the kind is refused before page_unified's own checks
+        // read the first plane's width.
+        for kind in [PoolKind::Mha, PoolKind::Mla] {
+            let e = PoolSpec::grouped(kind, "page_unified", 2, 8, 2, 4, 2, &[], 2, 1, 0, "")
+                .unwrap_err();
+            assert!(e.to_string().contains("plane(s), got 0 dims"), "{e}");
+        }
         // P=4, L=6, H=4, G=2, D=8, bf16.
         let s = mha(6, 4, 2, 8, 2).unwrap();
         assert_eq!(s.shape(0), vec![3, 2, 6, 2, 4, 2, 8]);
