@@ -162,6 +162,19 @@ def test_probe_fails_fast_in_one_line_naming_the_address():
             _native.probe(f"127.0.0.1:{http}", f"http://127.0.0.1:{http}/metadata")
 
 
+@pytest.mark.parametrize(
+    "master", [":::", "127.0.0.1:-1", "127.0.0.1:99999", "127.0.0.1:", ":50051"]
+)
+def test_a_master_address_that_is_not_host_port_is_refused_by_name(master):
+    # No probe can check such an address, and Mooncake's setup against it waited for good.
+    from hostkv_rs.l3 import StoreUnavailable, _native
+
+    with pytest.raises(StoreUnavailable, match="is not HOST:PORT with a port in"):
+        _native.probe(master, "P2PHANDSHAKE", timeout=1.0)
+    with pytest.raises(StoreUnavailable, match="is not HOST:PORT with a port in"):
+        _native.refuse_metadata_port_as_master(master, "http://127.0.0.1:1/metadata")
+
+
 def test_probe_refuses_an_open_port_that_is_not_a_masters_rpc_port():
     # Mooncake's setup against such a port waits for an RPC reply forever, holding the GIL: the
     # probe asks the port an RPC question first and refuses what does not answer as a master.

@@ -150,8 +150,19 @@ def _rpc_reply(host: str, port: int, timeout: float) -> str | None:
 
 def _master_target(master: str) -> tuple[str, int] | None:
     """(host, port) of a plain HOST:PORT master address; None for the other forms (etcd://, an
-    HA list), which are left to Mooncake."""
-    return _split_host_port(master) if "://" not in master and "," not in master else None
+    HA list, a bare host), which are left to Mooncake. A plain address with a port that is not
+    one (`:::`, `host:-1`, `host:99999`) is refused: no probe could check it, and Mooncake's setup
+    against it waits for good."""
+    from hostkv_rs.l3.mooncake import StoreUnavailable
+
+    if "://" in master or "," in master or ":" not in master:
+        return None
+    target = _split_host_port(master)
+    if target is None or not 0 < target[1] < 65536:
+        raise StoreUnavailable(
+            f"Mooncake master address {master!r} is not HOST:PORT with a port in [1, 65535]"
+        )
+    return target
 
 
 def refuse_metadata_port_as_master(master: str, metadata_server: str | None) -> None:
