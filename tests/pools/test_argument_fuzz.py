@@ -67,6 +67,12 @@ SGLANG_NOT_IMPLEMENTED = re.compile(
 STATE_RUNTIME = re.compile(r"HiSparse host mem pool alloc failed|holds no KV bytes")
 
 
+def _nested(layout):
+    with warnings.catch_warnings():  # nested tensors are a prototype, and say so
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.arange(3), torch.arange(2)], layout=layout)
+
+
 def _quantized():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated
@@ -131,6 +137,8 @@ _WEIRD_BUILDERS = [
     lambda: torch.arange(4).to_sparse(),
     lambda: torch.empty(4, dtype=torch.int64, device="meta"),
     lambda: _quantized(),
+    lambda: _nested(torch.strided),
+    lambda: _nested(torch.jagged),
     lambda: torch.zeros(4, dtype=torch.complex64),
 ]
 WEIRD = st.sampled_from(range(len(_WEIRD_BUILDERS))).map(lambda i: _WEIRD_BUILDERS[i]())

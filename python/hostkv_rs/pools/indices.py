@@ -88,7 +88,19 @@ def _storage_data(tensor: torch.Tensor) -> int:
         return 0
 
 
+def _refuse_nested(tensor: torch.Tensor, what: str) -> None:
+    if tensor.is_nested:
+        # Its rows live in separate buffers, and torch's own size and alias calls fail on it
+        # with internal errors.
+        raise TypeError(f"{what}: expected a dense (strided) tensor, got a nested tensor")
+
+
 def check_storage(tensor: torch.Tensor, what: str) -> None:
+    _refuse_nested(tensor, what)
+    _check_dense_storage(tensor, what)
+
+
+def _check_dense_storage(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided:
         # A sparse or nested tensor has no one storage at an address to read.
         raise TypeError(f"{what}: expected a dense (strided) tensor, got {tensor.layout}")
@@ -104,7 +116,7 @@ def check_storage(tensor: torch.Tensor, what: str) -> None:
         )
 
 
-def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def plain_tensor(tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     """`tensor` as a plain `torch.Tensor` whose methods only torch answers, for reading its
     values through its address. A subclass's own methods (or its `__torch_function__`), and an
     attribute set on the object itself (`t.data_ptr = ...`), could report an address or a shape
@@ -112,6 +124,7 @@ def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     overrides off) shares the storage, sizes and offset."""
     if type(tensor) is torch.Tensor and not tensor.__dict__:
         return tensor
+    _refuse_nested(tensor, what)
     with torch._C.DisableTorchFunctionSubclass():
         return torch.Tensor.as_subclass(tensor, torch.Tensor)
 
@@ -125,7 +138,7 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
     must be kept alive until the transfer call returns.
     """
     if isinstance(indices, torch.Tensor):
-        indices = plain_tensor(indices)
+        indices = plain_tensor(indices, "index tensor")
     if (
         isinstance(indices, torch.Tensor)
         and indices.dtype in _ACCEPTED
@@ -135,7 +148,8 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         and not indices.is_neg()
         and (device is None or (indices.is_cpu and device.type == "cpu"))
     ):
-        check_storage(indices, "index tensor")
+        # A nested tensor is never 1-D, so the fast path needs no nested check.
+        _check_dense_storage(indices, "index tensor")
         return indices  # already what the core reads: the per-call fast path
     indices = as_tensor(indices)
     if indices.device.type == "meta":
