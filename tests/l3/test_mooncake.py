@@ -1238,9 +1238,19 @@ def test_a_page_format_knows_whether_its_tp_rank_was_named():
         page_format(POOLS["mha-page_first"]()).tag
         == page_format(POOLS["mha-page_first"](), tp_rank=0, tp_size=1).tag
     )
-    for rank, size in ((1, None), (None, 2), (2, 2), (-1, 2)):
-        with pytest.raises(ValueError, match="must name a shard together"):
+    for rank, size in ((1, None), (None, 2), (2, 2), (-1, 2), ("x", 2), (0, float("inf"))):
+        with pytest.raises(ValueError, match="tp_rank=.* must name a shard together"):
             page_format(POOLS["mha-page_first"](), tp_rank=rank, tp_size=size)
+
+
+def test_pp_rank_and_namespace_are_checked_like_tp_rank():
+    pool = POOLS["mha-page_first"]()
+    assert "-pp1of2-" in page_format(pool, pp_rank=1, pp_size=2).tag
+    for rank, size in ((-1, 1), (0, 0), (2, 2), (None, 1), (0, float("nan"))):
+        with pytest.raises(ValueError, match="pp_rank=.* must name a shard together"):
+            page_format(pool, pp_rank=rank, pp_size=size)
+    with pytest.raises(TypeError, match="namespace must be a string, got object"):
+        page_format(pool, namespace=object())
 
 
 def _attach_warnings(make_tier, caplog, case: str, **named) -> list[str]:

@@ -188,6 +188,20 @@ def model_field(model_id: str | None) -> str:
     return f"m{text_digest(model_id) & ((1 << 64) - 1):016x}"
 
 
+def _shard(what: str, rank, size) -> tuple[int, int]:
+    """(rank, size) of a TP or PP shard as ints, or ValueError naming both."""
+    try:
+        r, n = int(rank), int(size)
+    except (TypeError, ValueError, OverflowError):
+        r, n = -1, 0
+    if not 0 <= r < n:
+        raise ValueError(
+            f"{what}_rank={rank} and {what}_size={size} must name a shard together, with "
+            f"0 <= {what}_rank < {what}_size"
+        )
+    return r, n
+
+
 def page_format(
     pool,
     *,
@@ -258,15 +272,10 @@ def page_format(
     if owned is not None:
         fields.append(owned)
     tp_named = tp_rank is not None or tp_size is not None
-    if tp_named and (tp_rank is None or tp_size is None or not 0 <= int(tp_rank) < int(tp_size)):
-        raise ValueError(
-            f"tp_rank={tp_rank} and tp_size={tp_size} must name a shard together, with "
-            "0 <= tp_rank < tp_size"
-        )
-    rank, size = (int(tp_rank), int(tp_size)) if tp_named else (0, 1)
+    rank, size = _shard("tp", tp_rank, tp_size) if tp_named else (0, 1)
     if tp_sharded:
         fields.append(f"tp{rank}of{size}")
-    fields.append(f"pp{int(pp_rank)}of{int(pp_size)}")
+    fields.append("pp{}of{}".format(*_shard("pp", pp_rank, pp_size)))
     if dcp_size != 1:
         fields.append(f"dcp{dcp_rank}of{dcp_size}")
     own_tag = getattr(pool, "storage_format_tag", None)
@@ -276,6 +285,8 @@ def page_format(
     if not digests:
         fields.append("raw")
     tag = "-".join(fields)
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a string, got {type(namespace).__name__}")
     if namespace:
         tag = f"{namespace}/{tag}"
     page_bytes = sum(int(s) for s in sizes)
