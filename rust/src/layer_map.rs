@@ -45,6 +45,16 @@ impl LayerMap {
                 owned_slots.len()
             )));
         }
+        // Controller layer ids are SGLang's layer numbers: a negative or repeated one would map
+        // two device layers onto one id (the last silently winning) or answer for a layer no
+        // model has.
+        let mut seen = std::collections::HashSet::with_capacity(owned_slots.len());
+        if let Some(bad) = owned_slots.iter().find(|&&s| s < 0 || !seen.insert(s)) {
+            return Err(Error::value(format!(
+                "{what}: owned layer ids must be distinct and non-negative, got {bad} in \
+                 {owned_slots:?}"
+            )));
+        }
         // Owned target `k` is host layer `k` unless `host_layers` says otherwise (a device pool
         // handed to one call, holding only some of the layers).
         if let Some(h) = host_layers {
@@ -158,6 +168,18 @@ mod tests {
         assert!(m.complete());
         assert_eq!(m.backup_order(), &[(0, 0), (1, 1), (2, 2), (3, 3)]);
         assert_eq!(m.targets(), vec![(4, 0), (5, 1)]);
+    }
+
+    #[test]
+    fn negative_or_repeated_layer_ids_are_refused() {
+        for owned in [&[-1, 5][..], &[3, 3]] {
+            let e = LayerMap::new(2, owned, 0, 2, None, "layer map").unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("owned layer ids must be distinct and non-negative"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
