@@ -363,6 +363,39 @@ def test_demo_memory_check_on_cuda_asks_the_gpu_for_the_device_pool(monkeypatch)
         demo.check_memory(cfg)
 
 
+def test_bench_too_big_for_this_machine_is_refused_with_the_numbers():
+    # 10^8 layers: petabytes. Before this check the run grew towards them until the machine
+    # swapped; the refusal must come before anything is allocated, in one line.
+    proc = run_cli("bench", "--tiny", "--device", "cpu", "--layers", "100000000")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert "hostkv-rs bench: error: not enough memory for the benchmark" in err
+    assert "keeps 10 GiB (10,737,418,240 bytes" in err and "lower --layers" in err
+    assert proc.stdout == ""
+
+
+def test_bench_memory_check_counts_the_pools_and_the_yardstick(monkeypatch):
+    from hostkv_rs.tools import bench
+
+    device, host = bench.memory_needed(bench.TINY)
+    reserve = 10 * 1024**3
+    _fake_available(monkeypatch, device + host + reserve)
+    bench.check_memory(bench.TINY, "cpu")
+    _fake_available(monkeypatch, device + host + reserve - 1)
+    with pytest.raises(ValueError, match="not enough memory for the benchmark"):
+        bench.check_memory(bench.TINY, "cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (device - 1, 1 << 40))
+    _fake_available(monkeypatch, host + reserve)
+    with pytest.raises(ValueError, match="not enough GPU memory for the benchmark"):
+        bench.check_memory(bench.TINY, "cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (device, 1 << 40))
+    bench.check_memory(bench.TINY, "cuda")
+    _fake_available(monkeypatch, host + reserve - 1)
+    with pytest.raises(ValueError, match="not enough host memory for the benchmark"):
+        bench.check_memory(bench.TINY, "cuda")
+
+
 def test_demo_says_why_its_numbers_are_not_the_benchmarks(capsys):
     rc, out, err = run_main(capsys, "demo", *SMALL)
     assert rc == 0, out + err

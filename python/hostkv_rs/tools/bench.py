@@ -671,9 +671,59 @@ def _cells(matrix: Matrix, presets: list[Preset]) -> int:
     return n + 1
 
 
+def memory_needed(matrix: Matrix) -> tuple[int, int]:
+    """(device bytes, host bytes) the largest preset of `matrix` holds at once: its device pool
+    (with the padding page) and the copy yardstick's device buffer; its host pool (ratio 1:
+    tokens // page_size + 1 pages, SGLang's rule) and the yardstick's host buffer."""
+    per_token = max(p.bytes_per_token() for p in bench_presets(matrix))
+    page, tokens = matrix.page_size, max(matrix.page_counts) * matrix.page_size
+    moved = tokens * per_token
+    device = (tokens + page) * per_token + moved
+    host = (tokens // page + 1) * page * per_token + moved
+    return device, host
+
+
+def check_memory(matrix: Matrix, device: str) -> None:
+    """Refuse, before anything is allocated, a matrix this machine cannot hold: otherwise torch's
+    allocator fails deep inside a device pool, or the machine swaps until the OOM killer ends
+    the process, instead of an error that says what was asked for and what there is."""
+    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+    from hostkv_rs.tools.demo import available_memory, gb_text
+
+    dev, host = memory_needed(matrix)
+    available, source = available_memory()
+    hint = "; lower --layers or --page-size, or pick a smaller matrix (--quick, --tiny)"
+    keeps = (
+        f"the host pool's memory check keeps {reserve / 2**30:.0f} GiB ({reserve:,} bytes, "
+        "SGLang's HiCache reserve)"
+    )
+    if device == "cpu":
+        if dev + host + reserve > available:
+            raise ValueError(
+                f"not enough memory for the benchmark: its device side (on cpu) needs "
+                f"{gb_text(dev)} and its host side {gb_text(host)}, but "
+                f"{gb_text(available)} is available ({source}), and {keeps}{hint}"
+            )
+        return
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    if dev > free:
+        raise ValueError(
+            f"not enough GPU memory for the benchmark: its device side needs {gb_text(dev)}, "
+            f"but torch.cuda.mem_get_info() reports {gb_text(free)} free{hint}"
+        )
+    if host + reserve > available:
+        raise ValueError(
+            f"not enough host memory for the benchmark: its host side needs {gb_text(host)}, "
+            f"but {gb_text(available)} is available ({source}), and {keeps}{hint}"
+        )
+
+
 def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed: int = 0) -> dict:
     import torch
 
+    check_memory(matrix, device)
     presets = bench_presets(matrix)
     load1 = os.getloadavg()[0]
     cpus = os.cpu_count() or 1

@@ -84,7 +84,7 @@ def source_pages(cfg: DemoConfig) -> int:
     return max(cfg.pages // 2, 1)
 
 
-def _gb(n: int) -> str:
+def gb_text(n: int) -> str:
     return f"{n / 1e9:.2f} GB ({n:,} bytes)"
 
 
@@ -126,8 +126,8 @@ def check_memory(cfg: DemoConfig) -> None:
     if cfg.device == "cpu":
         if device + host + reserve > available:
             raise ValueError(
-                f"not enough memory: the device pool (on cpu) needs {_gb(device)} and the "
-                f"{pools} {_gb(host)}, but {_gb(available)} is available ({source}), and "
+                f"not enough memory: the device pool (on cpu) needs {gb_text(device)} and the "
+                f"{pools} {gb_text(host)}, but {gb_text(available)} is available ({source}), and "
                 f"{keeps} out of what the device pool leaves{hint}"
             )
         return
@@ -136,12 +136,12 @@ def check_memory(cfg: DemoConfig) -> None:
     free, _total = torch.cuda.mem_get_info()
     if device > free:
         raise ValueError(
-            f"not enough GPU memory: the device pool needs {_gb(device)}, but "
-            f"torch.cuda.mem_get_info() reports {_gb(free)} free{hint}"
+            f"not enough GPU memory: the device pool needs {gb_text(device)}, but "
+            f"torch.cuda.mem_get_info() reports {gb_text(free)} free{hint}"
         )
     if host + reserve > available:
         raise ValueError(
-            f"not enough host memory: the {pools} {needs} {_gb(host)}, but {_gb(available)} is "
+            f"not enough host memory: the {pools} {needs} {gb_text(host)}, but {gb_text(available)} is "
             f"available ({source}), and {keeps} out of it{hint}"
         )
 
