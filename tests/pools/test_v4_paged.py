@@ -858,6 +858,17 @@ def test_flat_data_pages(layout):
     assert host_bytes(pool)[2].eq(0).all() == (layout != "layer_first")
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_one_layer_layer_first_page_is_a_copy_as_sglangs_stack_is(flat):
+    # With one layer the page's rows are contiguous in the pool, so a flattened view would be
+    # the pool's own bytes: a storage backend writing into it would change the pool.
+    pool, _ = make_pool("layer_first", L=1, item=24, pages=3, P=4)
+    pool.set_from_flat_data_page(4, torch.full((24,), 1, dtype=torch.uint8))
+    page = pool.get_data_page(4, flat=flat)
+    page.fill_(7)
+    assert pool.get_data_page(4).eq(1).all()
+
+
 def test_set_from_flat_data_page_accepts_other_dtypes_of_the_right_size():
     pool, _ = make_pool("page_first", L=2, item=16, pages=2, P=4)
     page = torch.arange(8, dtype=torch.float32)  # 32 bytes = 2 x 16

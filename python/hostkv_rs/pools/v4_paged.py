@@ -517,9 +517,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self._require_live()
         data_page = self._page_view(index)
         flat = truth("flat", flat)
-        if self._spec.layer_view_dim(False) is not None and not flat:
-            # SGLang stacks the per-layer rows: a copy, not a view of the pool.
-            return data_page.clone(memory_format=torch.contiguous_format)
+        if self._spec.layer_view_dim(False) is not None:
+            # SGLang stacks the per-layer rows: a copy, not a view of the pool, flat or not (with
+            # one layer the view is contiguous, and flatten alone would hand out the pool's bytes).
+            data_page = data_page.clone(memory_format=torch.contiguous_format)
         return data_page.flatten() if flat else data_page
 
     def get_dummy_flat_data_page(self):
