@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hostkv_rs import DeepSeekV4PagedHostPool, LogicalHostPool
@@ -175,6 +176,20 @@ def test_free_accepts_any_integer_tensor_and_returns_count(pool):
         pool.free(torch.tensor([36]))
     assert isinstance(e.value, IndexError) and not isinstance(e.value, AssertionError)
     assert pool.available_size() == 36 - 12 + 8
+
+
+@pytest.mark.parametrize(
+    "single", [lambda: torch.tensor(0), lambda: 0, lambda: np.int64(0), lambda: np.array(0)]
+)
+def test_a_single_slot_not_in_a_sequence_is_refused_and_changes_nothing(pool, single):
+    # SGLang's pools take len() of what they free: a TypeError there (after part of the free,
+    # in some releases); refused here before anything.
+    pool.alloc(4)
+    free_before = pool.free_slots.clone()
+    with pytest.raises(TypeError, match="indices must be a sequence, got"):
+        pool.free(single())
+    assert pool.available_size() == 32 and torch.equal(pool.free_slots, free_before)
+    assert pool.free(torch.tensor([0, 1, 2, 3])) == 4  # slot 0 was still allocated
 
 
 def test_free_keeps_its_own_copy(pool):

@@ -4,6 +4,7 @@ Used by every pool (`HostKVCache`, the V4 paged pool and the logical pool)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hostkv_rs.pools.args import NegativeSlotError, SlotRangeError
@@ -27,6 +28,10 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
     the caller may keep writing to what it passed (a tensor, or a numpy array that
     `as_index_array` only wraps) after the slots sit on a release list."""
+    if _is_scalar(indices):
+        # SGLang's pools take len() of what they free: a single slot is a TypeError there, raised
+        # (in some releases) after part of the free was done. Refused here before anything.
+        raise TypeError(f"{what}: indices must be a sequence, got {indices!r}")
     slots = as_index_array(indices, _CPU).to(torch.int64)
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
@@ -34,6 +39,14 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
             error = NegativeSlotError if lo < 0 else SlotRangeError
             raise error(f"{what}: indices must lie in [0, {size}), got min={lo}, max={hi}")
     return slots.clone()
+
+
+def _is_scalar(indices) -> bool:
+    if isinstance(indices, torch.Tensor):
+        return indices.dim() == 0
+    if isinstance(indices, np.ndarray):
+        return indices.ndim == 0
+    return isinstance(indices, (int, float, np.generic))
 
 
 def index_list(indices) -> list[int]:
