@@ -440,6 +440,13 @@ def _mtp_pools(v_head_dim=None, drafts=2):
     return target, [duck_mha_pool(v_head_dim=v_head_dim, layers=1) for _ in range(drafts)]
 
 
+@pytest.mark.parametrize("drafts", [5, None, torch.zeros(2, 3), np.zeros(2)])
+def test_draft_pools_that_are_not_a_sequence_of_pools_are_refused_by_name(drafts):
+    target, _ = _mtp_pools()
+    with pytest.raises(TypeError, match="mtp_draft_device_pools must be a sequence of pools"):
+        MHATokenToKVPoolHost(target, 2.0, 0, P, "page_first", mtp_draft_device_pools=drafts)
+
+
 def test_mtp_geometry_tables_and_log(caplog):
     target, drafts = _mtp_pools()
     with caplog.at_level(logging.INFO, logger="hostkv_rs"):

@@ -122,3 +122,15 @@ def required(form: str, **values) -> None:
     missing = [name for name, value in values.items() if value is None]
     if missing:
         raise TypeError(f"{form} needs {', '.join(missing)} (got None)")
+
+
+def pool_sequence(name: str, value) -> tuple:
+    """`value` (draft device pools or buffer infos) as a tuple, as SGLang's `tuple(value)` reads
+    it; a tensor or array is refused by name (its rows are not pools, and iterating a huge or
+    nested one only exhausts memory or fails inside torch)."""
+    if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+        raise TypeError(f"{name} must be a sequence of pools, got {type(value).__name__}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of pools, got {type(value).__name__}") from None

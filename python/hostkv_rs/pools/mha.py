@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools.args import as_int, device_side_of, required
+from hostkv_rs.pools.args import as_int, device_side_of, pool_sequence, required
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layers_device,
@@ -92,6 +92,8 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
         source = self._checked_source(
             device_pool, buffer_info, host_to_device_ratio, host_size, page_size, layout
         )
+        mtp_draft_device_pools = pool_sequence("mtp_draft_device_pools", mtp_draft_device_pools)
+        draft_buffer_infos = pool_sequence("draft_buffer_infos", draft_buffer_infos)
         if is_buffer_info(source):
             with device_side_of(type(self).__name__):
                 side = self._from_buffer_info(source, draft_buffer_infos, pool_label)

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools.args import as_int, device_side_of, positive_int, required, truth
+from hostkv_rs.pools.args import (
+    as_int,
+    device_side_of,
+    pool_sequence,
+    positive_int,
+    required,
+    truth,
+)
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layer_key,
@@ -90,6 +97,8 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
         source = self._checked_source(
             device_pool, buffer_info, host_to_device_ratio, host_size, page_size, layout
         )
+        mtp_draft_device_pools = pool_sequence("mtp_draft_device_pools", mtp_draft_device_pools)
+        draft_buffer_infos = pool_sequence("draft_buffer_infos", draft_buffer_infos)
         if override_kv_cache_dim is not None:
             # SGLang reads it as `override or default`: 0 keeps the default width.
             override_kv_cache_dim = as_int("override_kv_cache_dim", override_kv_cache_dim)
