@@ -117,9 +117,11 @@ _RPC_PROBE = struct.pack("<BBBBIIII", _RPC_MAGIC, 0, 0, 0, 1, 0x686B7672, 0, 0)
 def _rpc_reply(host: str, port: int, timeout: float) -> str | None:
     """None when (host, port) answers a coro_rpc request as a master does within `timeout`
     seconds, else why not."""
-    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
+            # The reply gets its own `timeout` from here: a name that resolves to several
+            # addresses may spend most of the connect's time on one that drops the attempt.
+            deadline = time.monotonic() + timeout
             sock.sendall(_RPC_PROBE)
             reply, closed = b"", False
             while len(reply) < _RPC_REPLY_HEADER_BYTES:
