@@ -1251,6 +1251,7 @@ def test_pp_rank_and_namespace_are_checked_like_tp_rank():
             page_format(pool, pp_rank=rank, pp_size=size)
     with pytest.raises(TypeError, match="namespace must be a string, got object"):
         page_format(pool, namespace=object())
+    assert page_format(pool, namespace=None).tag == page_format(pool).tag  # no prefix
 
 
 def _attach_warnings(make_tier, caplog, case: str, **named) -> list[str]:

@@ -285,6 +285,8 @@ def page_format(
     if not digests:
         fields.append("raw")
     tag = "-".join(fields)
+    if namespace is None:
+        namespace = ""  # no prefix, as an empty namespace
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a string, got {type(namespace).__name__}")
     if namespace:
