@@ -67,10 +67,12 @@ SGLANG_NOT_IMPLEMENTED = re.compile(
 STATE_RUNTIME = re.compile(r"HiSparse host mem pool alloc failed|holds no KV bytes")
 
 
-def _nested(layout):
+def _nested(layout, scalars=False):
+    # Of 0-d parts, a strided nested tensor is 1-D: it passes the index fast path's shape tests.
+    parts = [torch.tensor(1), torch.tensor(2)] if scalars else [torch.arange(3), torch.arange(2)]
     with warnings.catch_warnings():  # nested tensors are a prototype, and say so
         warnings.simplefilter("ignore")
-        return torch.nested.nested_tensor([torch.arange(3), torch.arange(2)], layout=layout)
+        return torch.nested.nested_tensor(parts, layout=layout)
 
 
 def _quantized():
@@ -139,6 +141,7 @@ _WEIRD_BUILDERS = [
     lambda: _quantized(),
     lambda: _nested(torch.strided),
     lambda: _nested(torch.jagged),
+    lambda: _nested(torch.strided, scalars=True),
     lambda: torch.zeros(4, dtype=torch.complex64),
 ]
 WEIRD = st.sampled_from(range(len(_WEIRD_BUILDERS))).map(lambda i: _WEIRD_BUILDERS[i]())

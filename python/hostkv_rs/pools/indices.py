@@ -104,7 +104,14 @@ def _check_dense_storage(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided:
         # A sparse or nested tensor has no one storage at an address to read.
         raise TypeError(f"{what}: expected a dense (strided) tensor, got {tensor.layout}")
-    if not storage_holds(tensor):
+    try:
+        holds = storage_holds(tensor)
+    except RuntimeError:
+        # A nested tensor (one of 0-d parts is 1-D, strided and a plain torch.Tensor, so it
+        # reaches the per-call fast path) has no sizes to read: say so, at no cost otherwise.
+        _refuse_nested(tensor, what)
+        raise
+    if not holds:
         raise ValueError(
             f"{what}: the tensor's storage holds {tensor.untyped_storage().nbytes()} bytes, "
             f"fewer than its shape {tuple(tensor.shape)} (offset {tensor.storage_offset()}) needs"
@@ -148,7 +155,6 @@ def as_index_array(indices, device: torch.device | None = None) -> torch.Tensor:
         and not indices.is_neg()
         and (device is None or (indices.is_cpu and device.type == "cpu"))
     ):
-        # A nested tensor is never 1-D, so the fast path needs no nested check.
         _check_dense_storage(indices, "index tensor")
         return indices  # already what the core reads: the per-call fast path
     indices = as_tensor(indices)
