@@ -32,6 +32,7 @@ import concurrent.futures
 import os
 import struct
 import threading
+import warnings
 
 import numpy as np
 
@@ -136,9 +137,12 @@ class PoolBytes:
         """Raise ValueError unless every buffer lies inside one of the pool's allocations (all
         at once, before any byte moves)."""
         try:
-            p = np.asarray(ptrs, dtype=np.uint64)
+            with warnings.catch_warnings():
+                # numpy 1.x wraps a negative address into a large one, with only this warning.
+                warnings.simplefilter("error", DeprecationWarning)
+                p = np.asarray(ptrs, dtype=np.uint64)
             n = np.asarray(sizes, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
+        except (OverflowError, TypeError, ValueError, DeprecationWarning):
             raise ValueError(
                 "page buffers must be given as addresses in [0, 2**64) and sizes in [0, 2**63)"
             ) from None
