@@ -673,13 +673,14 @@ def _cells(matrix: Matrix, presets: list[Preset]) -> int:
 
 def memory_needed(matrix: Matrix) -> tuple[int, int]:
     """(device bytes, host bytes) the largest preset of `matrix` holds at once: its device pool
-    (with the padding page) and the copy yardstick's device buffer; its host pool (ratio 1:
-    tokens // page_size + 1 pages, SGLang's rule) and the yardstick's host buffer."""
+    (with the padding page) and the copy yardstick's device buffer; two host pools' worth (ratio
+    1: tokens // page_size + 1 pages, SGLang's rule; the allocation timing holds a faulted buffer
+    of that size while it builds the next pool) and the yardstick's host buffer."""
     per_token = max(p.bytes_per_token() for p in bench_presets(matrix))
     page, tokens = matrix.page_size, max(matrix.page_counts) * matrix.page_size
     moved = tokens * per_token
     device = (tokens + page) * per_token + moved
-    host = (tokens // page + 1) * page * per_token + moved
+    host = 2 * (tokens // page + 1) * page * per_token + moved
     return device, host
 
 
