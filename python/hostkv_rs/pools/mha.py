@@ -57,9 +57,9 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
     there: each transfer then reads the layers of the pool it names.
 
     Supported (io_backend, layout): kernel + layer_first/page_first/page_head/page_unified
-    (page_unified from SGLang 0.5.23), direct + layer_first/page_first_direct. `kernel_ascend` needs an Ascend NPU and is refused: with
-    page_first_direct as `Unsupported IO backend: kernel_ascend`, otherwise with SGLang's
-    `Unsupported layout: {layout}`.
+    (page_unified from SGLang 0.5.23), direct + layer_first/page_first_direct. `kernel_ascend`
+    needs an Ascend NPU and is refused: with page_first_direct as `Unsupported IO backend:
+    kernel_ascend`, otherwise with SGLang's `Unsupported layout: {layout}`.
 
     MTP packing: with drafts, the host holds the target's layers followed by one layer per draft;
     a draft load is called with `is_draft=True` and `layer_id = target_layer_num + k`.
