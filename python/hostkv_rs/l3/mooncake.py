@@ -350,10 +350,11 @@ class MooncakeTier:
         The master's port must answer an RPC request as a Mooncake master does (and an http
         metadata server's port accept a TCP connection) within `probe_timeout` seconds, else
         StoreUnavailable is raised at once; so is, with or without the probe, a master address
-        that names the metadata server's own HTTP port or a HOST:PORT whose port is not one. With `probe_timeout=None` there is no probe: a master that is
-        down is left to Mooncake's retries, and an open port that is not a master's RPC port
-        makes Mooncake's setup wait for a reply that never comes (it has no timeout and holds
-        the GIL), as it does without hostkv_rs. With the tcp protocol on a loopback `local_hostname`,
+        that names the metadata server's own HTTP port or a HOST:PORT whose port is not one.
+        With `probe_timeout=None` there is no probe: a master that is down is left to
+        Mooncake's retries, and an open port that is not a master's RPC port makes Mooncake's
+        setup wait for a reply that never comes (it has no timeout and holds the GIL), as it
+        does without hostkv_rs. With the tcp protocol on a loopback `local_hostname`,
         MC_TCP_BIND_ADDRESS is set to it when unset, so the client advertises loopback and not
         the machine's first interface. MC_LOG_LEVEL defaults to ERROR and the setup's known
         harmless lines are dropped, unless HOSTKV_MOONCAKE_LOG is set."""

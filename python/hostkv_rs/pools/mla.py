@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     """Supported (io_backend, layout): kernel + layer_first/page_first/page_unified (page_unified
-    from SGLang 0.5.23), direct + layer_first/page_first_direct. `kernel_ascend` serves only the Ascend `page_first_kv_split`
-    layout, which this package does not build, so it is refused with SGLang's
-    `Unsupported layout: {layout}`.
+    from SGLang 0.5.23), direct + layer_first/page_first_direct. `kernel_ascend` serves only the
+    Ascend `page_first_kv_split` layout, which this package does not build, so it is refused
+    with SGLang's `Unsupported layout: {layout}`.
 
     `is_dummy=True` sizes the pool from the device pool's geometry alone and runs the slot
     allocator without allocating any bytes (`kv_buffer = data_refs = data_ptrs = None`);
