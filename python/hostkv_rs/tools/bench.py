@@ -688,37 +688,19 @@ def check_memory(matrix: Matrix, device: str) -> None:
     """Refuse, before anything is allocated, a matrix this machine cannot hold: otherwise torch's
     allocator fails deep inside a device pool, or the machine swaps until the OOM killer ends
     the process, instead of an error that says what was asked for and what there is."""
-    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
-    from hostkv_rs.tools.demo import available_memory, gb_text
+    from hostkv_rs.tools.demo import refuse_unless_memory_fits
 
     dev, host = memory_needed(matrix)
-    available, source = available_memory()
-    hint = "; lower --layers or --page-size, or pick a smaller matrix (--quick, --tiny)"
-    keeps = (
-        f"the host pool's memory check keeps {reserve / 2**30:.0f} GiB ({reserve:,} bytes, "
-        "SGLang's HiCache reserve)"
+    refuse_unless_memory_fits(
+        device,
+        dev,
+        host,
+        for_what=" for the benchmark",
+        device_side="its device side",
+        host_side="its host side",
+        host_verb="needs",
+        hint="; lower --layers or --page-size, or pick a smaller matrix (--quick, --tiny)",
     )
-    if device == "cpu":
-        if dev + host + reserve > available:
-            raise ValueError(
-                f"not enough memory for the benchmark: its device side (on cpu) needs "
-                f"{gb_text(dev)} and its host side {gb_text(host)}, but "
-                f"{gb_text(available)} is available ({source}), and {keeps}{hint}"
-            )
-        return
-    import torch
-
-    free, _total = torch.cuda.mem_get_info()
-    if dev > free:
-        raise ValueError(
-            f"not enough GPU memory for the benchmark: its device side needs {gb_text(dev)}, "
-            f"but torch.cuda.mem_get_info() reports {gb_text(free)} free{hint}"
-        )
-    if host + reserve > available:
-        raise ValueError(
-            f"not enough host memory for the benchmark: its host side needs {gb_text(host)}, "
-            f"but {gb_text(available)} is available ({source}), and {keeps}{hint}"
-        )
 
 
 def run(matrix: Matrix, *, device: str, max_seconds: float, progress: bool, seed: int = 0) -> dict:

@@ -107,8 +107,6 @@ def check_memory(cfg: DemoConfig) -> None:
     """Refuse, before anything is allocated, a demo this machine cannot hold: otherwise torch's
     allocator fails deep inside the device pool (or the OOM killer ends the process) instead of
     an error that says what was asked for and what there is."""
-    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
-
     device, host = demo_bytes(cfg)
     room, wanted = host_pages(cfg), 2 * source_pages(cfg)
     if room < wanted:
@@ -116,33 +114,61 @@ def check_memory(cfg: DemoConfig) -> None:
             f"--host-ratio {cfg.host_ratio:g} gives the host pool {room} pages, fewer than the "
             f"{wanted} the demo backs up into; raise --host-ratio"
         )
+    one = not cfg.l3
+    refuse_unless_memory_fits(
+        cfg.device,
+        device,
+        host,
+        for_what="",
+        device_side="the device pool",
+        host_side="the host pool" if one else "the host pools",
+        host_verb="needs" if one else "need",
+        hint="; lower --pages, --page-size, --layers or --host-ratio",
+    )
+
+
+def refuse_unless_memory_fits(
+    device: str,
+    device_bytes: int,
+    host_bytes: int,
+    *,
+    for_what: str,
+    device_side: str,
+    host_side: str,
+    host_verb: str,
+    hint: str,
+) -> None:
+    """ValueError naming the sizes unless `device_bytes` fit the device (on cpu: with the host
+    side, in host memory) and `host_bytes` plus SGLang's HiCache reserve fit host memory; the
+    demo's and the benchmark's check before they allocate."""
+    from hostkv_rs.sglang.budgets import HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve
+
     available, source = available_memory()
-    pools, needs = ("host pools", "need") if cfg.l3 else ("host pool", "needs")
     keeps = (
         f"the host pool's memory check keeps {reserve / 2**30:.0f} GiB ({reserve:,} bytes, "
         "SGLang's HiCache reserve)"
     )
-    hint = "; lower --pages, --page-size, --layers or --host-ratio"
-    if cfg.device == "cpu":
-        if device + host + reserve > available:
+    if device == "cpu":
+        if device_bytes + host_bytes + reserve > available:
             raise ValueError(
-                f"not enough memory: the device pool (on cpu) needs {gb_text(device)} and the "
-                f"{pools} {gb_text(host)}, but {gb_text(available)} is available ({source}), and "
-                f"{keeps} out of what the device pool leaves{hint}"
+                f"not enough memory{for_what}: {device_side} (on cpu) needs "
+                f"{gb_text(device_bytes)} and {host_side} {gb_text(host_bytes)}, but "
+                f"{gb_text(available)} is available ({source}), and {keeps} out of what "
+                f"{device_side} leaves{hint}"
             )
         return
     import torch
 
     free, _total = torch.cuda.mem_get_info()
-    if device > free:
+    if device_bytes > free:
         raise ValueError(
-            f"not enough GPU memory: the device pool needs {gb_text(device)}, but "
+            f"not enough GPU memory{for_what}: {device_side} needs {gb_text(device_bytes)}, but "
             f"torch.cuda.mem_get_info() reports {gb_text(free)} free{hint}"
         )
-    if host + reserve > available:
+    if host_bytes + reserve > available:
         raise ValueError(
-            f"not enough host memory: the {pools} {needs} {gb_text(host)}, but {gb_text(available)} is "
-            f"available ({source}), and {keeps} out of it{hint}"
+            f"not enough host memory{for_what}: {host_side} {host_verb} {gb_text(host_bytes)}, "
+            f"but {gb_text(available)} is available ({source}), and {keeps} out of it{hint}"
         )
 
 
