@@ -9,7 +9,12 @@ from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import ZeroSizeError, as_int
 from hostkv_rs.pools.base import new_pool_lock, synchronized
 from hostkv_rs.pools.indices import as_tensor
-from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
+from hostkv_rs.pools.slots import (
+    SlotFreeList,
+    refuse_single_slot,
+    slot_table_bytes,
+    slots_in_pool,
+)
 from hostkv_rs.sglang import handover as _handover
 
 
@@ -82,8 +87,7 @@ class LogicalHostPool(SlotFreeList, metaclass=_handover.PoolMeta):
         # Stricter than SGLang on purpose: a double or foreign free is refused (the MHA/MLA
         # pools' error), where SGLang's count of available slots would drift past the size.
         indices = as_tensor(indices)
-        if indices.dim() == 0:
-            raise TypeError(f"LogicalHostPool free: indices must be a sequence, got {indices!r}")
+        refuse_single_slot(indices, "LogicalHostPool free")
         n = len(indices)
         if n % self.page_size != 0:
             raise ValueError(

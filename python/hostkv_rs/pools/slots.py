@@ -28,10 +28,7 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
     the caller may keep writing to what it passed (a tensor, or a numpy array that
     `as_index_array` only wraps) after the slots sit on a release list."""
-    if _is_scalar(indices):
-        # SGLang's pools take len() of what they free: a single slot is a TypeError there, raised
-        # (in some releases) after part of the free was done. Refused here before anything.
-        raise TypeError(f"{what}: indices must be a sequence, got {indices!r}")
+    refuse_single_slot(indices, what)
     slots = as_index_array(indices, _CPU).to(torch.int64)
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
@@ -41,12 +38,18 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     return slots.clone()
 
 
-def _is_scalar(indices) -> bool:
+def refuse_single_slot(indices, what: str) -> None:
+    """TypeError for one slot not in a sequence (a 0-d tensor or array, a number). SGLang's pools
+    take len() of what they free: a TypeError there too, raised (in some releases) after part of
+    the free was done; refused here before anything."""
     if isinstance(indices, torch.Tensor):
-        return indices.dim() == 0
-    if isinstance(indices, np.ndarray):
-        return indices.ndim == 0
-    return isinstance(indices, (int, float, np.generic))
+        single = indices.dim() == 0
+    elif isinstance(indices, np.ndarray):
+        single = indices.ndim == 0
+    else:
+        single = isinstance(indices, (int, float, np.generic))
+    if single:
+        raise TypeError(f"{what}: indices must be a sequence, got {indices!r}")
 
 
 def index_list(indices) -> list[int]:
