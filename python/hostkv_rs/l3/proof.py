@@ -153,8 +153,9 @@ class PoolBytes:
             j = np.searchsorted(self._starts, p, side="right").astype(np.int64) - 1
             end = self._ends[np.clip(j, 0, None)]
             # `p + n` could wrap past 2**64 and land inside: compare what is left after p.
+            # Past the end there is no room, and `inside` already asks for n > 0.
             room = np.where(p <= end, end - p, 0)
-            inside &= (j >= 0) & (p <= end) & (np.clip(n, 0, None).astype(np.uint64) <= room)
+            inside &= (j >= 0) & (n.astype(np.uint64) <= room)
         else:
             inside[:] = False
         if not inside.all():
