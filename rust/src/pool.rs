@@ -354,6 +354,7 @@ impl PoolSpec {
             shown,
             transfer,
             &self.name,
+            self.release,
         )
     }
 

@@ -136,6 +136,12 @@ const SERVED: &[(PoolKind, Layout, Io, Transfer, Backend)] = &[
 /// Layouts not every supported SGLang release builds, with the first release that does.
 const INTRODUCED: &[(&str, Release)] = &[("page_unified", (0, 5, 23))];
 
+/// io backends a kind's slot transfers serve only from a release on: before it, SGLang's pool
+/// of that kind knows no such backend and refuses it as it refuses any unknown one (V4 paged
+/// pools learned kernel_ascend in 0.5.20).
+const BACKEND_INTRODUCED: &[(PoolKind, Io, Transfer, Release)] =
+    &[(V4Paged, Io::KernelAscend, Slots, (0, 5, 20))];
+
 /// An SGLang release, `(major, minor, patch)`.
 pub type Release = (u32, u32, u32);
 
@@ -182,7 +188,7 @@ pub fn handed_back(kind: PoolKind) -> Vec<&'static str> {
 
 /// The route of a transfer, or SGLang's refusal. `io_backend` is None when the caller passed
 /// something that is not a string; `shown` is its text; `pool` names the pool in the texts that
-/// name it.
+/// name it; `release` is the SGLang release the pool follows (None: the newest).
 pub fn route(
     kind: PoolKind,
     layout: Layout,
@@ -190,8 +196,15 @@ pub fn route(
     shown: &str,
     transfer: Transfer,
     pool: &str,
+    release: Option<Release>,
 ) -> Result<Route> {
-    let io = Io::of(io_backend);
+    let mut io = Io::of(io_backend);
+    let too_new = BACKEND_INTRODUCED.iter().any(|&(k, i, t, first)| {
+        k == kind && i == io && t == transfer && release.is_some_and(|r| r < first)
+    });
+    if too_new {
+        io = Io::Other;
+    }
     let Some(&(.., backend)) = SERVED
         .iter()
         .find(|&&(k, l, i, t, _)| k == kind && l == layout && i == io && t == transfer)
@@ -311,6 +324,40 @@ mod tests {
         }
     }
 
+    #[test]
+    fn v4_slot_copies_take_kernel_ascend_from_0_5_20() {
+        for layout in [LayerFirst, PageFirst, PageFirstDirect] {
+            let at = |release, transfer| {
+                let io = Some("kernel_ascend");
+                route(
+                    V4Paged,
+                    layout,
+                    io,
+                    "kernel_ascend",
+                    transfer,
+                    "c4",
+                    release,
+                )
+            };
+            for release in [Some((0, 5, 18)), Some((0, 5, 19))] {
+                assert_eq!(
+                    at(release, Slots).unwrap_err().to_string(),
+                    format!(
+                        "Unsupported V4 paged host layout/backend: {}/kernel_ascend",
+                        layout.name()
+                    )
+                );
+            }
+            for release in [Some((0, 5, 20)), Some((0, 5, 23)), None] {
+                at(release, Slots).unwrap();
+            }
+            // SGLang's token copy never read io_backend, in any release.
+            if layout == LayerFirst {
+                at(Some((0, 5, 18)), Tokens).unwrap();
+            }
+        }
+    }
+
     const KINDS: [PoolKind; 4] = [Mha, AsymmetricMha, Mla, V4Paged];
 
     fn io_name(io: Io) -> &'static str {
@@ -336,7 +383,16 @@ mod tests {
     #[test]
     fn every_served_cell_has_a_strategy() {
         for &(kind, layout, io, transfer, backend) in SERVED {
-            let route = route(kind, layout, Some(io_name(io)), io_name(io), transfer, "").unwrap();
+            let route = route(
+                kind,
+                layout,
+                Some(io_name(io)),
+                io_name(io),
+                transfer,
+                "",
+                None,
+            )
+            .unwrap();
             let want = match (backend, layout) {
                 (Backend::Kernel, _) => PerItem,
                 (Backend::Direct, LayerFirst) => Runs,
@@ -365,7 +421,7 @@ mod tests {
     #[test]
     fn refusals_use_sglangs_texts() {
         let r = |k, l, io: Option<&str>, t| {
-            route(k, l, io, io.unwrap_or("7"), t, "c4")
+            route(k, l, io, io.unwrap_or("7"), t, "c4", None)
                 .unwrap_err()
                 .to_string()
         };

@@ -1354,6 +1354,29 @@ def test_kernel_ascend_moves_whole_pages_and_their_scales(layout, with_scales):
                 assert not sdev[layer][dp].any()
 
 
+@pytest.mark.parametrize("release", [(0, 5, 18), (0, 5, 19)])
+@pytest.mark.parametrize("layout", ASCEND_LAYOUTS)
+def test_kernel_ascend_is_unknown_to_releases_before_0_5_20(monkeypatch, release, layout):
+    # 0.5.18-0.5.19's V4 pool has no kernel_ascend copy: whole pages are refused as any
+    # unknown backend is, before a byte moves; single tokens never read the backend there.
+    monkeypatch.setattr(v4_paged, "sglang_release", lambda: release)
+    P = 2
+    pool, dev = make_contract_pool(layout, L=3, item=48, pages=5, P=P, dev_pages=6)
+    poison_host(pool.kv_buffer, 4)
+    host_before = rows_of(pool.kv_buffer, layout, 3, 48)
+    dev_before = [t.clone() for t in dev]
+    text = f"Unsupported V4 paged host layout/backend: {layout}/kernel_ascend"
+    h, d = tokens([4, 0], P), tokens([5, 1], P)
+    with pytest.raises(ValueError) as e:
+        pool.backup_from_device_all_layer(None, h, d, "kernel_ascend")
+    assert str(e.value) == text
+    with pytest.raises(ValueError) as e:
+        pool.load_to_device_per_layer(None, h, d, 1, "kernel_ascend")
+    assert str(e.value) == text
+    assert torch.equal(rows_of(pool.kv_buffer, layout, 3, 48), host_before)
+    assert all(torch.equal(t, was) for t, was in zip(dev, dev_before))
+
+
 def test_kernel_ascend_refuses_before_any_byte_when_the_scale_rows_are_short():
     L, item, P = 2, 48, 2
     pool, _ = make_contract_pool("layer_first", L=L, item=item, pages=5, P=P, dev_pages=6)

@@ -245,11 +245,12 @@ impl PyV4Transfers {
             let io = io.as_deref().unwrap_or("");
             return self.tokens(py, io, backend.as_any(), (host, dev), layers);
         }
+        // Before the early return below: a release without kernel_ascend refuses it first.
+        let backend = self.backend(py, io_backend, "slots")?;
         let ascend = io.as_deref() == Some("kernel_ascend");
         if ascend && matches!(layers, Layers::All) && self.spec()?.spec.layers == 0 {
             return Ok(()); // SGLang checks the layout in each layer's page view: there are none
         }
-        let backend = self.backend(py, io_backend, "slots")?;
         let binding = match (&self.ascend, &self.page) {
             (Some(ascend_rows), _) if ascend => ascend_rows,
             (_, Some(page)) => page,
