@@ -214,19 +214,26 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
 
 /// Strided device rows (`pitch` bytes apart) hold at least a row of every plane, and move one
 /// row at a time: a page block is one copy only where the device rows are packed, so the copy
-/// engine's page_first_direct refuses them, with SGLang's text.
+/// engine's page_first_direct refuses them, with SGLang's text. page_head is refused too, as
+/// SGLang refuses it on every platform: its head-major kernels have no strided form.
 fn check_row_pitch(g: &HostGeometry, op: Op, strategy: Strategy, pitch: u64) -> Result<()> {
     if let Some(&item) = g.item_bytes.iter().find(|&&item| (item as u64) > pitch) {
         return Err(invalid(format!(
             "device rows {pitch} bytes apart cannot hold rows of {item} bytes"
         )));
     }
-    if strategy == Strategy::PageBlocks {
-        let kernel = if op.to_host() {
-            "transfer_kv_all_layer_direct_lf_pf"
-        } else {
-            "transfer_kv_per_layer_direct_pf_lf"
-        };
+    let kernels = match (strategy, g.layout) {
+        (Strategy::PageBlocks, _) => Some((
+            "transfer_kv_all_layer_direct_lf_pf",
+            "transfer_kv_per_layer_direct_pf_lf",
+        )),
+        (_, Layout::PageHead) => {
+            Some(("transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_ph_lf"))
+        }
+        _ => None,
+    };
+    if let Some((backup, load)) = kernels {
+        let kernel = if op.to_host() { backup } else { load };
         return Err(Error::not_implemented(format!(
             "HiCache: {kernel} steps device rows by the row width ({} B), but this device \
              pool's rows are {pitch} B apart. Use the JIT HiCache kernels with a layer_first or \
@@ -1983,10 +1990,12 @@ mod tests {
             }
         };
         let host_layer = rng.below(layers as u64) as usize;
-        // Strided device rows (SGLang's unified pools), except for whole page blocks.
-        let blocks = (layout, backend) == (Layout::PageFirstDirect, Backend::Direct);
+        // Strided device rows (SGLang's unified pools), except for whole page blocks and
+        // page_head (SGLang has no copy of either for them).
+        let refused = layout == Layout::PageHead
+            || (layout, backend) == (Layout::PageFirstDirect, Backend::Direct);
         let row_pitch =
-            (!blocks && rng.below(3) == 0).then(|| max_item + [1, 5, 64][rng.below(3) as usize]);
+            (!refused && rng.below(3) == 0).then(|| max_item + [1, 5, 64][rng.below(3) as usize]);
         Case {
             layout,
             backend,
@@ -2099,9 +2108,9 @@ mod tests {
             }
         }
         // Every pair, with both widths and both directions; strided device rows with every
-        // pair but the page blocks.
+        // pair but the page blocks and page_head.
         assert_eq!(seen.len(), PAIRS.len() * 2 * 2, "{seen:?}");
-        assert_eq!(strided.len(), PAIRS.len() - 1, "{strided:?}");
+        assert_eq!(strided.len(), PAIRS.len() - 2, "{strided:?}");
         // Strided device rows cannot be page blocks (SGLang's refusal), nor closer than a row.
         let mut c = base_case(Layout::PageFirstDirect, Backend::Direct, vec![16]);
         (c.host_idx, c.dev_idx) = ((0..c.page as i64).collect(), (0..c.page as i64).collect());
@@ -2111,6 +2120,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("transfer_kv_all_layer_direct_lf_pf steps device rows by the row width (16 B), but this device pool's rows are 32 B apart"), "{e}");
+        // Nor page_head, in either direction (SGLang refuses it wherever it runs).
+        for op in [Op::Backup, Op::Load { host_layer: 0 }] {
+            let mut c = base_case(Layout::PageHead, Backend::Kernel, vec![16]);
+            (c.host_idx, c.dev_idx, c.op) = (vec![0, 1, 2, 3], vec![4, 5, 6, 7], op);
+            c.row_pitch = Some(32);
+            let e = c
+                .run_plan(&mut c.world(&mut Rng(3)))
+                .unwrap_err()
+                .to_string();
+            let kernel = if op.to_host() {
+                "transfer_kv_all_layer_lf_ph"
+            } else {
+                "transfer_kv_per_layer_ph_lf"
+            };
+            assert!(e.contains(&format!("HiCache: {kernel} steps device rows by the row width (16 B), but this device pool's rows are 32 B apart")), "{e}");
+        }
         c.backend = Backend::Kernel;
         c.row_pitch = Some(15);
         let e = c

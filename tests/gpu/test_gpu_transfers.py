@@ -538,7 +538,6 @@ def test_gpu_indices_freed_on_another_stream_are_not_reused_before_the_kernel_re
     [
         ("kernel", "layer_first"),
         ("kernel", "page_first"),
-        ("kernel", "page_head"),
         ("direct", "layer_first"),
     ],
 )

@@ -964,7 +964,6 @@ def strided_mha_pool(seed=0, pad=6):
     [
         ("layer_first", "kernel"),
         ("page_first", "kernel"),
-        ("page_head", "kernel"),
         ("layer_first", "direct"),
     ],
 )
@@ -983,15 +982,49 @@ def test_strided_device_rows_round_trip_and_touch_nothing_else(layout, backend):
     assert torch.equal(dst.entries, want)
 
 
-def test_strided_device_rows_are_refused_where_sglang_has_no_copy_for_them():
+@pytest.mark.parametrize(
+    "layout, backend, load_kernel, backup_kernel",
+    [
+        (
+            "page_first_direct",
+            "direct",
+            "transfer_kv_per_layer_direct_pf_lf",
+            "transfer_kv_all_layer_direct_lf_pf",
+        ),
+        # SGLang 0.5.22+ refuses page_head on every platform: no JIT kernel takes it.
+        ("page_head", "kernel", "transfer_kv_per_layer_ph_lf", "transfer_kv_all_layer_lf_ph"),
+    ],
+)
+def test_strided_device_rows_are_refused_where_sglang_has_no_copy_for_them(
+    layout, backend, load_kernel, backup_kernel
+):
     src = strided_mha_pool()
-    host = MHATokenToKVPoolHost(src, 2.0, 0, P, "page_first_direct")
+    host = MHATokenToKVPoolHost(src, 2.0, 0, P, layout)
+    h = host.alloc(P)
+    host_before = host.kv_buffer.clone()
     before = src.entries.clone()
-    with pytest.raises(
-        NotImplementedError, match="transfer_kv_per_layer_direct_pf_lf steps device"
-    ):
-        host.load_to_device_per_layer(src, host.alloc(P), torch.arange(P), 0, "direct")
-    assert torch.equal(src.entries, before)
+    row = H * D * 4
+    pitch = (L * 2 * H * D + 6) * 4
+    for kernel, call in [
+        (load_kernel, lambda: host.load_to_device_per_layer(src, h, torch.arange(P), 0, backend)),
+        (
+            backup_kernel,
+            lambda: host.backup_from_device_all_layer(src, h, torch.arange(P), backend),
+        ),
+    ]:
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        assert str(e.value) == (
+            f"HiCache: {kernel} steps device rows by the row width ({row} B), but this device "
+            f"pool's rows are {pitch} B apart. Use the JIT HiCache kernels with a layer_first "
+            "or page_first host layout."
+        )
+        assert torch.equal(src.entries, before)
+        assert torch.equal(host.kv_buffer, host_before)
+
+
+def test_strided_device_rows_must_share_one_stride():
+    src = strided_mha_pool()
     src.k_buffer[1] = src.k_buffer[1].contiguous()  # one packed layer among strided ones
     with pytest.raises(NotImplementedError, match="do not share one row stride"):
         MHATokenToKVPoolHost(src, 2.0, 0, P, "layer_first")

@@ -269,21 +269,17 @@ fn layer_first_and_page_first_every_item_size() {
 #[test]
 fn strided_device_rows_every_kernel_layout() {
     // SGLang's unified pools: each device layer is a view of token-major entries, its rows a
-    // pitch apart that is more than their bytes (the gaps hold other layers' rows).
+    // pitch apart that is more than their bytes (the gaps hold other layers' rows). page_head
+    // is refused with them, as SGLang refuses it (plan's tests).
     for layout in [
         Layout::LayerFirst,
         Layout::PageFirst,
-        Layout::PageHead,
         Layout::PageFirstDirect,
         Layout::PageUnified,
     ] {
         for (items, gap) in [(&[16usize][..], 48), (&[12, 12], 5), (&[656], 100)] {
             let mut c = Case::new(layout, items, 5);
-            c.heads = if matches!(layout, Layout::PageHead | Layout::PageUnified) {
-                4
-            } else {
-                1
-            };
+            c.heads = if layout == Layout::PageUnified { 4 } else { 1 };
             c.row_pitch = Some(items.iter().max().unwrap() + gap);
             both_directions(c, &[1, 7], 0x5717 ^ gap as u64);
         }
