@@ -188,7 +188,8 @@ def _mxfp8_mha():
 HANDOFFS = {
     # what: (device pool factory, use_mla, layout, io_backend, min release)
     "MHA fp8 with per-token scales": (_token_scaled_fp8_mha, False, "page_first", "kernel", None),
-    "MXFP8 MHA": (_mxfp8_mha, False, "page_first", "kernel", (0, 5, 21)),
+    # 0.5.18-0.5.20 have no MXFP8 host pool: their MHA host pool is built, without the scales.
+    "MXFP8 MHA": (_mxfp8_mha, False, "page_first", "kernel", None),
     "MLA page_first_kv_split": (H.mla_device, True, "page_first_kv_split", "kernel", None),
     "MHA kernel_ascend": (H.mha_device, False, "page_first_direct", "kernel_ascend", None),
     "MLA kernel_ascend": (H.mla_device, True, "page_first_kv_split", "kernel_ascend", None),

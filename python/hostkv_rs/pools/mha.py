@@ -420,7 +420,7 @@ def get_mha_host_pool_cls(device_pool=None, *, buffer_info=None) -> type:
     """The host pool class SGLang builds for an MHA device pool (<= 0.5.22) or an
     `MHABufferInfo` (0.5.23, whose parameter is named `buffer_info`; either name takes either):
     asymmetric when `head_dim != v_head_dim`, SGLang's own MXFP8 host pool for MXFP8 scales
-    (hostkv_rs does not mirror scales; one log line says so)."""
+    (hostkv_rs does not mirror scales; one log line says so) from 0.5.21, which brought it."""
     if (device_pool is None) == (buffer_info is None):
         given = "both" if device_pool is not None else "neither"
         raise TypeError(
@@ -434,6 +434,11 @@ def get_mha_host_pool_cls(device_pool=None, *, buffer_info=None) -> type:
         mxfp8 = scales is not None and is_mxfp8_scales(scales)
     else:
         mxfp8 = is_mxfp8_device_pool(device_pool)
+    release = sglang_release()
+    if mxfp8 and release is not None and release < (0, 5, 21):
+        # No MXFP8 host pool before 0.5.21: SGLang picks by K/V widths alone there, and the
+        # pool it builds mirrors K and V without their scales (install() hands it that pool).
+        mxfp8 = False
     if mxfp8:
         if asymmetric:
             raise NotImplementedError(
