@@ -258,6 +258,17 @@ def test_device_buffers_of_any_dtype_count_in_bytes():
     assert torch.equal(pool.kv_buffer[1][1], dev[1][2].view(torch.uint8))
 
 
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_device_buffers_are_kept_as_given(kind):
+    # SGLang stores the caller's sequence; a tuple stays a tuple (and still moves pages).
+    dev = kind(torch.zeros((3, 8), dtype=torch.uint8) for _ in range(2))
+    pool = DeepSeekV4PagedHostPool("idx", dev, 8, 2, 1)
+    assert pool.device_buffers is dev
+    dev[1][2] = torch.arange(8, dtype=torch.uint8)
+    pool.backup_from_device_all_layer(None, torch.tensor([1]), torch.tensor([2]), "kernel")
+    assert torch.equal(pool.kv_buffer[1][1], dev[1][2])
+
+
 # ---- page-aligned transfers ------------------------------------------------------------------
 
 

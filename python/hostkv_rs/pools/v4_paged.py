@@ -83,6 +83,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         page_aligned_only: bool = False,
     ):
         self.pool_name = pool_name
+        given = device_buffers
         device_buffers = list(device_buffers)
         for i, buf in enumerate(device_buffers):
             if not isinstance(buf, torch.Tensor):
@@ -92,7 +93,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 )
         # SGLang 0.5.20+: pools whose rows are not the C4 page refuse token-granular transfers.
         self.page_aligned_only = truth("page_aligned_only", page_aligned_only)
-        device_buffers = list(device_buffers)
         item_bytes = as_int("item_bytes", item_bytes)
         num_host_pages = as_int("num_host_pages", num_host_pages)
         slot_page_size = as_int("slot_page_size", slot_page_size)
@@ -125,7 +125,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.start_layer = 0
         self.end_layer = self.layer_num
         new_pool_lock(self)
-        self.device_buffers = device_buffers
+        # The sequence as given (SGLang keeps the caller's tuple or list).
+        self.device_buffers = given if isinstance(given, (list, tuple)) else device_buffers
         # SGLang's attribute: the buffers' device, else the `device` argument as given (a
         # string); `gpu` is the same as a torch.device, for the checks here.
         self.gpu_device = device_buffers[0].device if device_buffers else device
