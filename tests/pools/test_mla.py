@@ -492,6 +492,37 @@ def test_dcp_translation_needs_whole_widened_pages_and_changes_nothing(monkeypat
     assert_bytes_equal(snapshot_host(host)[0], before[0], "host after a refused DCP backup")
 
 
+@pytest.mark.parametrize(
+    "layout, backend", [("page_first", "direct"), ("page_first_direct", "kernel")]
+)
+@pytest.mark.parametrize("release, first", [((0, 5, 19), "run"), ((0, 5, 20), "pair")])
+def test_dcp_run_or_pair_refused_first_as_the_release_checks(
+    monkeypatch, layout, backend, release, first
+):
+    # 0.5.18-0.5.19 translate DCP slots before they look at the io backend; 0.5.20+ refuse the
+    # pair (their translation has no assert).
+    from hostkv_rs.sglang import sources as _sources
+
+    monkeypatch.setattr(_sources, "sglang_release", lambda: release)
+    dp = duck_mla(page_size=4)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, layout, dcp_size=2, dcp_rank=0)
+    run = torch.arange(3)
+    for call in (
+        lambda: host.backup_from_device_all_layer(dp, run, run, backend),
+        lambda: host.load_to_device_per_layer(dp, run, run, 0, backend),
+    ):
+        with pytest.raises((AssertionError, ValueError)) as e:
+            call()
+        if first == "run":
+            assert type(e.value) is AssertionError
+            assert str(e.value) == (
+                "HiCache DCP translation expects runs of whole widened pages; got 3 logical "
+                "slots with dcp_size=2."
+            )
+        else:
+            assert str(e.value) == f"Unsupported layout: {layout}"
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_dcp_transfers_of_a_short_run_move_the_ranks_share(rank):
     # SGLang 0.5.20+ (and no SGLang): `idx[rank::2] // 2` of 7 logical slots, no assert.

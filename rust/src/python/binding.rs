@@ -659,6 +659,29 @@ impl PyDeviceBinding {
         }
     }
 
+    /// The engine backend for a transfer of `host` / `device` indices. SGLang 0.5.18-0.5.19
+    /// translate DCP slots before they look at the io backend, so a refused backend with a run
+    /// that is not whole widened pages fails on the run there: so it does here (only on that
+    /// refusal's path, at no cost to a served call).
+    fn transfer_backend(
+        &self,
+        py: Python<'_>,
+        io_backend: &Bound<'_, PyAny>,
+        host: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+    ) -> PyResult<Backend> {
+        self.backend(py, io_backend).or_else(|refused| {
+            if let IndexMap::Dcp { .. } = self.index_map {
+                for indices in [host, device] {
+                    if let Ok(n) = indices.len() {
+                        self.index_map.count(n).map_err(|e| to_py(py, e))?;
+                    }
+                }
+            }
+            Err(refused)
+        })
+    }
+
     fn backend(&self, py: Python<'_>, io_backend: &Bound<'_, PyAny>) -> PyResult<Backend> {
         let spec = &self.spec.get().spec;
         let result = match io_backend.cast::<PyString>() {
@@ -1269,7 +1292,7 @@ impl PyDeviceBinding {
         let Some((host_layer, position)) = self.lookup_entry(py, layer_id, is_draft)? else {
             return Ok(false);
         };
-        let backend = self.backend(py, io_backend)?;
+        let backend = self.transfer_backend(py, io_backend, host_indices, device_indices)?;
         let core = self.live_core(py)?;
         if !plan_only {
             let rows = || self.host_rows(py, host_indices);
@@ -1309,7 +1332,7 @@ impl PyDeviceBinding {
         io_backend: &Bound<'_, PyAny>,
         plan_only: bool,
     ) -> PyResult<()> {
-        let backend = self.backend(py, io_backend)?;
+        let backend = self.transfer_backend(py, io_backend, host_indices, device_indices)?;
         let core = self.live_core(py)?;
         if let Some((name, layers)) = &self.packed {
             let host = self.layers.host_layer_num();
