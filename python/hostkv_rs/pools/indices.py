@@ -88,15 +88,23 @@ def _storage_data(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _refuse_nested(tensor: torch.Tensor, what: str) -> None:
+def refuse_nested(tensor: torch.Tensor, what: str) -> None:
     if tensor.is_nested:
         # Its rows live in separate buffers, and torch's own size and alias calls fail on it
         # with internal errors.
         raise TypeError(f"{what}: expected a dense (strided) tensor, got a nested tensor")
 
 
+def layer_tensors(what: str, layers) -> list:
+    """Per-layer tensors as a list. A nested tensor is refused by name: iterating one fails
+    inside torch ("NestedTensorImpl doesn't support sizes")."""
+    if isinstance(layers, torch.Tensor):
+        refuse_nested(layers, what)
+    return list(layers)
+
+
 def check_storage(tensor: torch.Tensor, what: str) -> None:
-    _refuse_nested(tensor, what)
+    refuse_nested(tensor, what)
     _check_dense_storage(tensor, what)
 
 
@@ -109,7 +117,7 @@ def _check_dense_storage(tensor: torch.Tensor, what: str) -> None:
     except RuntimeError:
         # A nested tensor (one of 0-d parts is 1-D, strided and a plain torch.Tensor, so it
         # reaches the per-call fast path) has no sizes to read: say so, at no cost otherwise.
-        _refuse_nested(tensor, what)
+        refuse_nested(tensor, what)
         raise
     if not holds:
         raise ValueError(
@@ -131,7 +139,7 @@ def plain_tensor(tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     overrides off) shares the storage, sizes and offset."""
     if type(tensor) is torch.Tensor and not tensor.__dict__:
         return tensor
-    _refuse_nested(tensor, what)
+    refuse_nested(tensor, what)
     with torch._C.DisableTorchFunctionSubclass():
         return torch.Tensor.as_subclass(tensor, torch.Tensor)
 

@@ -24,7 +24,7 @@ from hostkv_rs.pools.base import (
 )
 from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.indices import check_page_values, check_storage
+from hostkv_rs.pools.indices import check_page_values, check_storage, layer_tensors
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang.budgets import SGLANG_V4_POOLS, budget_source_text
 from hostkv_rs.sglang.sources import hicache_device_kernels, sglang_release
@@ -84,7 +84,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     ):
         self.pool_name = pool_name
         given = device_buffers
-        device_buffers = list(device_buffers)
+        device_buffers = layer_tensors(f"{pool_name}: device_buffers", device_buffers)
         for i, buf in enumerate(device_buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(
@@ -390,7 +390,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if self.scale_kv_buffer is not None:
             raise RuntimeError(f"{self.pool_name}: scale buffers already attached")
         self._require_live()
-        buffers = list(scale_device_buffers)
+        buffers = layer_tensors(f"{self.pool_name}: scale_device_buffers", scale_device_buffers)
         if len(buffers) != self.layer_num:
             raise ValueError(
                 f"{self.pool_name}: scale_device_buffers has {len(buffers)} layers, "
