@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from hostkv_rs.pools.args import NegativeSlotError, SlotRangeError
-from hostkv_rs.pools.indices import as_index_array
+from hostkv_rs.pools.indices import as_index_array, refuse_nested
 
 _CPU = torch.device("cpu")
 
@@ -41,8 +41,10 @@ def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
 def refuse_single_slot(indices, what: str) -> None:
     """TypeError for one slot not in a sequence (a 0-d tensor or array, a number). SGLang's pools
     take len() of what they free: a TypeError there too, raised (in some releases) after part of
-    the free was done; refused here before anything."""
+    the free was done; refused here before anything. So is a nested tensor, whose len() fails
+    inside torch."""
     if isinstance(indices, torch.Tensor):
+        refuse_nested(indices, what)
         single = indices.dim() == 0
     elif isinstance(indices, np.ndarray):
         single = indices.ndim == 0
