@@ -539,3 +539,44 @@ def test_a_page_call_that_meets_destroy_midway_gets_the_destroyed_pools_error(ma
     host, _ = make("page_first", 4)
     with pytest.raises(RuntimeError, match="holds no KV bytes"):
         host.set_from_flat_data_page(0, page)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
+    # SGLang <= 0.5.21 (and no SGLang) reads the device pool a transfer names. A server's
+    # per-layer loads of a 12-layer model, round after round, must reuse their bindings: no
+    # new binding and nothing left in weakref's registry per call; the cache goes with the pool.
+    import gc
+    import weakref
+
+    layers, P = 12, 4
+    if kind == "mha":
+        host = MHATokenToKVPoolHost(
+            MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers), 2.0, 0, P, "page_first"
+        )
+        other = MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers)
+    else:
+        host = MLATokenToKVPoolHost(
+            MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers), 2.0, 0, P, "page_first"
+        )
+        other = MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers)
+    h, d = host.alloc(P), torch.arange(P, 2 * P)
+
+    def a_round(pool):
+        host.backup_from_device_all_layer(pool, h, d, "kernel")
+        for layer in range(layers):
+            host.load_to_device_per_layer(pool, h, d, layer, "kernel")
+
+    a_round(other)
+    bindings = dict(host._foreign_bindings[other])
+    assert len(bindings) == layers + 1
+    registry = len(weakref.finalize._registry)
+    for _ in range(5):
+        a_round(other)
+    assert len(weakref.finalize._registry) == registry
+    cached = host._foreign_bindings[other]
+    assert cached.keys() == bindings.keys()
+    assert all(cached[key] is binding for key, binding in bindings.items())
+    del other, cached
+    gc.collect()
+    assert len(host._foreign_bindings) == 0

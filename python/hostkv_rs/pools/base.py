@@ -840,14 +840,23 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             return None
         return (self._device_plane_names[0], count)
 
+    # Bindings kept per device pool handed to calls: one per layer loaded and one per backup
+    # fit for any model; past this many (the pool's tensors keep changing) they start over.
+    _FOREIGN_BINDINGS_PER_POOL = 512
+
     def _foreign_binding(self, device_pool, positions, slots, host_layers):
         """A binding over the device layers at `positions` of a device pool handed to one call
         (SGLang <= 0.5.21 reads the pool it is given). Reused while the same tensors come back,
-        and dropped with the device pool, so it never keeps device memory alive."""
+        and dropped with the device pool (weakly keyed), so it never keeps device memory
+        alive; a device pool that cannot be weakly referenced gets a new one each call."""
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        cache = self.__dict__.setdefault("_foreign_bindings", {})
-        key = (id(device_pool), tuple(map(id, (t for plane in planes for t in plane))))
-        key = (*key, tuple(positions), tuple(host_layers))
+        pools = self.__dict__.setdefault("_foreign_bindings", weakref.WeakKeyDictionary())
+        try:
+            cache = pools.setdefault(device_pool, {})
+        except TypeError:
+            cache = {}
+        key = tuple(map(id, (t for plane in planes for t in plane)))
+        key = (key, tuple(positions), tuple(host_layers))
         binding = cache.get(key)
         if binding is not None:
             return binding
@@ -863,11 +872,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             index_map=self._index_map(),
             positions=positions,
         )
-        try:
-            weakref.finalize(device_pool, cache.clear)
-        except TypeError:
-            return binding  # not weakly referenceable: not cached
-        if len(cache) >= 8:
+        if len(cache) >= self._FOREIGN_BINDINGS_PER_POOL:
             cache.clear()
         cache[key] = binding
         return binding
