@@ -568,15 +568,46 @@ def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
             host.load_to_device_per_layer(pool, h, d, layer, "kernel")
 
     a_round(other)
-    bindings = dict(host._foreign_bindings[other])
+    bindings = dict(host._foreign_bindings[id(other)])
     assert len(bindings) == layers + 1
     registry = len(weakref.finalize._registry)
     for _ in range(5):
         a_round(other)
     assert len(weakref.finalize._registry) == registry
-    cached = host._foreign_bindings[other]
+    cached = host._foreign_bindings[id(other)]
     assert cached.keys() == bindings.keys()
     assert all(cached[key] is binding for key, binding in bindings.items())
-    del other, cached
+    del other, cached, bindings
     gc.collect()
     assert len(host._foreign_bindings) == 0
+
+
+class _EqualPool(MHATokenToKVPool):
+    """A device pool class whose instances all compare equal (and hash alike)."""
+
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        return 0
+
+
+def test_device_pools_that_compare_equal_keep_bindings_of_their_own():
+    # Bindings are kept per device pool by identity: one that dies takes its bindings, and so
+    # its device memory, with it, whatever its __eq__ says about a live one.
+    import gc
+    import weakref
+
+    host = MHATokenToKVPoolHost(
+        MHATokenToKVPool(16, 4, torch.bfloat16, 2, 8, 2), 2.0, 0, 4, "page_first"
+    )
+    h, d = host.alloc(4), torch.arange(4, 8)
+    first, second = (_EqualPool(16, 4, torch.bfloat16, 2, 8, 2) for _ in range(2))
+    for pool in (first, second):
+        host.load_to_device_per_layer(pool, h, d, 0, "kernel")
+    assert len(host._foreign_bindings) == 2
+    layer = weakref.ref(second.k_buffer[0])
+    del second, pool
+    gc.collect()
+    assert layer() is None
+    assert list(host._foreign_bindings) == [id(first)]

@@ -164,6 +164,14 @@ def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
     return _memory.HostTensorAllocator()
 
 
+def _forget_foreign(host_ref, device_pool_id: int) -> None:
+    """A device pool handed to transfers died: drop the host pool's bindings over it (before its
+    id can name another object)."""
+    host = host_ref()
+    if host is not None:
+        host.__dict__.get("_foreign_bindings", {}).pop(device_pool_id, None)
+
+
 def on_destroy(pool, callback) -> None:
     """Have `pool.destroy()` call `callback()` (once, on its first call), before the pool lets go
     of its memory. hostkv_rs.l3 uses it to unregister a pool's buffers from a store client."""
@@ -847,14 +855,21 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
     def _foreign_binding(self, device_pool, positions, slots, host_layers):
         """A binding over the device layers at `positions` of a device pool handed to one call
         (SGLang <= 0.5.21 reads the pool it is given). Reused while the same tensors come back,
-        and dropped with the device pool (weakly keyed), so it never keeps device memory
-        alive; a device pool that cannot be weakly referenced gets a new one each call."""
+        kept per device pool by identity (its own `__eq__`/`__hash__` play no part) and dropped
+        when that pool dies, so it never keeps device memory alive; a device pool that cannot be
+        weakly referenced gets a new binding each call."""
         planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
-        pools = self.__dict__.setdefault("_foreign_bindings", weakref.WeakKeyDictionary())
-        try:
-            cache = pools.setdefault(device_pool, {})
-        except TypeError:
+        pools = self.__dict__.setdefault("_foreign_bindings", {})
+        cache = pools.get(id(device_pool))
+        if cache is None:
             cache = {}
+            try:
+                # One finalizer per device pool, holding only a weak reference to this pool.
+                weakref.finalize(device_pool, _forget_foreign, weakref.ref(self), id(device_pool))
+            except TypeError:
+                pass  # not weakly referenceable: not cached
+            else:
+                pools[id(device_pool)] = cache
         key = tuple(map(id, (t for plane in planes for t in plane)))
         key = (key, tuple(positions), tuple(host_layers))
         binding = cache.get(key)
