@@ -37,7 +37,7 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs.pools.indices import check_page_values
+from hostkv_rs.pools.indices import check_page_values, layer_tensors
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
@@ -858,7 +858,10 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         kept per device pool by identity (its own `__eq__`/`__hash__` play no part) and dropped
         when that pool dies, so it never keeps device memory alive; a device pool that cannot be
         weakly referenced gets a new binding each call."""
-        planes = [list(getattr(device_pool, name)) for name in self._device_plane_names]
+        planes = [
+            layer_tensors(f"device pool {name}", getattr(device_pool, name))
+            for name in self._device_plane_names
+        ]
         pools = self.__dict__.setdefault("_foreign_bindings", {})
         cache = pools.get(id(device_pool))
         if cache is None:

@@ -17,6 +17,7 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     ptr_table,
 )
+from hostkv_rs.pools.indices import layer_tensors
 from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang import handover as _handover
@@ -187,7 +188,8 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
                 "all_layers": ((), ()),
                 "ptr_tables": (None, None),
             }
-        k_all, v_all = list(dp.k_buffer), list(dp.v_buffer)
+        k_all = layer_tensors("device pool k_buffer", dp.k_buffer)
+        v_all = layer_tensors("device pool v_buffer", dp.v_buffer)
         if len(k_all) < end or len(v_all) < end:
             raise ValueError(
                 f"device pool has {min(len(k_all), len(v_all))} K/V layers but claims "
@@ -195,7 +197,8 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
             )
         k_drafts, v_drafts = [], []
         for depth, draft in enumerate(self.mtp_draft_device_pools):
-            if not list(draft.k_buffer) or not list(draft.v_buffer):
+            k_layers = layer_tensors(f"draft[{depth}] k_buffer", draft.k_buffer)
+            if not k_layers or not layer_tensors(f"draft[{depth}] v_buffer", draft.v_buffer):
                 raise ValueError(f"{pool_label}: packed draft[{depth}] has no layers")
             k_drafts.append(draft.k_buffer[0])
             v_drafts.append(draft.v_buffer[0])

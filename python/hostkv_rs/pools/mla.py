@@ -26,6 +26,7 @@ from hostkv_rs.pools.device_side import (
     sharded_host_layer_num,
 )
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
+from hostkv_rs.pools.indices import layer_tensors
 from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.sglang.sources import (
     binds_on_transfer,
@@ -201,7 +202,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
         start, end = owned_range(dp)
         if not self.mtp_draft_device_pools and not hasattr(dp, "kv_buffer") and binds_on_transfer():
             return self._geometry_only_side(dp, start, end)
-        layers = list(dp.kv_buffer)
+        layers = layer_tensors("device pool kv_buffer", dp.kv_buffer)
         if not 0 <= start <= end <= len(layers) or end - start > self.target_layer_num:
             raise ValueError(
                 f"device pool has {len(layers)} layers but owns layers [{start}, {end}) (the "
@@ -209,7 +210,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
             )
         draft_layers = []
         for depth, draft in enumerate(self.mtp_draft_device_pools):
-            if not list(draft.kv_buffer):
+            if not layer_tensors(f"draft[{depth}] kv_buffer", draft.kv_buffer):
                 raise ValueError(f"MLA packed draft[{depth}] has no layers")
             draft_layers.append(draft.kv_buffer[0])
         self._packed_layer_count = self.target_layer_num + sum(
