@@ -127,6 +127,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         new_pool_lock(self)
         # The sequence as given (SGLang keeps the caller's tuple or list).
         self.device_buffers = given if isinstance(given, (list, tuple)) else device_buffers
+        # What the core binds: the layers checked here, whatever the caller does to its list.
+        self._device_layers = device_buffers
         # SGLang's attribute: the buffers' device, else the `device` argument as given (a
         # string); `gpu` is the same as a torch.device, for the checks here.
         self.gpu_device = device_buffers[0].device if device_buffers else device
@@ -290,7 +292,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     ("page_rows", self.slot_page_size),
                     None,
                     [IB, self.scale_item_bytes],
-                    buffers=[self.device_buffers, scales],
+                    buffers=[self._device_layers, scales],
                 )
         return _core.V4Transfers(
             self._name,
@@ -309,7 +311,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         `page_rows` bytes, read as its bytes in rows of the core's row size. The binding holds
         the buffers themselves, so one whose storage is swapped is checked again, and followed,
         at the next transfer."""
-        planes = [list(plane) for plane in buffers or [self.device_buffers]]
+        planes = [list(plane) for plane in buffers or [self._device_layers]]
         L = self.layer_num
         return _core.DeviceBinding(
             self._pool,
