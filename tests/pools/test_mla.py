@@ -507,10 +507,16 @@ def test_dcp_run_or_pair_refused_first_as_the_release_checks(
     dp = duck_mla(page_size=4)
     host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, layout, dcp_size=2, dcp_rank=0)
     run = torch.arange(3)
-    for call in (
-        lambda: host.backup_from_device_all_layer(dp, run, run, backend),
-        lambda: host.load_to_device_per_layer(dp, run, run, 0, backend),
-    ):
+    # The pool it was built from, another one (read as <= 0.5.21 reads it), or none.
+    calls = [
+        call
+        for named in (dp, duck_mla(page_size=4), None)
+        for call in (
+            lambda named=named: host.backup_from_device_all_layer(named, run, run, backend),
+            lambda named=named: host.load_to_device_per_layer(named, run, run, 0, backend),
+        )
+    ]
+    for call in calls:
         with pytest.raises((AssertionError, ValueError)) as e:
             call()
         if first == "run":

@@ -901,13 +901,14 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         if self._layer_index_or_none() is None:
             self._make_spec().check_pair(io_backend)
 
-    def _foreign_load(self, device_pool, layer_id, io_backend, is_draft):
+    def _foreign_load(self, device_pool, layer_id, io_backend, is_draft, indices):
         """The binding of a per-layer load from a device pool handed to the call, or None when
         this pool does not hold that target layer (SGLang returns without copying)."""
         self._hand_built_pair_first(io_backend)
         host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None
+        self._dcp_runs_first(*indices)
         # SGLang refuses an unserved (layout, backend) pair before it reads the device pool.
         self._check_io(io_backend)
         self._check_device_pool(device_pool)
@@ -923,6 +924,15 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         targets = self._layer_index.targets
         slots = [slot for slot, _ in targets]
         return self._foreign_binding(device_pool, slots, slots, [h for _, h in targets])
+
+    def _dcp_runs_first(self, host_indices, device_indices) -> None:
+        """SGLang 0.5.18-0.5.19 translate DCP slots (asserting whole widened pages) before they
+        look at the io backend or the device pool; the captured device side's core does the same
+        where it refuses a backend."""
+        if self.dcp_size != 1 and _sources.dcp_whole_pages_only():
+            for indices in (host_indices, device_indices):
+                if isinstance(indices, torch.Tensor):
+                    self.maybe_dcp_kernel_indices(indices)
 
     def _index_map(self):
         """How the core reads both index arrays of every transfer: with dcp_size > 1 (only
@@ -954,7 +964,9 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             if binding is None:
                 # Built from geometry alone: the layers are those of the pool this call names.
                 device_pool = self.device_pool if device_pool is None else device_pool
-            binding = self._foreign_load(device_pool, layer_id, io_backend, is_draft)
+            binding = self._foreign_load(
+                device_pool, layer_id, io_backend, is_draft, (host_indices, device_indices)
+            )
             if binding is None:
                 return
             is_draft = False  # the one-layer binding holds the layer as a target
