@@ -124,54 +124,6 @@ def test_host_buffers_are_the_pools_regions():
     assert host_buffers(v4) == [(v4._region.address, v4._region.nbytes)]
 
 
-class _FlakyRegistry:
-    """A client's registrations as Mooncake keeps them (an overlapping range is refused) whose
-    unregistrations fail while its master is `down`."""
-
-    def __init__(self):
-        self.ranges: dict[int, int] = {}
-        self.down = False
-
-    def register_buffer(self, address, nbytes):
-        if any(a < address + nbytes and address < a + n for a, n in self.ranges.items()):
-            return -600
-        self.ranges[address] = nbytes
-        return 0
-
-    def unregister_buffer(self, address):
-        if self.down:
-            return -600
-        return 0 if self.ranges.pop(address, None) is not None else -600
-
-
-@pytest.mark.parametrize("leave", ["detach", "destroy"])
-def test_what_the_client_could_not_unregister_is_retried_by_the_next_attach(leave):
-    # Detached (or destroyed) while the master was unreachable: the client kept the ranges,
-    # and would refuse the same pool, or a later one at those addresses, for good.
-    from hostkv_rs.l3.mooncake import MooncakeTier
-
-    store = _FlakyRegistry()
-    tier = MooncakeTier(store)
-    pool = POOLS["mha-page_first"]()
-    tier.attach(pool)
-    spans = dict(store.ranges)
-    assert len(spans) == len(host_buffers(pool)) + 1  # and the proof header buffer
-    store.down = True
-    if leave == "detach":
-        tier.detach()
-    else:
-        pool.destroy()
-        pool = POOLS["mha-page_first"]()
-    assert store.ranges == spans
-    store.down = False
-    tier.attach(pool)
-    assert sorted(store.ranges) == sorted(
-        [address for address, _ in host_buffers(pool)] + [tier._headers.address]
-    )
-    tier.detach()
-    assert store.ranges == {}
-
-
 def test_missing_mooncake_says_how_to_install_it_from_the_checkout(monkeypatch, capsys):
     from hostkv_rs.l3.mooncake import _import_store_class
     from hostkv_rs.tools import cli

@@ -29,8 +29,7 @@ page's own buffers, e.g. MHA layer_first: 2 x layers of them). Safe by construct
 * Mooncake's native logging stays quiet unless HOSTKV_MOONCAKE_LOG is set (`_native`);
 * `detach()`, the pool's `destroy()` and the pool's garbage collection all unregister its host
   memory (and the header buffer) from the client, once, so a later pool at the same addresses can
-  register again; what the client could not unregister then (its master unreachable) is retried
-  by the tier's next `attach()`.
+  register again.
 """
 
 from __future__ import annotations
@@ -221,32 +220,24 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _unregister(store, spans, lock=None, keep=None, stale=None) -> None:
+def _unregister(store, spans, lock=None, keep=None) -> None:
     """Finalizer body: unregister `spans` from `store` (never raises: it runs from destroy(), from
     garbage collection, or from detach()). Under the tier's lock, so a destroy() on another thread
     waits for a transfer in flight. `keep` is memory registered among `spans` (the header
-    buffer): held until the client no longer has it. Spans the client could not unregister (its
-    master unreachable) go on `stale`, with `keep`, for the tier's next attach() to retry: the
-    client would otherwise keep them registered for good and refuse any later pool there."""
+    buffer): the finalizer holds it so it is not freed while the client still has it."""
+    del keep
     if lock is not None:
         with lock:
-            _unregister(store, spans, keep=keep, stale=stale)
+            _unregister(store, spans)
         return
-    failed = tuple(span for span in spans if not _unregister_one(store, span[0]))
-    if failed and stale is not None:
-        stale.append((failed, keep))
-
-
-def _unregister_one(store, address: int) -> bool:
-    try:
-        rc = store.unregister_buffer(address)
-    except Exception:  # a closed client
-        logger.warning("Mooncake unregister_buffer(%#x) raised", address, exc_info=True)
-        return False
-    if rc != 0:
-        logger.warning("Mooncake unregister_buffer(%#x) returned %s", address, code_name(rc))
-        return False
-    return True
+    for address, _nbytes in spans:
+        try:
+            rc = store.unregister_buffer(address)
+        except Exception:  # a closed client
+            logger.warning("Mooncake unregister_buffer(%#x) raised", address, exc_info=True)
+            continue
+        if rc != 0:
+            logger.warning("Mooncake unregister_buffer(%#x) returned %s", address, code_name(rc))
 
 
 @dataclass
@@ -338,8 +329,6 @@ class MooncakeTier:
         self._chunk_pages = 1
         self._finalizer = None
         self._closed = False
-        # (spans, memory kept for them) the client failed to unregister: retried by attach().
-        self._stale: list = []
 
     @classmethod
     def connect(
@@ -422,9 +411,6 @@ class MooncakeTier:
                     f"this tier already has a pool attached ({type(self.pool).__name__}); "
                     "detach() it first"
                 )
-            stale, self._stale[:] = list(self._stale), []
-            for spans, keep in stale:
-                _unregister(self.store, spans, keep=keep, stale=self._stale)
             fmt = page_format(
                 pool,
                 namespace=self.namespace,
@@ -447,20 +433,19 @@ class MooncakeTier:
             for address, nbytes in spans:
                 rc = self.store.register_buffer(address, nbytes)
                 if rc != 0:
-                    _unregister(self.store, done, keep=headers, stale=self._stale)
+                    _unregister(self.store, done)
                     raise L3Error(
                         f"Mooncake refused to register {nbytes} bytes at {address:#x} of "
                         f"{type(pool).__name__}: {code_name(rc)}. Mooncake refuses a range that "
                         "overlaps one still registered (an earlier pool at these addresses freed "
-                        "without detaching from this client, or detached while the master was "
-                        "unreachable: attach() retries those), and any registration while the "
+                        "without detaching from this client?), and any registration while the "
                         f"metadata server of master {self.master or '(unknown)'} is unreachable"
                     )
                 done.append((address, nbytes))
             # One finalizer does the unregistering for all three ways out (detach, destroy(), GC);
             # it holds the client, the addresses and the header buffer, never the pool.
             finalizer = weakref.finalize(
-                pool, _unregister, self.store, tuple(done), self._lock, headers, self._stale
+                pool, _unregister, self.store, tuple(done), self._lock, headers
             )
             finalizer.atexit = False  # at exit the client goes away with its registrations
             from hostkv_rs.pools.base import on_destroy
