@@ -568,13 +568,13 @@ def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
             host.load_to_device_per_layer(pool, h, d, layer, "kernel")
 
     a_round(other)
-    bindings = dict(host._foreign_bindings[id(other)])
+    bindings = dict(host._foreign_bindings[id(other)][1])
     assert len(bindings) == layers + 1
     registry = len(weakref.finalize._registry)
     for _ in range(5):
         a_round(other)
     assert len(weakref.finalize._registry) == registry
-    cached = host._foreign_bindings[id(other)]
+    cached = host._foreign_bindings[id(other)][1]
     assert cached.keys() == bindings.keys()
     assert all(cached[key] is binding for key, binding in bindings.items())
     del other, cached, bindings
@@ -606,6 +606,16 @@ def test_device_pools_that_compare_equal_keep_bindings_of_their_own():
     for pool in (first, second):
         host.load_to_device_per_layer(pool, h, d, 0, "kernel")
     assert len(host._foreign_bindings) == 2
+    # Host pools that go first leave nothing behind either (no global finalizer per pair).
+    registry = len(weakref.finalize._registry)
+    for _ in range(3):
+        passing = MHATokenToKVPoolHost(
+            MHATokenToKVPool(16, 4, torch.bfloat16, 2, 8, 2), 2.0, 0, 4, "page_first"
+        )
+        passing.load_to_device_per_layer(first, passing.alloc(4), d, 0, "kernel")
+        del passing
+    gc.collect()
+    assert len(weakref.finalize._registry) == registry
     layer = weakref.ref(second.k_buffer[0])
     del second, pool
     gc.collect()

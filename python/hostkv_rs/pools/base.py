@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import weakref
-from functools import wraps
+from functools import partial, wraps
 
 import torch
 
@@ -164,9 +164,9 @@ def get_allocator_from_storage(allocator_type=None, pool_label: str = "kv"):
     return _memory.HostTensorAllocator()
 
 
-def _forget_foreign(host_ref, device_pool_id: int) -> None:
-    """A device pool handed to transfers died: drop the host pool's bindings over it (before its
-    id can name another object)."""
+def _forget_foreign(host_ref, device_pool_id: int, _dead) -> None:
+    """Weak-reference callback: a device pool handed to transfers died, so the host pool drops
+    its bindings over it (before its id can name another object)."""
     host = host_ref()
     if host is not None:
         host.__dict__.get("_foreign_bindings", {}).pop(device_pool_id, None)
@@ -863,16 +863,19 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             for name in self._device_plane_names
         ]
         pools = self.__dict__.setdefault("_foreign_bindings", {})
-        cache = pools.get(id(device_pool))
-        if cache is None:
-            cache = {}
+        entry = pools.get(id(device_pool))
+        if entry is None or entry[0]() is not device_pool:
             try:
-                # One finalizer per device pool, holding only a weak reference to this pool.
-                weakref.finalize(device_pool, _forget_foreign, weakref.ref(self), id(device_pool))
+                # A weak reference kept here (no global finalizer registry): it goes with this
+                # pool, and its callback, holding this pool weakly, with the device pool.
+                watch = weakref.ref(
+                    device_pool, partial(_forget_foreign, weakref.ref(self), id(device_pool))
+                )
             except TypeError:
-                pass  # not weakly referenceable: not cached
+                entry = (None, {})  # not weakly referenceable: not cached
             else:
-                pools[id(device_pool)] = cache
+                entry = pools[id(device_pool)] = (watch, {})
+        cache = entry[1]
         key = tuple(map(id, (t for plane in planes for t in plane)))
         key = (key, tuple(positions), tuple(host_layers))
         binding = cache.get(key)
