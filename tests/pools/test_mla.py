@@ -530,16 +530,20 @@ def test_dcp_run_or_pair_refused_first_as_the_release_checks(
 
 
 def test_dcp_run_counts_a_tensors_elements_as_the_release_does(monkeypatch):
-    # 0.5.18-0.5.19 assert on numel(): a (3, 2) index tensor holds 6 slots (whole widened
-    # pages), so the refused pair is what fails; a 0-d one holds 1.
+    # 0.5.18-0.5.19 assert on numel(): a (3, 2) index tensor (or array) holds 6 slots (whole
+    # widened pages), so the refused pair is what fails; a 0-d one holds 1.
     from hostkv_rs.sglang import sources as _sources
 
     monkeypatch.setattr(_sources, "sglang_release", lambda: (0, 5, 19))
     dp = duck_mla(page_size=4)
     host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "page_first", dcp_size=2, dcp_rank=0)
-    six = torch.arange(6).reshape(3, 2)
-    with pytest.raises(ValueError, match="^Unsupported layout: page_first$"):
-        host.backup_from_device_all_layer(dp, six, six, "direct")
+    for six in (torch.arange(6).reshape(3, 2), np.arange(6).reshape(3, 2)):
+        for call in (
+            lambda six=six: host.backup_from_device_all_layer(dp, six, six, "direct"),
+            lambda six=six: host.load_to_device_per_layer(dp, six, six, 0, "direct"),
+        ):
+            with pytest.raises(ValueError, match="^Unsupported layout: page_first$"):
+                call()
     one = torch.tensor(0)
     with pytest.raises(AssertionError, match="got 1 logical slots with dcp_size=2"):
         host.backup_from_device_all_layer(dp, one, one, "direct")

@@ -37,7 +37,7 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs.pools.indices import check_page_values, layer_tensors
+from hostkv_rs.pools.indices import check_page_values, element_count, layer_tensors
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
@@ -170,6 +170,15 @@ def _forget_foreign(host_ref, device_pool_id: int, _dead) -> None:
     host = host_ref()
     if host is not None:
         host.__dict__.get("_foreign_bindings", {}).pop(device_pool_id, None)
+
+
+def _check_dcp_run(slots: int | None, dcp_size: int) -> None:
+    """SGLang 0.5.18-0.5.19's DCP translation assert (None: a count not known, not checked)."""
+    if slots is not None and slots % dcp_size != 0:
+        raise AssertionError(
+            f"HiCache DCP translation expects runs of whole widened pages; got {slots} logical "
+            f"slots with dcp_size={dcp_size}."
+        )
 
 
 def on_destroy(pool, callback) -> None:
@@ -681,11 +690,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         dcp_size = int(self.dcp_size)
         if dcp_size == 1 or indices is None:
             return indices
-        if indices.numel() % dcp_size != 0:
-            raise AssertionError(
-                f"HiCache DCP translation expects runs of whole widened pages; got "
-                f"{indices.numel()} logical slots with dcp_size={dcp_size}."
-            )
+        _check_dcp_run(indices.numel(), dcp_size)
         return indices[int(self.dcp_rank) :: dcp_size] // dcp_size
 
     # ----------------------------------------------------------------- page addressing
@@ -911,7 +916,8 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None
-        self._dcp_runs_first(*indices)
+        if self.dcp_size != 1:
+            self._dcp_runs_first(*indices)
         # SGLang refuses an unserved (layout, backend) pair before it reads the device pool.
         self._check_io(io_backend)
         self._check_device_pool(device_pool)
@@ -929,13 +935,12 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         return self._foreign_binding(device_pool, slots, slots, [h for _, h in targets])
 
     def _dcp_runs_first(self, host_indices, device_indices) -> None:
-        """SGLang 0.5.18-0.5.19 translate DCP slots (asserting whole widened pages) before they
-        look at the io backend or the device pool; the captured device side's core does the same
-        where it refuses a backend."""
-        if self.dcp_size != 1 and _sources.dcp_whole_pages_only():
+        """For a DCP pool (dcp_size > 1; callers check): SGLang 0.5.18-0.5.19 translate DCP
+        slots, asserting whole widened pages, before they look at the io backend or the device
+        pool. Only the count is checked here (the core translates while it copies)."""
+        if _sources.dcp_whole_pages_only():
             for indices in (host_indices, device_indices):
-                if isinstance(indices, torch.Tensor):
-                    self.maybe_dcp_kernel_indices(indices)
+                _check_dcp_run(element_count(indices), int(self.dcp_size))
 
     def _index_map(self):
         """How the core reads both index arrays of every transfer: with dcp_size > 1 (only

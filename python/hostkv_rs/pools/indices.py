@@ -95,6 +95,19 @@ def refuse_nested(tensor: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: expected a dense (strided) tensor, got a nested tensor")
 
 
+def element_count(indices) -> int | None:
+    """How many indices SGLang counts in `indices`: a tensor's or array's elements, a
+    sequence's entries; None for anything else (no count to check)."""
+    if isinstance(indices, torch.Tensor):
+        return indices.numel()
+    if isinstance(indices, np.ndarray):
+        return indices.size
+    try:
+        return len(indices)
+    except TypeError:
+        return None
+
+
 def layer_tensors(what: str, layers) -> list:
     """Per-layer tensors as a list. A nested tensor is refused by name: iterating one fails
     inside torch ("NestedTensorImpl doesn't support sizes")."""

@@ -388,7 +388,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         if self._is_dummy:
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
-        if self.dcp_size != 1:  # (every call's path: no method call without DCP)
+        if self.dcp_size != 1:
             self._dcp_runs_first(host_indices, device_indices)
         if self._layer_shard_enabled:
             # SGLang copies one owned layer at a time, through fewer (layout, backend) pairs.

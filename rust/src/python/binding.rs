@@ -673,10 +673,12 @@ impl PyDeviceBinding {
         self.backend(py, io_backend).or_else(|refused| {
             if let IndexMap::Dcp { .. } = self.index_map {
                 for indices in [host, device] {
-                    // SGLang counts a tensor's elements (numel), a sequence's entries.
+                    // SGLang counts a tensor's elements (numel; an array's `size`), a
+                    // sequence's entries.
                     let numel = indices
                         .call_method0(intern!(py, "numel"))
-                        .and_then(|n| n.extract::<usize>());
+                        .and_then(|n| n.extract::<usize>())
+                        .or_else(|_| indices.getattr(intern!(py, "size"))?.extract::<usize>());
                     if let Ok(n) = numel.or_else(|_| indices.len()) {
                         self.index_map.count(n).map_err(|e| to_py(py, e))?;
                     }
