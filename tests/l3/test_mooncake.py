@@ -124,6 +124,48 @@ def test_host_buffers_are_the_pools_regions():
     assert host_buffers(v4) == [(v4._region.address, v4._region.nbytes)]
 
 
+class _StuckRegistry:
+    """A client's registrations as Mooncake keeps them: an overlapping range is refused, and a
+    range whose unregistration failed (its master unreachable) stays registered for good."""
+
+    def __init__(self):
+        self.ranges: dict[int, int] = {}
+        self.down = False
+
+    def register_buffer(self, address, nbytes):
+        if any(a < address + nbytes and address < a + n for a, n in self.ranges.items()):
+            return -600
+        self.ranges[address] = nbytes
+        return 0
+
+    def unregister_buffer(self, address):
+        if self.down or address not in self.ranges:
+            return -600
+        del self.ranges[address]
+        return 0
+
+
+def test_a_pool_detached_while_the_master_is_down_says_a_new_client_is_needed(caplog):
+    from hostkv_rs.l3 import L3Error
+    from hostkv_rs.l3.mooncake import MooncakeTier
+
+    store = _StuckRegistry()
+    tier = MooncakeTier(store)
+    pool = POOLS["mha-page_first"]()
+    tier.attach(pool)
+    store.down = True
+    with caplog.at_level("WARNING", logger="hostkv_rs.l3.mooncake"):
+        tier.detach()
+    assert "attached again only through a new client (MooncakeTier.connect)" in caplog.text
+    store.down = False
+    with pytest.raises(L3Error, match=r"detached while its master was unreachable.*a new client"):
+        tier.attach(pool)
+    assert not tier.attached
+    fresh = MooncakeTier(_StuckRegistry())
+    fresh.attach(pool)
+    fresh.detach()
+
+
 def test_missing_mooncake_says_how_to_install_it_from_the_checkout(monkeypatch, capsys):
     from hostkv_rs.l3.mooncake import _import_store_class
     from hostkv_rs.tools import cli

@@ -29,7 +29,9 @@ page's own buffers, e.g. MHA layer_first: 2 x layers of them). Safe by construct
 * Mooncake's native logging stays quiet unless HOSTKV_MOONCAKE_LOG is set (`_native`);
 * `detach()`, the pool's `destroy()` and the pool's garbage collection all unregister its host
   memory (and the header buffer) from the client, once, so a later pool at the same addresses can
-  register again.
+  register again. Not while the master is unreachable: Mooncake's client then keeps the ranges
+  for its life (a retry fails too), and only a new client can register memory there; the
+  warning logged then, and the refusal of a later attach(), say so.
 """
 
 from __future__ import annotations
@@ -237,7 +239,13 @@ def _unregister(store, spans, lock=None, keep=None) -> None:
             logger.warning("Mooncake unregister_buffer(%#x) raised", address, exc_info=True)
             continue
         if rc != 0:
-            logger.warning("Mooncake unregister_buffer(%#x) returned %s", address, code_name(rc))
+            logger.warning(
+                "Mooncake unregister_buffer(%#x) returned %s: this client keeps the range "
+                "registered for its life (Mooncake does not retry it), so memory there can be "
+                "attached again only through a new client (MooncakeTier.connect)",
+                address,
+                code_name(rc),
+            )
 
 
 @dataclass
@@ -438,7 +446,9 @@ class MooncakeTier:
                         f"Mooncake refused to register {nbytes} bytes at {address:#x} of "
                         f"{type(pool).__name__}: {code_name(rc)}. Mooncake refuses a range that "
                         "overlaps one still registered (an earlier pool at these addresses freed "
-                        "without detaching from this client?), and any registration while the "
+                        "without detaching from this client, or detached while its master was "
+                        "unreachable: the client then keeps the range for its life, and a new "
+                        "client, MooncakeTier.connect, is needed), and any registration while the "
                         f"metadata server of master {self.master or '(unknown)'} is unreachable"
                     )
                 done.append((address, nbytes))
