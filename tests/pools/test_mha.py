@@ -1035,3 +1035,19 @@ def test_strided_device_rows_must_share_one_stride():
     stride = 4 * src.entries.shape[1]
     with pytest.raises(NotImplementedError, match=rf"strided rows \[{stride}, {stride + 16}\] B"):
         MHATokenToKVPoolHost(src, 2.0, 0, P, "layer_first")
+
+
+def test_a_device_pool_whose_layers_are_a_nested_tensor_is_refused_by_name():
+    # torch fails inside iterating one ("NestedTensorImpl doesn't support sizes").
+    import warnings
+
+    nested = duck_mha_pool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        nested.k_buffer = torch.nested.nested_tensor(list(nested.k_buffer))
+    with pytest.raises(TypeError, match="device pool k_buffer: .* got a nested tensor"):
+        MHATokenToKVPoolHost(nested, 2.0, 0, P, "layer_first")
+    host = MHATokenToKVPoolHost(duck_mha_pool(), 2.0, 0, P, "layer_first")
+    h = host.alloc(P)
+    with pytest.raises(TypeError, match="device pool k_buffer: .* got a nested tensor"):
+        host.load_to_device_per_layer(nested, h, torch.arange(P), 0, "kernel")

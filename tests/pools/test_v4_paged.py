@@ -1516,3 +1516,15 @@ def test_without_device_buffers_gpu_device_is_the_device_argument_as_given():
     # SGLang: `device_buffers[0].device if device_buffers else device` (a string here).
     pool = DeepSeekV4PagedHostPool("c4_kv", [], 48, 3, 2)
     assert pool.gpu_device == "cpu"
+
+
+def test_transfers_use_the_device_layers_checked_at_construction():
+    # device_buffers is the caller's own list; what the caller puts in it later (here a buffer
+    # of the wrong row size) is not what the pool's transfers read.
+    dev = [torch.zeros((3, 8), dtype=torch.uint8) for _ in range(2)]
+    pool = DeepSeekV4PagedHostPool("idx", dev, 8, 2, 1)
+    layer = dev[1]
+    layer[2] = torch.arange(8, dtype=torch.uint8)
+    dev[1] = torch.zeros((3, 5), dtype=torch.uint8)
+    pool.backup_from_device_all_layer(None, torch.tensor([1]), torch.tensor([2]), "kernel")
+    assert torch.equal(pool.kv_buffer[1][1], layer[2])
