@@ -529,6 +529,23 @@ def test_dcp_run_or_pair_refused_first_as_the_release_checks(
             assert str(e.value) == f"Unsupported layout: {layout}"
 
 
+def test_dcp_run_refused_before_a_layer_sharded_backups_pair(monkeypatch):
+    # 0.5.18-0.5.19 translate DCP slots before the layer-sharded backup looks at its pair.
+    from hostkv_rs.sglang import sources as _sources
+
+    monkeypatch.setattr(_sources, "sglang_release", lambda: (0, 5, 19))
+    dp = duck_mla(page_size=4, layers=4)
+    dp.layer_shard_enabled, dp.layer_shard_size = True, 2
+    dp._owned_local_layer_range = lambda: (0, 2)
+    host = MLATokenToKVPoolHost(dp, 2.0, 0, 8, "page_first_direct", dcp_size=2, dcp_rank=0)
+    run = torch.arange(3)
+    with pytest.raises(AssertionError, match="got 3 logical slots with dcp_size=2"):
+        host.backup_from_device_all_layer(dp, run, run, "direct")
+    whole = torch.arange(4)
+    with pytest.raises(ValueError, match="only supports layer_first layout"):
+        host.backup_from_device_all_layer(dp, whole, whole, "direct")
+
+
 def test_dcp_run_counts_a_tensors_elements_as_the_release_does(monkeypatch):
     # 0.5.18-0.5.19 assert on numel(): a (3, 2) index tensor (or array) holds 6 slots (whole
     # widened pages), so the refused pair is what fails; a 0-d one holds 1.

@@ -937,8 +937,14 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
     def _dcp_runs_first(self, host_indices, device_indices) -> None:
         """For a DCP pool (dcp_size > 1; callers check): SGLang 0.5.18-0.5.19 translate DCP
         slots, asserting whole widened pages, before they look at the io backend or the device
-        pool. Only the count is checked here (the core translates while it copies)."""
-        if _sources.dcp_whole_pages_only():
+        pool. Only the count is checked here (the core translates while it copies), and only
+        where Python refuses something first: a transfer naming another device pool, a
+        layer-sharded backup (the captured device side's core counts before its own refusal).
+        Whether the release asserts is read once per pool, as the core's index map is."""
+        whole = self.__dict__.get("_dcp_whole_pages")
+        if whole is None:
+            whole = self.__dict__["_dcp_whole_pages"] = _sources.dcp_whole_pages_only()
+        if whole:
             for indices in (host_indices, device_indices):
                 _check_dcp_run(element_count(indices), int(self.dcp_size))
 
@@ -995,6 +1001,8 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         ):
             if binding is None:
                 device_pool = self.device_pool if device_pool is None else device_pool
+            if self.dcp_size != 1:
+                self._dcp_runs_first(host_indices, device_indices)
             self._hand_built_pair_first(io_backend)
             self._check_io(io_backend)
             self._live_core()
