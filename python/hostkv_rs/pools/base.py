@@ -916,8 +916,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         host_layer = self._lookup_layer(layer_id, is_draft)
         if host_layer is None:
             return None
-        if self.dcp_size != 1:
-            self._dcp_runs_first(*indices)
+        self._dcp_runs_first(*indices)
         # SGLang refuses an unserved (layout, backend) pair before it reads the device pool.
         self._check_io(io_backend)
         self._check_device_pool(device_pool)
@@ -935,16 +934,12 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         return self._foreign_binding(device_pool, slots, slots, [h for _, h in targets])
 
     def _dcp_runs_first(self, host_indices, device_indices) -> None:
-        """For a DCP pool (dcp_size > 1; callers check): SGLang 0.5.18-0.5.19 translate DCP
-        slots, asserting whole widened pages, before they look at the io backend or the device
-        pool. Only the count is checked here (the core translates while it copies), and only
-        where Python refuses something first: a transfer naming another device pool, a
-        layer-sharded backup (the captured device side's core counts before its own refusal).
-        Whether the release asserts is read once per pool, as the core's index map is."""
-        whole = self.__dict__.get("_dcp_whole_pages")
-        if whole is None:
-            whole = self.__dict__["_dcp_whole_pages"] = _sources.dcp_whole_pages_only()
-        if whole:
+        """SGLang 0.5.18-0.5.19 translate a DCP pool's slots, asserting whole widened pages,
+        before they look at the io backend or the device pool. Only the count is checked here
+        (the core translates while it copies), and only where Python refuses something first: a
+        transfer naming another device pool, a layer-sharded backup (the captured device side's
+        core counts before its own refusal)."""
+        if self.dcp_size != 1 and _sources.dcp_whole_pages_only():
             for indices in (host_indices, device_indices):
                 _check_dcp_run(element_count(indices), int(self.dcp_size))
 
@@ -1001,8 +996,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
         ):
             if binding is None:
                 device_pool = self.device_pool if device_pool is None else device_pool
-            if self.dcp_size != 1:
-                self._dcp_runs_first(host_indices, device_indices)
+            self._dcp_runs_first(host_indices, device_indices)
             self._hand_built_pair_first(io_backend)
             self._check_io(io_backend)
             self._live_core()

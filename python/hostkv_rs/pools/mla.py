@@ -390,8 +390,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
             raise AssertionError("backup on a dummy (non-src MLA) host pool")
         if self._layer_shard_enabled:
             # SGLang copies one owned layer at a time, through fewer (layout, backend) pairs.
-            if self.dcp_size != 1:
-                self._dcp_runs_first(host_indices, device_indices)
+            self._dcp_runs_first(host_indices, device_indices)
             self._spec.check_pair(io_backend, "sharded_backup")
         self._backup_planes(device_pool, host_indices, device_indices, io_backend)
 
