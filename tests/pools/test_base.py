@@ -53,6 +53,22 @@ def test_host_size_is_decimal_gb_with_floor_division(monkeypatch):
     assert host.size_per_token == size_per_token
 
 
+@pytest.mark.parametrize("make", [make_mha, make_mla], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_pool_built_under_inference_mode_is_written_outside_it(make, layout):
+    # A storage backend's thread (not in inference mode) writes pages of a pool a scheduler
+    # built in inference mode: the pool's memory is a normal tensor, which torch lets it update.
+    with torch.inference_mode():
+        host, device = make(layout, 4)
+        page = host.get_data_page(0)
+    buffers = host.kv_buffer if isinstance(host.kv_buffer, (list, tuple)) else [host.kv_buffer]
+    assert not any(b.is_inference() for b in buffers)
+    host.set_from_flat_data_page(0, torch.ones_like(page))
+    assert torch.equal(host.get_data_page(0), torch.ones_like(page))
+    slots = host.alloc(4)
+    host.backup_from_device_all_layer(device, slots, torch.arange(4, 8), "kernel")
+
+
 def test_start_end_layer_and_attributes():
     dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS, start_layer=3, end_layer=7)
     host = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", pool_label="draft")

@@ -208,6 +208,28 @@ def test_clear_resets_everything(pool):
     assert pool.release_slots == [] and pool.num_release_slots == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_slots_taken_under_inference_mode_are_freed_outside_it(kind):
+    # SGLang's scheduler loop runs under torch.inference_mode(); the cache controller's threads
+    # do not. A pool built or cleared in that mode still frees and hands out slots outside it.
+    with torch.inference_mode():
+        pool = make_pool(kind)
+        first = pool.alloc(8)
+    assert not pool.slot_used.is_inference() and not pool.free_slots.is_inference()
+    pool.free(pool.alloc(4))
+    pool.free(first)
+    with torch.inference_mode():
+        pool.clear()
+        first = pool.alloc(8)
+    assert not pool.slot_used.is_inference()
+    second = pool.alloc(4)
+    pool.free(first)
+    pool.free(second)
+    assert pool.available_size() == 36
+    with torch.inference_mode():
+        assert pool.alloc(36).numel() == 36
+
+
 def test_everything_runs_under_the_one_rlock(pool):
     entered = threading.Event()
     release = threading.Event()

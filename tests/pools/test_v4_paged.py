@@ -1270,6 +1270,18 @@ def test_attach_scale_buffers_shapes_and_log(layout, caplog):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_scale_rows_attached_under_inference_mode_are_normal_tensors(layout):
+    with torch.inference_mode():
+        pool, _ = make_contract_pool(layout, L=3, pages=5)
+        pool.attach_scale_buffers(scale_buffers(), 8)
+    rows = (
+        pool.scale_kv_buffer if isinstance(pool.scale_kv_buffer, list) else [pool.scale_kv_buffer]
+    )
+    assert not any(r.is_inference() for r in rows)
+    rows[0].fill_(1)  # a thread outside inference mode may write them
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_scale_rows_become_the_pools_second_plane_and_change_no_page_answer(layout):
     # One core holds the page rows and, once attached, the scale rows: every binding moves its
     # planes of it (kernel_ascend's both: test_kernel_ascend_moves_whole_pages_and_their_scales),

@@ -386,6 +386,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
 
+    @torch.inference_mode(False)  # normal host tensors, as the constructor's (PoolMeta)
     def attach_scale_buffers(self, scale_device_buffers: list, scale_item_bytes: int) -> None:
         """Mirror per-layer scale rows (`scale_item_bytes` per device page row) next to the KV
         rows. Only kernel_ascend transfers move them, as in SGLang."""

@@ -16,6 +16,8 @@ import threading
 import weakref
 from typing import ClassVar
 
+import torch
+
 logger = logging.getLogger("hostkv_rs")
 
 _lock = threading.Lock()
@@ -57,6 +59,14 @@ class PoolMeta(abc.ABCMeta):
         super().__init__(name, bases, namespace, **kwargs)
         with _lock:
             PoolMeta.classes.add(cls)
+
+    def __call__(cls, *args, **kwargs):
+        # A pool built under torch.inference_mode() (a scheduler's loop runs in it) would hold
+        # inference tensors, which torch refuses to update in place outside that mode: the
+        # cache controller's and storage backends' threads, which are not in it, could then
+        # neither write a page nor free a slot. The pool's own tensors are always normal ones.
+        with torch.inference_mode(False):
+            return super().__call__(*args, **kwargs)
 
     def __instancecheck__(cls, instance) -> bool:
         return _replaces(cls, type(instance)) or super().__instancecheck__(instance)
