@@ -27,11 +27,14 @@ hostkv_rs: SGLang HiCache host KV pools with a Rust core.
          contiguous copy of the same bytes
   info   show what this machine offers the pools: CUDA driver, hugepages, transparent
          hugepages, NUMA nodes, the pinned-memory limit (ulimit -l), available memory
+  launch-sglang
+         run `python -m sglang.launch_server ARGS` with hostkv_rs serving SGLang's host pools
+         in every process it starts
 """
 
 # Host layouts and io backends as SGLang names them; which pairs a pool kind accepts comes from
 # the Rust core (`_core.supported_pairs`), checked before anything is allocated.
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
 BACKENDS = ("kernel", "direct")
 # preset kinds -> the core's pool kinds
 _CORE_KINDS = {"mha": "mha", "asym": "mha_asymmetric", "mla": "mla"}
