@@ -361,8 +361,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def clear(self):
         self._reset_free_list(self.size)
 
-    # available_size and the lazy merge are HostKVCache's; alloc and free differ from it (page
-    # rounding instead of an assert, no double-free tracking), as in SGLang.
+    # available_size and the lazy merge are HostKVCache's; alloc differs from it (page rounding
+    # instead of an assert), as in SGLang; free refuses a double free, which SGLang's V4 pool
+    # does not detect.
 
     @synchronized
     def alloc(self, need_size: int) -> torch.Tensor | None:
