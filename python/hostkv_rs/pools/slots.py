@@ -9,6 +9,7 @@ import torch
 
 from hostkv_rs.pools.args import NegativeSlotError, SlotRangeError
 from hostkv_rs.pools.indices import as_index_array, refuse_nested
+from hostkv_rs.pools.tensor_mode import outside_inference_mode
 
 _CPU = torch.device("cpu")
 
@@ -78,11 +79,8 @@ class SlotFreeList:
     # undo, the slots were reclaimed, and possibly handed out again.
     _slot_generation = 0
 
-    @torch.inference_mode(False)
+    @outside_inference_mode  # alloc and free update the ownership map in place
     def _reset_free_list(self, n: int) -> None:
-        # Normal tensors, also for a clear() under torch.inference_mode(): alloc and free update
-        # the ownership map in place, which torch refuses on an inference tensor outside that
-        # mode (the threads that free slots may not be in it).
         self._slot_generation += 1
         self.free_slots = torch.arange(n, dtype=torch.int64)
         self.release_slots = []

@@ -26,6 +26,7 @@ from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
 from hostkv_rs.pools.indices import check_page_values, check_storage, layer_tensors
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
+from hostkv_rs.pools.tensor_mode import outside_inference_mode
 from hostkv_rs.sglang.budgets import SGLANG_V4_POOLS, budget_source_text
 from hostkv_rs.sglang.sources import hicache_device_kernels, sglang_release
 
@@ -387,7 +388,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
 
-    @torch.inference_mode(False)  # normal host tensors, as the constructor's (PoolMeta)
+    @outside_inference_mode  # host tensors as writable as the constructor's (PoolMeta)
     def attach_scale_buffers(self, scale_device_buffers: list, scale_item_bytes: int) -> None:
         """Mirror per-layer scale rows (`scale_item_bytes` per device page row) next to the KV
         rows. Only kernel_ascend transfers move them, as in SGLang."""

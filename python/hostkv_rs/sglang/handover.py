@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import ClassVar
 
-import torch
+from hostkv_rs.pools.tensor_mode import outside_inference_mode
 
 logger = logging.getLogger("hostkv_rs")
 
@@ -60,13 +60,9 @@ class PoolMeta(abc.ABCMeta):
         with _lock:
             PoolMeta.classes.add(cls)
 
+    @outside_inference_mode
     def __call__(cls, *args, **kwargs):
-        # A pool built under torch.inference_mode() (a scheduler's loop runs in it) would hold
-        # inference tensors, which torch refuses to update in place outside that mode: the
-        # cache controller's and storage backends' threads, which are not in it, could then
-        # neither write a page nor free a slot. The pool's own tensors are always normal ones.
-        with torch.inference_mode(False):
-            return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __instancecheck__(cls, instance) -> bool:
         return _replaces(cls, type(instance)) or super().__instancecheck__(instance)
