@@ -69,6 +69,23 @@ def test_a_pool_built_under_inference_mode_is_written_outside_it(make, layout):
     host.backup_from_device_all_layer(device, slots, torch.arange(4, 8), "kernel")
 
 
+def test_a_pool_is_built_in_the_callers_grad_mode():
+    # Leaving inference mode must not turn grad mode on (torch.inference_mode(False) alone
+    # does), nor change anything for a caller not in inference mode.
+    seen = []
+
+    class Spy(MHATokenToKVPoolHost):
+        def init_kv_buffer(self):
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+            return super().init_kv_buffer()
+
+    device = make_mha("page_first", 4)[1]
+    for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+        with mode():
+            Spy(device, 2.0, 0, 4, "page_first", pin_memory=False, device="cpu")
+    assert seen == [(False, False), (False, False), (True, False)]
+
+
 def test_start_end_layer_and_attributes():
     dp = MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, LAYERS, start_layer=3, end_layer=7)
     host = MHATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first", pool_label="draft")
