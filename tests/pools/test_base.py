@@ -3,6 +3,8 @@ success logs, the memory budget check, and the arguments SGLang's call sites pas
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import re
 import subprocess
@@ -12,7 +14,9 @@ import threading
 import pytest
 import torch
 from hostkv_rs import (
+    DeepSeekV4PagedHostPool,
     HostKVCache,
+    LogicalHostPool,
     MHATokenToKVPool,
     MHATokenToKVPoolHost,
     MLATokenToKVPool,
@@ -79,11 +83,32 @@ def test_a_pool_is_built_in_the_callers_grad_mode():
             seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
             return super().init_kv_buffer()
 
+    def grad_in_inference_mode():
+        with torch.inference_mode(), torch.enable_grad():
+            yield
+
     device = make_mha("page_first", 4)[1]
-    for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+    modes = (
+        torch.inference_mode,
+        contextlib.contextmanager(grad_in_inference_mode),
+        torch.no_grad,
+        torch.enable_grad,
+    )
+    for mode in modes:
         with mode():
             Spy(device, 2.0, 0, 4, "page_first", pin_memory=False, device="cpu")
-    assert seen == [(False, False), (False, False), (True, False)]
+    assert seen == [(False, False), (True, False), (False, False), (True, False)]
+
+
+@pytest.mark.parametrize(
+    "cls", [MHATokenToKVPoolHost, MLATokenToKVPoolHost, DeepSeekV4PagedHostPool, LogicalHostPool]
+)
+def test_a_pool_classs_signature_is_its_constructors(cls):
+    # What inspect (help(), IDEs, code that filters keywords by signature) shows is the
+    # constructor's own parameter list, not a wrapper's (*args, **kwargs).
+    params = list(inspect.signature(cls).parameters)
+    assert params == [p for p in inspect.signature(cls.__init__).parameters][1:]
+    assert "args" not in params
 
 
 def test_start_end_layer_and_attributes():

@@ -59,10 +59,11 @@ class PoolMeta(abc.ABCMeta):
         super().__init__(name, bases, namespace, **kwargs)
         with _lock:
             PoolMeta.classes.add(cls)
-
-    @outside_inference_mode
-    def __call__(cls, *args, **kwargs):
-        return super().__call__(*args, **kwargs)
+        # Every pool is built outside inference mode (wrapping `__init__` keeps its signature
+        # for inspect, which a metaclass `__call__` would hide).
+        init = namespace.get("__init__")
+        if init is not None:
+            cls.__init__ = outside_inference_mode(init)
 
     def __instancecheck__(cls, instance) -> bool:
         return _replaces(cls, type(instance)) or super().__instancecheck__(instance)
