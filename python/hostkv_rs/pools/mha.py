@@ -195,16 +195,16 @@ class MHATokenToKVPoolHost(TokenPlanesPool):
                 f"device pool has {min(len(k_all), len(v_all))} K/V layers but claims "
                 f"layer_num={dp.layer_num}"
             )
-        k_drafts, v_drafts = [], []
+        k_drafts, v_drafts, draft_layer_count = [], [], 0
         for depth, draft in enumerate(self.mtp_draft_device_pools):
             k_layers = layer_tensors(f"draft[{depth}] k_buffer", draft.k_buffer)
-            if not k_layers or not layer_tensors(f"draft[{depth}] v_buffer", draft.v_buffer):
+            v_layers = k_layers and layer_tensors(f"draft[{depth}] v_buffer", draft.v_buffer)
+            if not v_layers:
                 raise ValueError(f"{pool_label}: packed draft[{depth}] has no layers")
-            k_drafts.append(draft.k_buffer[0])
-            v_drafts.append(draft.v_buffer[0])
-        self._packed_layer_count = self.target_layer_num + sum(
-            len(d.k_buffer) for d in self.mtp_draft_device_pools
-        )
+            k_drafts.append(k_layers[0])
+            v_drafts.append(v_layers[0])
+            draft_layer_count += len(k_layers)
+        self._packed_layer_count = self.target_layer_num + draft_layer_count
         return {
             "planes": [k_all[start:end] + k_drafts, v_all[start:end] + v_drafts],
             "owned": range(start, end),

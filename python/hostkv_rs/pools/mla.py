@@ -208,14 +208,14 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, TokenPlanesPool):
                 f"device pool has {len(layers)} layers but owns layers [{start}, {end}) (the "
                 f"host holds {self.target_layer_num})"
             )
-        draft_layers = []
+        draft_layers, draft_layer_count = [], 0
         for depth, draft in enumerate(self.mtp_draft_device_pools):
-            if not layer_tensors(f"draft[{depth}] kv_buffer", draft.kv_buffer):
+            layers_of_draft = layer_tensors(f"draft[{depth}] kv_buffer", draft.kv_buffer)
+            if not layers_of_draft:
                 raise ValueError(f"MLA packed draft[{depth}] has no layers")
-            draft_layers.append(draft.kv_buffer[0])
-        self._packed_layer_count = self.target_layer_num + sum(
-            len(d.kv_buffer) for d in self.mtp_draft_device_pools
-        )
+            draft_layers.append(layers_of_draft[0])
+            draft_layer_count += len(layers_of_draft)
+        self._packed_layer_count = self.target_layer_num + draft_layer_count
         return {
             "planes": [layers[start:end] + draft_layers],
             "owned": range(start, end),
