@@ -640,6 +640,48 @@ def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
     assert len(host._foreign_bindings) == 0
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_replaced_layers_of_another_device_pool_are_not_kept_alive(kind):
+    # A device pool named by transfers whose layer tensors are replaced between rounds: the
+    # bindings over the old tensors go (each held every layer of its pool: a server's old KV
+    # generations stayed alive until 512 bindings had piled up), the new ones move the bytes.
+    import gc
+    import weakref
+
+    layers, P = 4, 4
+    if kind == "mha":
+        host = MHATokenToKVPoolHost(
+            MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers), 2.0, 0, P, "page_first"
+        )
+        other = MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers)
+        names = ("k_buffer", "v_buffer")
+    else:
+        host = MLATokenToKVPoolHost(
+            MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers), 2.0, 0, P, "page_first"
+        )
+        other = MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers)
+        names = ("kv_buffer",)
+    h, d = host.alloc(P), torch.arange(P, 2 * P)
+    old = []
+    for generation in range(1, 4):
+        for name in names:
+            fresh = [torch.full_like(t, generation) for t in getattr(other, name)]
+            setattr(other, name, fresh)
+            old.append(weakref.ref(fresh[0]))
+        host.backup_from_device_all_layer(other, h, d, "kernel")
+        for layer in range(layers):
+            for name in names:
+                getattr(other, name)[layer].zero_()
+            host.load_to_device_per_layer(other, h, d, layer, "kernel")
+            for name in names:
+                rows = getattr(other, name)[layer][d]
+                assert torch.equal(rows, torch.full_like(rows, generation))
+        gc.collect()
+        alive = [r() is not None for r in old]
+        assert alive == [False] * (len(old) - len(names)) + [True] * len(names), generation
+        assert len(host._foreign_bindings[id(other)][1]) == layers + 1
+
+
 class _EqualPool(MHATokenToKVPool):
     """A device pool class whose instances all compare equal (and hash alike)."""
 

@@ -853,16 +853,17 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             return None
         return (self._device_plane_names[0], count)
 
-    # Bindings kept per device pool handed to calls: one per layer loaded and one per backup
-    # fit for any model; past this many (the pool's tensors keep changing) they start over.
+    # Bindings kept per device pool handed to calls, over its current tensors: one per layer
+    # loaded and one per backup fit for any model; past this many they start over.
     _FOREIGN_BINDINGS_PER_POOL = 512
 
     def _foreign_binding(self, device_pool, positions, slots, host_layers):
         """A binding over the device layers at `positions` of a device pool handed to one call
         (SGLang <= 0.5.21 reads the pool it is given). Reused while the same tensors come back,
         kept per device pool by identity (its own `__eq__`/`__hash__` play no part) and dropped
-        when that pool dies, so it never keeps device memory alive; a device pool that cannot be
-        weakly referenced gets a new binding each call."""
+        when that pool dies or its layer tensors are replaced, so it never keeps device memory
+        alive that the device pool let go; a device pool that cannot be weakly referenced gets a
+        new binding each call."""
         planes = [
             layer_tensors(f"device pool {name}", getattr(device_pool, name))
             for name in self._device_plane_names
@@ -881,11 +882,16 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             else:
                 entry = pools[id(device_pool)] = (watch, {})
         cache = entry[1]
-        key = tuple(map(id, (t for plane in planes for t in plane)))
-        key = (key, tuple(positions), tuple(host_layers))
+        tensors = tuple(map(id, (t for plane in planes for t in plane)))
+        key = (tensors, tuple(positions), tuple(host_layers))
         binding = cache.get(key)
         if binding is not None:
             return binding
+        if cache and next(iter(cache))[0] != tensors:
+            # The device pool holds other tensors now (its layers were replaced): the bindings
+            # over the old ones (all of one set: this rule keeps it so) would keep that device
+            # memory alive for nothing.
+            cache.clear()
         binding = _core.DeviceBinding(
             self._live_core(),
             planes,
