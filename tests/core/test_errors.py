@@ -254,6 +254,40 @@ def test_a_layer_the_pool_does_not_hold_is_skipped(layer_id):
         host.load_to_device_per_layer(dp, idx, idx + 4, 1.0, "kernel")
 
 
+class _IndexRaises:
+    """An integer-like argument whose `__index__` raises `error`."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __index__(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, MemoryError, ValueError])
+def test_what_an_arguments_index_raises_passes_through(error):
+    # A Ctrl-C (or any error of its own) raised while an integer argument is read reaches the
+    # caller as itself, as `operator.index` lets it, not as "must be an integer".
+    from hostkv_rs import DeepSeekV4PagedHostPool
+
+    host, dp = poisoned("mha", "page_first")
+    idx = torch.arange(4)
+    v4 = DeepSeekV4PagedHostPool("c4", [torch.zeros(8, 16, dtype=torch.uint8)], 16, 4, 4)
+    calls = (
+        lambda bad: host.load_to_device_per_layer(dp, idx, idx + 4, bad, "kernel"),
+        lambda bad: host.get_data_page(bad),
+        lambda bad: host.set_from_flat_data_page(bad, host.get_data_page(0)),
+        lambda bad: v4.load_to_device_per_layer(None, idx, idx + 4, bad, "kernel"),
+    )
+    for call in calls:
+        with Unchanged(host, dp), pytest.raises(error):
+            call(_IndexRaises(error))
+    with pytest.raises(TypeError, match="layer_id must be an integer"):
+        host.load_to_device_per_layer(dp, idx, idx + 4, _IndexRaises(TypeError), "kernel")
+    with pytest.raises(TypeError, match="index must be an integer, got <object"):
+        host.get_data_page(object())
+
+
 def test_float_indices_are_refused():
     host, dp = poisoned("mla", "layer_first")
     with Unchanged(host, dp), pytest.raises(TypeError):

@@ -6,21 +6,25 @@ use super::errors::{type_err, value_err};
 use crate::request::IndexMap;
 
 /// `value` as the Python int its `__index__` gives, or the TypeError naming `name` for a
-/// non-integer (a bool included: it is refused rather than read as 0 or 1).
+/// non-integer (a bool included: it is refused rather than read as 0 or 1). Anything else its
+/// `__index__` raises (KeyboardInterrupt, SystemExit, MemoryError, a ValueError of its own)
+/// passes through unchanged, as `operator.index` lets it.
 pub(crate) fn py_int<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
-    let int = (!value.is_instance_of::<pyo3::types::PyBool>())
-        .then(|| {
-            value
-                .call_method0(pyo3::intern!(value.py(), "__index__"))
-                .ok()
-        })
-        .flatten();
-    match int {
-        Some(int) => Ok(int),
-        None => Err(type_err(format!(
+    let not_an_integer = || -> PyResult<Bound<'py, PyAny>> {
+        Err(type_err(format!(
             "{name} must be an integer, got {}",
             value.repr()?
-        ))),
+        )))
+    };
+    let py = value.py();
+    let index = pyo3::intern!(py, "__index__");
+    if value.is_instance_of::<pyo3::types::PyBool>() || !value.get_type().hasattr(index)? {
+        return not_an_integer();
+    }
+    match value.call_method0(index) {
+        Ok(int) => Ok(int),
+        Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => not_an_integer(),
+        Err(err) => Err(err),
     }
 }
 
