@@ -16,6 +16,9 @@ pub(crate) fn py_int<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Bou
             value.repr()?
         )))
     };
+    if value.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return Ok(value.clone()); // the common case (a layer id per load): no method call
+    }
     let py = value.py();
     let index = pyo3::intern!(py, "__index__");
     if value.is_instance_of::<pyo3::types::PyBool>() || !value.get_type().hasattr(index)? {
