@@ -186,16 +186,47 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             }
         }
     }
+    // Whether [lo, hi) meets the bytes the transfer may write: the host planes (a backup), the
+    // moved device layers (a load).
+    let lc = layer_count as usize;
+    let writes = |lo: u64, hi: u64| {
+        let meets = |base: u64, n: u64| n > 0 && lo < base.saturating_add(n) && base < hi;
+        if req.op().to_host() {
+            (0..nplanes).any(|p| meets(g.plane_base[p], planes[p].as_ref().map_or(0, |l| l.nbytes)))
+        } else {
+            (0..nplanes).any(|p| {
+                let ptrs = &device.layer_ptrs[p * lc..][..lc];
+                ptrs.iter().any(|&ptr| meets(ptr, dev_span[p]))
+            })
+        }
+    };
+    let into = if req.op().to_host() {
+        "host pool"
+    } else {
+        "device layer"
+    };
     if len > 0 {
         for (which, idx) in [("host", h), ("device", d)] {
             if idx.ptr == 0 {
                 return Err(invalid(format!("{which} index array has a null address")));
             }
             let span = (idx.len as u64).checked_mul(idx.width.bytes() as u64);
-            if span.is_none_or(|n| n > isize::MAX as u64 || idx.ptr.checked_add(n).is_none()) {
+            let Some(end) = span
+                .filter(|&n| n <= isize::MAX as u64)
+                .and_then(|n| idx.ptr.checked_add(n))
+            else {
                 return Err(invalid(format!(
                     "{which} index array of {} elements at {:#x} is not addressable",
                     idx.len, idx.ptr
+                )));
+            };
+            // The engines read an index array more than once (validation, then the copy): one
+            // lying in the bytes this transfer writes would be rewritten under them, and rows
+            // outside the listed ones written. Torch refuses such an aliased index too.
+            if writes(idx.ptr, end) {
+                return Err(invalid(format!(
+                    "the {which} index array lies in the {into} memory this transfer writes, \
+                     which would rewrite it while it is read; pass a copy (clone()) of it"
                 )));
             }
         }
@@ -2187,6 +2218,53 @@ mod tests {
             );
             let e = plan.for_each_copy(0..plan.units(), |_| Ok(())).unwrap_err();
             assert!(e.to_string().contains("changed"), "{e}");
+        }
+    }
+
+    /// An index array stored in the bytes a transfer writes (the host planes of a backup, the
+    /// device layer of a load) is refused before anything is read; one in bytes the transfer
+    /// only reads is not.
+    #[test]
+    fn an_index_array_in_the_written_bytes_is_refused() {
+        for op in [Op::Backup, Op::Load { host_layer: 1 }] {
+            let mut c = base_case(Layout::PageFirst, Backend::Kernel, vec![8, 4]);
+            c.host_idx = vec![4, 5, 6, 7];
+            c.dev_idx = vec![0, 1, 2, 3];
+            c.op = op;
+            let mut w = c.world(&mut Rng(3));
+            let (req, hb, db) = c.request(&mut w);
+            let (geom, backend, op, device, mut host_idx, mut dev_idx) = req.into_parts();
+            let (host_end, dev_end) = (w.host[1].len() - hb.len(), w.dev[1][0].len() - db.len());
+            // The last bytes of the second plane (host) or of its device layer hold the values.
+            w.host[1][host_end..].copy_from_slice(&hb);
+            w.dev[1][0][dev_end..].copy_from_slice(&db);
+            let (in_host, in_dev) = (
+                w.host[1][host_end..].as_ptr() as u64,
+                w.dev[1][0][dev_end..].as_ptr() as u64,
+            );
+            let written_side = if op.to_host() {
+                host_idx.ptr = in_host;
+                "host index array lies in the host pool"
+            } else {
+                dev_idx.ptr = in_dev;
+                "device index array lies in the device layer"
+            };
+            // SAFETY: the same buffers as `c.request`'s, the moved index array now inside one of
+            // `w`'s (alive and unchanged for the check, which reads no index).
+            let req = unsafe { TransferRequest::new(geom, backend, op, device, host_idx, dev_idx) };
+            let e = check_structure(&req).unwrap_err();
+            assert!(e.to_string().contains(written_side), "{op:?}: {e}");
+            // Stored on the side it only reads, the same array passes.
+            let (geom, backend, op, device, mut host_idx, mut dev_idx) = req.into_parts();
+            (host_idx.ptr, dev_idx.ptr) = (hb.as_ptr() as u64, db.as_ptr() as u64);
+            if op.to_host() {
+                dev_idx.ptr = in_dev;
+            } else {
+                host_idx.ptr = in_host;
+            }
+            // SAFETY: as above.
+            let req = unsafe { TransferRequest::new(geom, backend, op, device, host_idx, dev_idx) };
+            check_structure(&req).unwrap();
         }
     }
 

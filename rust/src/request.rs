@@ -245,8 +245,9 @@ impl TransferRequest {
     /// 3. **Index arrays.** Each of `host_idx` / `dev_idx` with `len > 0` addresses
     ///    `len * width.bytes()` live bytes: CPU memory unless `on_device` is set with
     ///    [`DeviceMemory::Cuda`] (then GPU memory of the device that holds the layer pointers).
-    ///    Nobody writes them, and they do not overlap the bytes the transfer writes: the engines
-    ///    read them more than once (validation, then the copy) and rely on seeing the same values.
+    ///    Nobody else writes them: the engines read them more than once (validation, then the
+    ///    copy) and rely on seeing the same values. (One lying in the bytes the transfer itself
+    ///    writes is refused by `plan::check_structure` before any of them is read.)
     /// 4. **No Rust aliasing.** None of these bytes is a Rust object that safe code may access
     ///    during the call (for example this request's own vectors): they are reached only through
     ///    the raw addresses.

@@ -21,6 +21,7 @@ from reference import (
     all_device_tensors,
     assert_device_equal,
     assert_host_equal,
+    device_planes,
     fill_random,
     host_planes,
     make_asym,
@@ -286,6 +287,40 @@ def test_what_an_arguments_index_raises_passes_through(error):
         host.load_to_device_per_layer(dp, idx, idx + 4, _IndexRaises(TypeError), "kernel")
     with pytest.raises(TypeError, match="index must be an integer, got <object"):
         host.get_data_page(object())
+
+
+@pytest.mark.parametrize(
+    "kind,layout,backend",
+    [
+        ("mha", "layer_first", "kernel"),
+        ("mha", "page_first", "kernel"),
+        ("mha", "page_first_direct", "direct"),
+        ("mla", "page_first", "kernel"),
+    ],
+)
+def test_an_index_array_in_the_memory_a_transfer_writes_is_refused(kind, layout, backend):
+    # The engines read an index array more than once: one stored in the bytes the call writes
+    # was rewritten under them (rows outside the listed ones written, or a refusal part-way).
+    host, dp = poisoned(kind, layout)
+    n = 8
+    hv, dv = host.alloc(n), torch.arange(4, 4 + n)
+    first_plane = device_planes(dp)[0]
+
+    def stored_in(tensor, values):
+        # The last n int64 words of `tensor`'s bytes hold `values` (rows no call lists).
+        words = tensor.view(-1).view(torch.uint8)[-8 * n :].view(torch.int64)
+        words.copy_(values)
+        return words
+
+    di = stored_in(first_plane[1], dv)
+    with Unchanged(host, dp), pytest.raises(TransferError, match="device index array lies in"):
+        host.load_to_device_per_layer(dp, hv, di, 1, backend)
+    hi = stored_in(host_planes(host)[-1], hv)
+    with Unchanged(host, dp), pytest.raises(TransferError, match="host index array lies in"):
+        host.backup_from_device_all_layer(dp, hi, dv, backend)
+    # In memory the call reads but does not write, an index array is fine.
+    host.load_to_device_per_layer(dp, hv, stored_in(first_plane[2], dv), 1, backend)
+    host.backup_from_device_all_layer(dp, hv, di, backend)
 
 
 def test_float_indices_are_refused():
