@@ -878,20 +878,22 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                     device_pool, partial(_forget_foreign, weakref.ref(self), id(device_pool))
                 )
             except TypeError:
-                entry = (None, {})  # not weakly referenceable: not cached
+                entry = [None, {}, None]  # not weakly referenceable: not cached
             else:
-                entry = pools[id(device_pool)] = (watch, {})
-        cache = entry[1]
+                # [the watch, bindings by (tensors, positions, host layers), those tensors]
+                entry = pools[id(device_pool)] = [watch, {}, None]
         tensors = tuple(map(id, (t for plane in planes for t in plane)))
         key = (tensors, tuple(positions), tuple(host_layers))
-        binding = cache.get(key)
+        binding = entry[1].get(key)
         if binding is not None:
             return binding
-        if cache and next(iter(cache))[0] != tensors:
+        if entry[2] != tensors:
             # The device pool holds other tensors now (its layers were replaced): the bindings
-            # over the old ones (all of one set: this rule keeps it so) would keep that device
-            # memory alive for nothing.
-            cache.clear()
+            # over the old ones would keep that device memory alive for nothing. A new dict, not
+            # a cleared one: another thread may be reading the old one (the key still names the
+            # tensors, so no thread takes a binding over tensors it was not handed).
+            entry[1], entry[2] = {}, tensors
+        cache = entry[1]
         binding = _core.DeviceBinding(
             self._live_core(),
             planes,
