@@ -74,7 +74,8 @@ fn invalid(msg: String) -> Error {
     Error::transfer(msg)
 }
 
-/// Checks that need no index values: geometry, pointer counts, layer id, lengths, page multiple.
+/// Checks that need no index values: geometry, pointer counts, layer id, lengths, page multiple,
+/// and that no index array lies in the bytes the transfer may write.
 pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
     let g = req.geom();
     let device = req.device();

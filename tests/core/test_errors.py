@@ -288,6 +288,13 @@ def test_what_an_arguments_index_raises_passes_through(error):
     with pytest.raises(TypeError, match="index must be an integer, got <object"):
         host.get_data_page(object())
 
+    class NotAnInt:
+        def __index__(self):
+            return 1.5  # noqa: PLE0305 (the point of the test)
+
+    with pytest.raises(TypeError, match="layer_id must be an integer"):
+        host.load_to_device_per_layer(dp, idx, idx + 4, NotAnInt(), "kernel")
+
 
 @pytest.mark.parametrize(
     "kind,layout,backend",

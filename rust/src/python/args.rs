@@ -5,26 +5,25 @@ use pyo3::prelude::*;
 use super::errors::{type_err, value_err};
 use crate::request::IndexMap;
 
-/// `value` as the Python int its `__index__` gives, or the TypeError naming `name` for a
-/// non-integer (a bool included: it is refused rather than read as 0 or 1). Anything else its
-/// `__index__` raises (KeyboardInterrupt, SystemExit, MemoryError, a ValueError of its own)
-/// passes through unchanged, as `operator.index` lets it.
+/// `value` as the Python int `operator.index` gives, or the TypeError naming `name` for a
+/// non-integer (a bool included: it is refused rather than read as 0 or 1; an `__index__` that
+/// raises TypeError or returns something else than an int too). Anything else its `__index__`
+/// raises (KeyboardInterrupt, SystemExit, MemoryError, a ValueError of its own) passes through
+/// unchanged, as `operator.index` lets it.
 pub(crate) fn py_int<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let py = value.py();
     let not_an_integer = || -> PyResult<Bound<'py, PyAny>> {
         Err(type_err(format!(
             "{name} must be an integer, got {}",
             value.repr()?
         )))
     };
-    if value.is_exact_instance_of::<pyo3::types::PyInt>() {
-        return Ok(value.clone()); // the common case (a layer id per load): no method call
-    }
-    let py = value.py();
-    let index = pyo3::intern!(py, "__index__");
-    if value.is_instance_of::<pyo3::types::PyBool>() || !value.get_type().hasattr(index)? {
+    if value.is_instance_of::<pyo3::types::PyBool>() {
         return not_an_integer();
     }
-    match value.call_method0(index) {
+    // SAFETY: `value` is a live object (the GIL is held); PyNumber_Index returns a new reference
+    // or NULL with the error set, which `from_owned_ptr_or_err` takes over.
+    match unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyNumber_Index(value.as_ptr())) } {
         Ok(int) => Ok(int),
         Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => not_an_integer(),
         Err(err) => Err(err),
