@@ -1035,6 +1035,26 @@ def test_hisparse_request_rows_grow_page_by_page():
     assert lens.tolist() == [0, 12]
 
 
+@pytest.mark.parametrize("kind", ["v4", "mla"])
+def test_hisparse_a_request_table_torch_cannot_read_takes_no_slots(kind):
+    # The slots are taken before the row is read: a table whose row cannot be sliced (its
+    # storage shrunk after it was made) must hand them back, as any other refusal does.
+    if kind == "v4":
+        pool, _ = make_pool(pages=6, P=4)
+    else:
+        from reference import make_mla
+
+        pool, _ = make_mla("layer_first", 4)
+    rows = torch.full((2, 16), -1, dtype=torch.int64)
+    rows.untyped_storage().resize_(32)  # room for row 0's first 4 slots only
+    lens = torch.zeros(2, dtype=torch.int64)
+    free = pool.available_size()
+    with pytest.raises(RuntimeError, match="storage"):
+        pool.alloc_paged_token_slots(rows, lens, 1, 0, 5)
+    assert pool.available_size() == free and lens.tolist() == [0, 0]
+    assert pool.alloc(free).numel() == free  # every slot is still free
+
+
 # ---- CUDA device pools (run where a GPU is present) ------------------------------------------
 
 
@@ -1267,6 +1287,45 @@ def test_attach_scale_buffers_shapes_and_log(layout, caplog):
         "Attaching 0.00 MB host memory for V4 indexer scale pool 'c4_kv' "
         f"(layers=3, pages=5, scale_item_bytes=8, layout={layout})."
     ) in caplog.text
+
+
+def test_a_page_whose_reading_destroys_the_pool_is_not_written():
+    # As on the MHA and MLA pools (whose bytes are gone after destroy()): a flat page whose
+    # torch-function hook destroys the pool while it is read is refused, not written.
+    pool, _ = make_pool()
+    before = pool._flat.clone()
+
+    class Destroying(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            pool.destroy()
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    page = torch.full((pool.layer_num * pool.item_bytes,), 7, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        pool.set_from_flat_data_page(0, page.as_subclass(Destroying))
+    assert torch.equal(pool._flat, before)
+
+
+def test_attach_scale_buffers_refused_by_the_core_attaches_nothing(monkeypatch):
+    # The two-plane core is made before any scale attribute is set: its refusal leaves the pool
+    # as it was (no half-attached scales that every retry refuses as "already attached").
+    pool, _ = make_contract_pool("layer_first", L=3, pages=5)
+    real = v4_paged._core.HostPool
+
+    def refusing(spec, allocations, **kw):
+        if len(allocations) == 2:
+            raise ValueError("refused by the core")
+        return real(spec, allocations, **kw)
+
+    monkeypatch.setattr(v4_paged._core, "HostPool", refusing)
+    with pytest.raises(ValueError, match="refused by the core"):
+        pool.attach_scale_buffers(scale_buffers(), 8)
+    assert pool.scale_kv_buffer is None and pool.scale_device_buffers is None
+    assert pool.scale_item_bytes == 0 and list(pool._pool.spec.item_bytes) == [pool.item_bytes]
+    monkeypatch.undo()
+    pool.attach_scale_buffers(scale_buffers(), 8)
+    assert list(pool._pool.spec.item_bytes) == [pool.item_bytes, 8]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -132,16 +132,17 @@ class HiSparseHostPoolMixin:
                 generation = self._slot_generation
             if host_locs is None:  # another thread took the pages since the check above
                 raise _alloc_failed(num_new_pages, req_pool_idx, start_pos, num_tokens)
-            row = req_to_host_pool[req_pool_idx, allocated_len:page_end]
-            before = row.clone()
+            row = before = None
             try:
+                row = req_to_host_pool[req_pool_idx, allocated_len:page_end]
+                before = row.clone()
                 row.copy_(host_locs.to(device=device, non_blocking=True))
                 req_to_host_pool_allocated_len[req_pool_idx] = page_end
             except BaseException:
-                # A table torch would not write: put the row back and the slots at the head of
-                # the free list, as if this call had not been made.
+                # A table torch would not read or write: put the row back and the slots at the
+                # head of the free list, as if this call had not been made.
                 try:
-                    if not torch.equal(row, before):
+                    if before is not None and not torch.equal(row, before):
                         row.copy_(before)
                 finally:
                     self._untake(host_locs, generation)

@@ -455,17 +455,21 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             host = list(scale_rows.unbind(0))  # SGLang's list of per-layer rows
         else:
             host = scale_rows.view(Nh, L, 1, SIB)  # SGLang's shape for both page layouts
+        both = None
+        if region is not None and self._region is not None:
+            # One core over both planes, made before anything is attached (a refusal leaves
+            # the pool as it was). kernel_ascend moves the page rows and the scale rows of a
+            # page together, so one check covers both before a byte moves; every other binding
+            # moves the page rows alone.
+            both = _core.HostPool(spec, [self._flat, scale_flat])
         self._scale_region = region
         self.scale_device_buffers = buffers
         self.scale_item_bytes = SIB
         self.scale_kv_buffer = host
-        if region is not None and self._region is not None:
-            # One core over both planes. kernel_ascend moves the page rows and the scale rows of
-            # a page together, so one check covers both before a byte moves; every other
-            # binding moves the page rows alone.
+        if both is not None:
             # The bindings over the old core are dropped, not released: a transfer still running
             # through one finishes over the same memory.
-            self._spec, self._pool = spec, _core.HostPool(spec, [self._flat, scale_flat])
+            self._spec, self._pool = spec, both
             self._transfers = self._bind(scales=buffers)
 
     # ---- transfers --------------------------------------------------------------------------
@@ -517,6 +521,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     # ---- L3 flat pages and zero-copy metadata ----------------------------------------------
 
     def _page_base(self) -> torch.Tensor:
+        # Asked again where a page is written: reading the caller's page may have run Python
+        # (a subclass's hook) that destroyed the pool, as the other pools' base is gone then.
+        self._require_live()
         return self._flat
 
     def get_data_page(self, index, flat=True):
