@@ -599,6 +599,19 @@ def test_a_page_call_that_meets_destroy_midway_gets_the_destroyed_pools_error(ma
         host.set_from_flat_data_page(0, page)
 
 
+def _host_and_another_device_pool(kind, layers, P):
+    """A page_first host pool of `kind` and a second device pool of the same geometry, which
+    transfers name instead of the one the host pool was built from."""
+
+    def device():
+        if kind == "mha":
+            return MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers)
+        return MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers)
+
+    host_cls = MHATokenToKVPoolHost if kind == "mha" else MLATokenToKVPoolHost
+    return host_cls(device(), 2.0, 0, P, "page_first"), device()
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
     # SGLang <= 0.5.21 (and no SGLang) reads the device pool a transfer names. A server's
@@ -608,16 +621,7 @@ def test_transfers_naming_another_device_pool_reuse_one_binding_per_layer(kind):
     import weakref
 
     layers, P = 12, 4
-    if kind == "mha":
-        host = MHATokenToKVPoolHost(
-            MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers), 2.0, 0, P, "page_first"
-        )
-        other = MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers)
-    else:
-        host = MLATokenToKVPoolHost(
-            MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers), 2.0, 0, P, "page_first"
-        )
-        other = MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers)
+    host, other = _host_and_another_device_pool(kind, layers, P)
     h, d = host.alloc(P), torch.arange(P, 2 * P)
 
     def a_round(pool):
@@ -649,18 +653,8 @@ def test_replaced_layers_of_another_device_pool_are_not_kept_alive(kind):
     import weakref
 
     layers, P = 4, 4
-    if kind == "mha":
-        host = MHATokenToKVPoolHost(
-            MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers), 2.0, 0, P, "page_first"
-        )
-        other = MHATokenToKVPool(16, P, torch.bfloat16, 2, 8, layers)
-        names = ("k_buffer", "v_buffer")
-    else:
-        host = MLATokenToKVPoolHost(
-            MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers), 2.0, 0, P, "page_first"
-        )
-        other = MLATokenToKVPool(16, P, torch.bfloat16, 12, 4, layers)
-        names = ("kv_buffer",)
+    host, other = _host_and_another_device_pool(kind, layers, P)
+    names = ("k_buffer", "v_buffer") if kind == "mha" else ("kv_buffer",)
     h, d = host.alloc(P), torch.arange(P, 2 * P)
     old = []
     for generation in range(1, 4):
