@@ -120,6 +120,37 @@ def test_install_twice_then_uninstall_once(hk):
         assert getattr(H._DEFINING[name], name) is H.ORIG[name], name
 
 
+def test_a_known_module_that_does_not_import_is_a_warning(hk, monkeypatch, caplog):
+    # A module install() patches that exists but fails to import (a missing dependency) keeps
+    # SGLang's pools there: said at WARNING, naming it; a module this release lacks is debug.
+    import importlib
+    import logging
+
+    import hostkv_rs.sglang as shim
+
+    broken, absent = shim.KNOWN_MODULES[-1], "sglang.srt.mem_cache.hiradix_cache"
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name == broken:
+            raise ImportError("cannot import name 'x' from 'sgl_kernel'", name="sgl_kernel")
+        if name == absent:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    caplog.set_level(logging.DEBUG, logger="hostkv_rs")
+    try:
+        shim.install()
+    finally:
+        monkeypatch.undo()
+        shim.uninstall()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and broken in warned[0].getMessage(), caplog.text
+    assert "sgl_kernel" in warned[0].getMessage()
+    assert any(absent in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
 def test_reinstall_round_trip(hk, publish):
     """install -> uninstall -> install builds ours again; uninstall -> SGLang's again."""
     import hostkv_rs.sglang as shim

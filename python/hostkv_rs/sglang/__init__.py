@@ -165,7 +165,20 @@ def install() -> dict[str, list[str]]:
                 f"({'; '.join(f'{k}: {v}' for k, v in failures.items())})"
             )
         for name, exc in failures.items():
-            logger.debug("hostkv_rs.sglang.install(): skipped %s (%s)", name, exc)
+            absent = isinstance(exc, ModuleNotFoundError) and exc.name == name
+            if absent or name not in KNOWN_MODULES:
+                # Not in this release (or a platform-only pool module): nothing to patch there.
+                logger.debug("hostkv_rs.sglang.install(): skipped %s (%s)", name, exc)
+            else:
+                # It exists but did not import: what it defines stays SGLang's, for importers
+                # too, until install() runs again after it imports.
+                logger.warning(
+                    "hostkv_rs.sglang.install(): %s did not import (%s: %s); the host pools it "
+                    "defines or imports stay SGLang's there until install() runs again",
+                    name,
+                    type(exc).__name__,
+                    exc,
+                )
         originals = _originals(ours)
         done: dict[str, list[str]] = {}
         for module_name, module in sorted(_sglang_modules().items()):
