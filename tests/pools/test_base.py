@@ -181,6 +181,25 @@ def test_memory_check_uses_the_budget_exactly(monkeypatch):
         MLATokenToKVPoolHost(dp, 2.0, 0, 16, "layer_first")
 
 
+def test_a_pool_refused_after_its_budget_was_booked_gives_it_back(monkeypatch):
+    # Inside a budget scope the pool is booked by SGLang's check; hostkv_rs's own check that
+    # every allocation fits the memory there is now comes after it. A pool refused there is
+    # never built, so the scope must still hold its bytes for the next pool. (V4 pools book
+    # nothing, in SGLang and here.)
+    budget = 10**9
+    dp = MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, LAYERS)
+    with _budgets.host_memory_budget_scope(budget):
+        monkeypatch.setattr(
+            _memory, "available_host_memory", lambda: _memory.HostMemory(0, "nothing left")
+        )
+        with pytest.raises(ValueError, match="Not enough host memory for"):
+            MLATokenToKVPoolHost(dp, 0, 0.001, 16, "page_first")
+        assert _budgets._budget_scope.get() == budget
+        monkeypatch.undo()
+        pool = MLATokenToKVPoolHost(dp, 0, 0.001, 16, "page_first")
+        assert _budgets._budget_scope.get() == budget - pool.size * pool.size_per_token
+
+
 def test_budget_formula(monkeypatch, tmp_path):
     class VM:
         available = 50 * 1024**3

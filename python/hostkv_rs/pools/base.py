@@ -412,8 +412,10 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                 self.device_capacity_tokens,
             )
         requested_bytes = self.size * self.size_per_token
+        bookings = _budgets.budget_bookings()
         check_host_memory(requested_bytes)
-        self._check_allocations_fit(requested_bytes)
+        with _budgets.unbooked_on_failure(bookings):
+            self._check_allocations_fit(requested_bytes)
         # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
         # neither (e.g. allocator-only test pools) working.
         layer_num = getattr(self, "layer_num", 0)

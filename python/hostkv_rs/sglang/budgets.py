@@ -88,6 +88,28 @@ def host_memory_budget_scope(budget_bytes: int):
         _budget_scope.reset(token)
 
 
+def budget_bookings() -> list:
+    """What the budget scopes (ours, and SGLang's where it has one) hold now, for
+    `unbooked_on_failure`."""
+    base = sys.modules.get(SGLANG_POOL_BASE)
+    theirs = getattr(base, "_host_memory_budget", None)
+    return [(var, var.get()) for var in (_budget_scope, theirs) if var is not None]
+
+
+@contextmanager
+def unbooked_on_failure(bookings: list):
+    """A refusal raised inside puts the budget scopes back to `bookings` (taken before the pool
+    was booked): hostkv_rs's own allocation check runs after SGLang's budget check has booked
+    the pool, and a pool refused there is never built (SGLang's own refusal books nothing)."""
+    try:
+        yield
+    except BaseException:
+        for var, value in bookings:
+            if value is not None:
+                var.set(value)
+        raise
+
+
 def _sglang_scope_budget(requested_bytes: int) -> int | None:
     """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
     against one snapshot), book there too, as SGLang's pools do."""
