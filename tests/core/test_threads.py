@@ -264,3 +264,79 @@ def test_v4_page_rows_from_four_threads(layout, backend):
         run_beside_a_busy_thread([mover(2, 1), mover(9, 2), alloc_free(host, P, ROUNDS * 4)])
         """
     )
+
+
+def test_clear_available_size_and_attach_race_alloc_and_free():
+    # clear() on one thread while two others alloc and free (a V4 pool's clear ran without the
+    # pool's lock: its free list ended up with slots twice, or slots also in use); a logical
+    # pool's available_size read between a free's merge steps (it counted released slots
+    # twice); two threads attaching V4 scale buffers (both attached, the core holding one
+    # thread's, the pool showing the other's).
+    _run(
+        """
+        from hostkv_rs import DeepSeekV4PagedHostPool, LogicalHostPool
+
+        P = 4
+        def checked(pool):
+            size = pool.slot_used.numel()
+            free = torch.cat([pool.free_slots, *pool.release_slots]).tolist()
+            assert len(free) == len(set(free)), "a slot twice in the free list"
+            assert not pool.slot_used[free].any(), "a free slot marked used"
+            assert pool.available_size() + int(pool.slot_used.sum()) == size
+
+        v4 = DeepSeekV4PagedHostPool(
+            "c4_kv", [torch.zeros(16, 64, dtype=torch.uint8)] * 2, 64, 16, P
+        )
+        for _ in range(60):
+            def worker():
+                held = []
+                for i in range(30):
+                    got = v4.alloc(P * (1 + i % 2))
+                    if got is not None:
+                        got = got.clone()
+                        assert got.unique().numel() == got.numel(), got.tolist()
+                        held.append(got)
+                    if len(held) > 2:
+                        try:
+                            v4.free(held.pop(0))
+                        except AssertionError as exc:  # freed by the clear() since: refused
+                            assert "Double-free" in str(exc), exc
+            def clearer():
+                for _ in range(6):
+                    v4.clear()
+            run_threads([worker, worker, clearer])
+            checked(v4)
+            v4.clear()
+
+        logical = LogicalHostPool(64, P)
+        stop = threading.Event()
+        def churn():
+            for _ in range(3000):
+                logical.free(logical.alloc(P))
+            stop.set()
+        def reader():
+            while not stop.is_set():
+                assert 0 <= logical.available_size() <= 64, logical.available_size()
+        run_threads([churn, reader, reader])
+        checked(logical)
+
+        for _ in range(100):
+            pool = DeepSeekV4PagedHostPool(
+                "c4_kv", [torch.zeros(6, 48, dtype=torch.uint8)] * 2, 48, 5, 2
+            )
+            outcomes = []
+            def attach(value):
+                def body():
+                    scales = [torch.full((6, 8), value, dtype=torch.uint8)] * 2
+                    try:
+                        pool.attach_scale_buffers(scales, 8)
+                        outcomes.append(value)
+                    except RuntimeError as exc:
+                        assert "already attached" in str(exc), exc
+                return body
+            run_threads([attach(1), attach(2)])
+            assert len(outcomes) == 1, outcomes
+            assert int(pool.scale_device_buffers[0][0, 0]) == outcomes[0]
+            assert list(pool._pool.spec.item_bytes) == [48, 8]
+        """
+    )

@@ -65,6 +65,10 @@ class LogicalHostPool(SlotFreeList, metaclass=_handover.PoolMeta):
     def clear(self):
         self._reset_free_list(self.size)
 
+    # Two reads (the free list, the release count) that a concurrent free's merge changes in
+    # between: under the lock, as alloc and free run.
+    available_size = synchronized(SlotFreeList.available_size)
+
     def destroy(self) -> None:
         return None
 

@@ -359,6 +359,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     # ---- slot allocator (page-row units, lazy release, no used-tracking) --------------------
 
+    @synchronized
     def clear(self):
         self._reset_free_list(self.size)
 
@@ -389,6 +390,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     # ---- indexer scale buffers (NPU C4 indexer) ---------------------------------------------
 
     @outside_inference_mode  # host tensors as writable as the constructor's (PoolMeta)
+    @synchronized  # two attaching threads: one attaches, the other is told so
     def attach_scale_buffers(self, scale_device_buffers: list, scale_item_bytes: int) -> None:
         """Mirror per-layer scale rows (`scale_item_bytes` per device page row) next to the KV
         rows. Only kernel_ascend transfers move them, as in SGLang."""
