@@ -166,6 +166,27 @@ def test_a_pool_detached_while_the_master_is_down_says_a_new_client_is_needed(ca
     fresh.detach()
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_attach_whose_registration_raises_part_way_leaves_nothing_registered(error):
+    # An asymmetric pool has two allocations: the client raises (not a return code) on the
+    # second. The first must be unregistered, as after a refusing return code, or the client
+    # keeps it and refuses the next attach at those addresses.
+    from hostkv_rs.l3.mooncake import MooncakeTier
+
+    class Raising(_StuckRegistry):
+        def register_buffer(self, address, nbytes):
+            if self.ranges:
+                raise error("register_buffer failed")
+            return super().register_buffer(address, nbytes)
+
+    store = Raising()
+    tier = MooncakeTier(store)
+    pool = POOLS["mha-asym-page_first"]()
+    with pytest.raises(error, match="register_buffer failed"):
+        tier.attach(pool)
+    assert store.ranges == {} and not tier.attached
+
+
 def test_missing_mooncake_says_how_to_install_it_from_the_checkout(monkeypatch, capsys):
     from hostkv_rs.l3.mooncake import _import_store_class
     from hostkv_rs.tools import cli

@@ -439,7 +439,11 @@ class MooncakeTier:
                 spans.append((headers.address, headers.nbytes))
             done = []
             for address, nbytes in spans:
-                rc = self.store.register_buffer(address, nbytes)
+                try:
+                    rc = self.store.register_buffer(address, nbytes)
+                except BaseException:
+                    _unregister(self.store, done)  # a client that raises (or a Ctrl-C)
+                    raise
                 if rc != 0:
                     _unregister(self.store, done)
                     raise L3Error(
