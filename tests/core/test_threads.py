@@ -316,7 +316,8 @@ def test_clear_available_size_and_attach_race_alloc_and_free():
             stop.set()
         def reader():
             while not stop.is_set():
-                assert 0 <= logical.available_size() <= 64, logical.available_size()
+                seen = logical.available_size()
+                assert 0 <= seen <= 64, seen
         run_threads([churn, reader, reader])
         checked(logical)
 

@@ -1307,22 +1307,25 @@ def test_a_page_whose_reading_destroys_the_pool_is_not_written():
     assert torch.equal(pool._flat, before)
 
 
-def test_attach_scale_buffers_refused_by_the_core_attaches_nothing(monkeypatch):
-    # The two-plane core is made before any scale attribute is set: its refusal leaves the pool
-    # as it was (no half-attached scales that every retry refuses as "already attached").
+@pytest.mark.parametrize("step", ["HostPool", "DeviceBinding"])
+def test_attach_scale_buffers_refused_by_the_core_attaches_nothing(monkeypatch, step):
+    # The two-plane core or its bindings refused: the pool is left as it was (no half-attached
+    # scales that every retry refuses as "already attached"), and attaching works afterwards.
     pool, _ = make_contract_pool("layer_first", L=3, pages=5)
-    real = v4_paged._core.HostPool
+    real = getattr(v4_paged._core, step)
 
-    def refusing(spec, allocations, **kw):
-        if len(allocations) == 2:
+    def refusing(*args, **kwargs):
+        if step == "DeviceBinding" or len(args[1]) == 2:
             raise ValueError("refused by the core")
-        return real(spec, allocations, **kw)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(v4_paged._core, "HostPool", refusing)
+    monkeypatch.setattr(v4_paged._core, step, refusing)
+    transfers = pool._transfers
     with pytest.raises(ValueError, match="refused by the core"):
         pool.attach_scale_buffers(scale_buffers(), 8)
     assert pool.scale_kv_buffer is None and pool.scale_device_buffers is None
     assert pool.scale_item_bytes == 0 and list(pool._pool.spec.item_bytes) == [pool.item_bytes]
+    assert pool._transfers is transfers
     monkeypatch.undo()
     pool.attach_scale_buffers(scale_buffers(), 8)
     assert list(pool._pool.spec.item_bytes) == [pool.item_bytes, 8]

@@ -457,22 +457,26 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             host = list(scale_rows.unbind(0))  # SGLang's list of per-layer rows
         else:
             host = scale_rows.view(Nh, L, 1, SIB)  # SGLang's shape for both page layouts
-        both = None
-        if region is not None and self._region is not None:
-            # One core over both planes, made before anything is attached (a refusal leaves
-            # the pool as it was). kernel_ascend moves the page rows and the scale rows of a
-            # page together, so one check covers both before a byte moves; every other binding
-            # moves the page rows alone.
-            both = _core.HostPool(spec, [self._flat, scale_flat])
-        self._scale_region = region
-        self.scale_device_buffers = buffers
-        self.scale_item_bytes = SIB
-        self.scale_kv_buffer = host
-        if both is not None:
-            # The bindings over the old core are dropped, not released: a transfer still running
-            # through one finishes over the same memory.
-            self._spec, self._pool = spec, both
-            self._transfers = self._bind(scales=buffers)
+        # What attaching changes, put back if any step of it is refused (the two-plane core or
+        # its bindings), so a retry is not told the scales are attached already.
+        names = ("_scale_region", "scale_device_buffers", "scale_item_bytes", "scale_kv_buffer")
+        before = [getattr(self, n) for n in (*names, "_spec", "_pool", "_transfers")]
+        try:
+            self._require_live()  # destroy() does not wait for the pool's lock
+            for name, value in zip(names, (region, buffers, SIB, host)):
+                setattr(self, name, value)
+            if region is not None and self._region is not None:
+                # One core over both planes. kernel_ascend moves the page rows and the scale
+                # rows of a page together, so one check covers both before a byte moves; every
+                # other binding moves the page rows alone. The bindings over the old core are
+                # dropped, not released: a transfer still running through one finishes over the
+                # same memory.
+                self._spec, self._pool = spec, _core.HostPool(spec, [self._flat, scale_flat])
+                self._transfers = self._bind(scales=buffers)
+        except BaseException:
+            for name, value in zip((*names, "_spec", "_pool", "_transfers"), before):
+                setattr(self, name, value)
+            raise
 
     # ---- transfers --------------------------------------------------------------------------
 
