@@ -598,3 +598,28 @@ def test_the_host_budget_is_split_as_the_release_splits_it(hk, monkeypatch, sgla
         monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 8)
         assert budgets.ranks_per_host() == 1
+
+
+def test_sglangs_budget_scope_gets_back_a_pool_refused_after_booking(hk, monkeypatch):
+    # SGLang 0.5.21+ auto-sizing books every host pool of a server against its own scope; a
+    # pool hostkv_rs refuses after SGLang's check booked it (its own check that the allocations
+    # fit the memory there is now) gives the booking back, since no pool was built.
+    import hostkv_rs.sglang as shim
+    from hostkv_rs.pools import memory as _memory
+
+    base = H.module_or_none("sglang.srt.mem_cache.pool_host.base")
+    scope = getattr(base, "host_memory_budget_scope", None)
+    if scope is None:
+        pytest.skip(f"SGLang {H.SGLANG_VERSION}: no host memory budget scope")
+    shim.install()
+    try:
+        dp = hk.MLATokenToKVPool(64, 16, torch.bfloat16, 12, 4, 2)
+        with scope(10**9):
+            monkeypatch.setattr(
+                _memory, "available_host_memory", lambda: _memory.HostMemory(0, "nothing left")
+            )
+            with pytest.raises(ValueError, match="Not enough host memory for"):
+                hk.MLATokenToKVPoolHost(dp, 0, 0.001, 16, "page_first")
+            assert base._host_memory_budget.get() == 10**9
+    finally:
+        shim.uninstall()

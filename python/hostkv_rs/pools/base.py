@@ -412,9 +412,8 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                 self.device_capacity_tokens,
             )
         requested_bytes = self.size * self.size_per_token
-        bookings = _budgets.budget_bookings()
-        check_host_memory(requested_bytes)
-        with _budgets.unbooked_on_failure(bookings):
+        with _budgets.unbooked_on_failure():
+            check_host_memory(requested_bytes)
             self._check_allocations_fit(requested_bytes)
         # SGLang reads layer_num - target_layer_num here; getattr keeps subclasses that define
         # neither (e.g. allocator-only test pools) working.

@@ -88,19 +88,15 @@ def host_memory_budget_scope(budget_bytes: int):
         _budget_scope.reset(token)
 
 
-def budget_bookings() -> list:
-    """What the budget scopes (ours, and SGLang's where it has one) hold now, for
-    `unbooked_on_failure`."""
+@contextmanager
+def unbooked_on_failure():
+    """A refusal raised inside puts the budget scopes (ours, and SGLang's where it has one) back
+    as they were on entry: hostkv_rs's own allocation check runs after SGLang's budget check has
+    booked the pool, and a pool refused there is never built (SGLang's own refusal books
+    nothing, so restoring after it changes nothing)."""
     base = sys.modules.get(SGLANG_POOL_BASE)
     theirs = getattr(base, "_host_memory_budget", None)
-    return [(var, var.get()) for var in (_budget_scope, theirs) if var is not None]
-
-
-@contextmanager
-def unbooked_on_failure(bookings: list):
-    """A refusal raised inside puts the budget scopes back to `bookings` (taken before the pool
-    was booked): hostkv_rs's own allocation check runs after SGLang's budget check has booked
-    the pool, and a pool refused there is never built (SGLang's own refusal books nothing)."""
+    bookings = [(var, var.get()) for var in (_budget_scope, theirs) if var is not None]
     try:
         yield
     except BaseException:
