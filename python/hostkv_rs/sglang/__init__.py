@@ -165,7 +165,9 @@ def install() -> dict[str, list[str]]:
                 f"({'; '.join(f'{k}: {v}' for k, v in failures.items())})"
             )
         for name, exc in failures.items():
-            absent = isinstance(exc, ModuleNotFoundError) and exc.name == name
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            # The module, or a package above it, is not in this release.
+            absent = missing is not None and (name == missing or name.startswith(missing + "."))
             if absent or name not in KNOWN_MODULES:
                 # Not in this release (or a platform-only pool module): nothing to patch there.
                 logger.debug("hostkv_rs.sglang.install(): skipped %s (%s)", name, exc)
