@@ -201,11 +201,6 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             })
         }
     };
-    let into = if req.op().to_host() {
-        "host pool"
-    } else {
-        "device layer"
-    };
     if len > 0 {
         for (which, idx) in [("host", h), ("device", d)] {
             if idx.ptr == 0 {
@@ -225,6 +220,11 @@ pub fn check_structure(req: &TransferRequest) -> Result<Checked> {
             // lying in the bytes this transfer writes would be rewritten under them, and rows
             // outside the listed ones written. Torch refuses such an aliased index too.
             if writes(idx.ptr, end) {
+                let into = if req.op().to_host() {
+                    "host pool"
+                } else {
+                    "device layer"
+                };
                 return Err(invalid(format!(
                     "the {which} index array lies in the {into} memory this transfer writes, \
                      which would rewrite it while it is read; pass a copy (clone()) of it"

@@ -460,7 +460,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         # What attaching changes, put back if any step of it is refused (the two-plane core or
         # its bindings), so a retry is not told the scales are attached already.
         names = ("_scale_region", "scale_device_buffers", "scale_item_bytes", "scale_kv_buffer")
-        before = [getattr(self, n) for n in (*names, "_spec", "_pool", "_transfers")]
+        changed = (*names, "_spec", "_pool", "_transfers")
+        before = [getattr(self, n) for n in changed]
         try:
             self._require_live()  # destroy() does not wait for the pool's lock
             for name, value in zip(names, (region, buffers, SIB, host)):
@@ -474,7 +475,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 self._spec, self._pool = spec, _core.HostPool(spec, [self._flat, scale_flat])
                 self._transfers = self._bind(scales=buffers)
         except BaseException:
-            for name, value in zip((*names, "_spec", "_pool", "_transfers"), before):
+            for name, value in zip(changed, before):
                 setattr(self, name, value)
             raise
 

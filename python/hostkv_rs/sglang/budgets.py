@@ -94,8 +94,7 @@ def unbooked_on_failure():
     as they were on entry: hostkv_rs's own allocation check runs after SGLang's budget check has
     booked the pool, and a pool refused there is never built (SGLang's own refusal books
     nothing, so restoring after it changes nothing)."""
-    base = sys.modules.get(SGLANG_POOL_BASE)
-    theirs = getattr(base, "_host_memory_budget", None)
+    _, theirs = _sglang_scope()
     bookings = [(var, var.get()) for var in (_budget_scope, theirs) if var is not None]
     try:
         yield
@@ -106,11 +105,17 @@ def unbooked_on_failure():
         raise
 
 
+def _sglang_scope():
+    """SGLang's pool base module, when imported, and its budget scope variable (0.5.21+), else
+    None for either."""
+    base = sys.modules.get(SGLANG_POOL_BASE)
+    return base, getattr(base, "_host_memory_budget", None)
+
+
 def _sglang_scope_budget(requested_bytes: int) -> int | None:
     """Inside SGLang's own budget scope (0.5.21+ auto-sizing books every host pool of a server
     against one snapshot), book there too, as SGLang's pools do."""
-    base = sys.modules.get(SGLANG_POOL_BASE)
-    scope = getattr(base, "_host_memory_budget", None)
+    base, scope = _sglang_scope()
     if scope is None or scope.get() is None:
         return None
     return base.host_memory_budget_bytes(requested_bytes)
