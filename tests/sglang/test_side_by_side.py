@@ -565,6 +565,26 @@ def test_mla_dcp_pages(layout, dcp_rank, hk, gen):
     _assert_none(diffs, f"MLA dcp rank {dcp_rank} {layout}")
 
 
+@pytest.mark.skipif(not H.at_least(0, 5, 21), reason="get_page_buffer_element_size: 0.5.21+")
+@pytest.mark.parametrize("layout", _layouts("mla"))
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_mla_dcp_page_element_size(layout, dcp_rank, hk):
+    """dcp_size=2: the storage element size is one rank-local page's bytes on 0.5.21-0.5.22
+    (ours take logical slots there too), and SGLang 0.5.23's assertion on 0.5.23."""
+    _, call = _call("mla", layout)
+    dcp = H.Call(call.name, call.cls, call.args, dict(call.kwargs, dcp_size=2, dcp_rank=dcp_rank))
+    theirs, ours = dcp.theirs(), dcp.ours()
+    diffs = []
+    _cmp_outcomes(
+        "get_page_buffer_element_size()",
+        outcome(theirs.get_page_buffer_element_size),
+        outcome(ours.get_page_buffer_element_size),
+        diffs,
+        lambda t, o: None if t == o else f"{o!r} != {t!r}",
+    )
+    _assert_none(diffs, f"MLA dcp rank {dcp_rank} {layout}")
+
+
 @pytest.mark.skipif(not H.at_least(0, 5, 23), reason="host_token_capacity: SGLang 0.5.23+")
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_draft_sidecar_host_token_capacity(kind, hk, publish):

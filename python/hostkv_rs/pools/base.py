@@ -560,7 +560,13 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
                 f"{type(self).__name__} has no head split: split_factor must be 1, got "
                 f"{split_factor}"
             )
-        indices = torch.zeros(self.page_size, dtype=torch.int64)
+        count = self.page_size
+        if self.dcp_size != 1 and _sources.refuses_dcp_l3_pages():
+            # SGLang 0.5.21-0.5.22 read `page_size` indices as one page of this rank's rows and
+            # return its size; ours take logical slots in every release (0.5.23's page API), so
+            # the same page is a widened one. 0.5.23 passes `page_size` and asserts, as ours.
+            count = self.logical_page_size
+        indices = torch.zeros(count, dtype=torch.int64)
         meta = (
             self.get_split_heads_page_buffer_meta(indices, split_factor)
             if split_factor != 1
