@@ -75,11 +75,17 @@ log() { echo "[sglang_venv $REL] $*" >&2; }
 #   srt.layers.dp_attention -> sglang.kernels.ops.communication.all_reduce:
 #     `import tvm_ffi` (apache-tvm-ffi: a CPU-only C++ FFI runtime, not CUDA)
 #   tokenizer/function-call paths -> sentencepiece, partial_json_parser
+#   sglang/utils.py -> `from IPython.display import ...` (+ traitlets);
+#     srt.utils -> orjson, pydantic (+ pydantic_core, annotated_types,
+#     typing_inspection), yaml (PyYAML); transformers -> regex; openai -> sniffio.
+#     A python3 with its own site-packages may already have these, a bare one
+#     does not, and the venv must not depend on which it was made from.
 # --------------------------------------------------------------------------
 COMMON_PKGS=(
   aiohappyeyeballs==2.7.1
   aiohttp==3.14.5
   aiosignal==1.4.0
+  annotated-types==0.8.0
   anyio==4.16.0
   apache-tvm-ffi==0.1.11
   compressed-tensors==0.18.0
@@ -91,19 +97,28 @@ COMMON_PKGS=(
   httpcore==1.0.9
   httpx==0.28.1
   huggingface_hub==1.33.0
+  ipython==9.19.1
   loguru==0.7.3
   msgspec==0.23.0
   multidict==7.2.1
+  orjson==3.13.0
   partial-json-parser==0.2.1.1.post7
   pillow==13.0.0
   propcache==0.5.4
   pybase64==1.5.1
+  pydantic==2.14.4
+  pydantic_core==2.50.5
+  PyYAML==6.0.4
   pyzmq==27.3.0
+  regex==2026.12.2
   safetensors==0.8.0
   sentencepiece==0.2.1
+  sniffio==1.3.1
   starlette==1.10.0
   torchvision==0.29.2
   tqdm==4.70.1
+  traitlets==5.16.1
+  typing-inspection==0.4.5
   yarl==1.25.1
 )
 
