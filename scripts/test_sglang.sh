@@ -5,21 +5,65 @@
 #   bash scripts/test_sglang.sh                    # 0.5.18 ... 0.5.23, every release
 #   HOSTKV_SGLANG_RELEASES="0.5.23" bash scripts/test_sglang.sh -x -k roundtrip
 #
-# Extra arguments go to pytest. The venvs share the system torch and see the installed hostkv_rs
-# wheel (--system-site-packages); pytest runs from tests/ so `import hostkv_rs` is that wheel, as
-# in scripts/test.sh. A PYTHONPATH set by the caller is kept (PYTHONPATH=$PWD/python tests the
-# source tree after scripts/dev_build.sh).
+# Extra arguments go to pytest. Each release runs under the torch it pins (what `pip install
+# sglang==<release>` gives its users): its venv is built over a venv with that torch
+# (scripts/torch_venv.sh) into which the calling interpreter's hostkv_rs is linked, and the pin is
+# checked against the installed release's metadata. pytest runs from tests/ so `import hostkv_rs`
+# is the caller's installed wheel, as in scripts/test.sh. A PYTHONPATH set by the caller is kept
+# (PYTHONPATH=$PWD/python tests the source tree after scripts/dev_build.sh).
 #
 # Environment
 #   HOSTKV_SGLANG_RELEASES   releases to test (default "0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23")
 #   HOSTKV_SGLANG_VENVS      venv cache root (see scripts/sglang_venv.sh)
 #   HOSTKV_SGLANG_TIMEOUT    seconds per release before it counts as failed (default 900)
+#   HOSTKV_SGLANG_TORCH      "pinned" (default): each release's own torch; "caller": the calling
+#                            interpreter's torch for every release (no torch download)
 # Exit status: 0 when every release passed, 1 otherwise (2: bad usage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 RELEASES=${HOSTKV_SGLANG_RELEASES:-0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23}
 TIMEOUT=${HOSTKV_SGLANG_TIMEOUT:-900}
+PY=${PYTHON:-python3}
+TORCH_MODE=${HOSTKV_SGLANG_TORCH:-pinned}
+[[ $TORCH_MODE == pinned || $TORCH_MODE == caller ]] || {
+  echo "HOSTKV_SGLANG_TORCH must be 'pinned' or 'caller', got '$TORCH_MODE'" >&2; exit 2; }
+
+# The torch each release's metadata pins (`Requires-Dist: torch==`); every run checks this table
+# against the installed release, so a wrong row fails rather than testing under another torch.
+torch_pin() {
+  case $1 in
+    0.5.18|0.5.19|0.5.20|0.5.21) echo 2.13.0 ;;
+    0.5.22|0.5.23) echo 2.14.1 ;;
+    *) echo "" ;;
+  esac
+}
+
+# The base interpreter for a release's venv: a venv with the release's torch and the caller's
+# hostkv_rs linked in, or the caller itself.
+release_base() {
+  local pin venv site
+  pin=$(torch_pin "$1")
+  if [[ $TORCH_MODE == caller || -z $pin ]]; then
+    echo "$PY"
+    return
+  fi
+  venv=$(PYTHON=$PY bash scripts/torch_venv.sh "$pin" | tail -n1) || return 1
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -rf -- "${site:?}/hostkv_rs"
+  [[ -n $HOSTKV_PKG ]] && ln -s "$HOSTKV_PKG" "$site/hostkv_rs"
+  echo "$venv/bin/python"
+}
+
+# "<torch the venv imports> <torch the release pins>", from metadata only.
+torch_versions() {
+  "$1" - <<'PY'
+import importlib.metadata as m
+pins = [r.split("==")[1].split(";")[0].strip() for r in m.requires("sglang") or []
+        if r.replace(" ", "").startswith("torch==")]
+print(m.version("torch").split("+")[0], pins[0] if pins else "none")
+PY
+}
 
 # pytest runs from tests/: make the caller's relative PYTHONPATH entries absolute first.
 if [[ -n ${PYTHONPATH:-} ]]; then
@@ -31,6 +75,9 @@ if [[ -n ${PYTHONPATH:-} ]]; then
   export PYTHONPATH
 fi
 
+# The hostkv_rs the caller imports from tests/ (its installed wheel, or PYTHONPATH's tree).
+HOSTKV_PKG=$(cd tests && "$PY" -c 'import os, hostkv_rs; print(os.path.dirname(hostkv_rs.__file__))' 2>/dev/null || true)
+
 declare -a SUMMARY=()
 FAILED=0
 T_ALL=$SECONDS
@@ -38,12 +85,21 @@ T_ALL=$SECONDS
 for REL in $RELEASES; do
   echo "== SGLang $REL: venv"
   T0=$SECONDS
-  if ! VENV=$(bash scripts/sglang_venv.sh "$REL" | tail -n1) || [[ ! -x $VENV/bin/python ]]; then
+  if ! BASE=$(release_base "$REL") ||
+     ! VENV=$(HOSTKV_SGLANG_PYTHON=$BASE bash scripts/sglang_venv.sh "$REL" | tail -n1) ||
+     [[ ! -x $VENV/bin/python ]]; then
     SUMMARY+=("$(printf '%-8s FAILED  venv build (%ss)' "$REL" $((SECONDS - T0)))")
     FAILED=1
     continue
   fi
   T_VENV=$((SECONDS - T0))
+  read -r TORCH_HAVE TORCH_PIN < <(torch_versions "$VENV/bin/python")
+  if [[ $TORCH_MODE == pinned && $TORCH_HAVE != "$TORCH_PIN" ]]; then
+    SUMMARY+=("$(printf '%-8s FAILED  torch %s, but the release pins %s (update torch_pin in %s)' \
+      "$REL" "$TORCH_HAVE" "$TORCH_PIN" "$0")")
+    FAILED=1
+    continue
+  fi
   echo "== SGLang $REL: pytest tests/sglang ($VENV)"
   LOG=$(mktemp)
   T1=$SECONDS
@@ -61,7 +117,8 @@ for REL in $RELEASES; do
     FAILED=1
   fi
   [[ $RC -eq 124 ]] && COUNTS="timed out after ${TIMEOUT}s; $COUNTS"
-  SUMMARY+=("$(printf '%-8s %-7s %s (tests %ss, venv %ss)' "$REL" "$STATUS" "${COUNTS:-no summary}" "$T_TEST" "$T_VENV")")
+  SUMMARY+=("$(printf '%-8s %-7s %s (torch %s, tests %ss, venv %ss)' "$REL" "$STATUS" \
+    "${COUNTS:-no summary}" "$TORCH_HAVE" "$T_TEST" "$T_VENV")")
 done
 
 echo
