@@ -115,7 +115,6 @@ COMMON_PKGS=(
   sentencepiece==0.2.1
   sniffio==1.3.1
   starlette==1.10.0
-  torchvision==0.29.2
   tqdm==4.70.1
   traitlets==5.16.1
   typing-inspection==0.4.5
@@ -141,16 +140,24 @@ case "$REL" in
     exit 2 ;;
 esac
 
-PKGS=("${COMMON_PKGS[@]}" "${REL_PKGS[@]}")
+# torchvision goes with the base's torch, not with the release (SGLang does not pin it; pip gives
+# a release's users the newest one its pinned torch allows): 0.28.0 requires torch==2.13.0, 0.29.x
+# torch>=2.14. importlib.metadata instead of `import torch`: keeps a cache hit well under 1s.
+if ! BASE_TORCH=$("$BASE_PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null); then
+  log "$BASE_PY cannot import torch; install torch into the base interpreter first"
+  exit 1
+fi
+case "$BASE_TORCH" in
+  2.13.*) TORCHVISION=torchvision==0.28.0 ;;
+  *) TORCHVISION=torchvision==0.29.2 ;;
+esac
+
+PKGS=("${COMMON_PKGS[@]}" "${REL_PKGS[@]}" "$TORCHVISION")
 
 # --------------------------------------------------------------------------
 # Stamp: anything that should invalidate the cache goes in here.
 # --------------------------------------------------------------------------
-# importlib.metadata instead of `import torch`: keeps a cache hit well under 1s.
-if ! BASE_ID=$("$BASE_PY" -c 'import sys, importlib.metadata as m; print(sys.version.split()[0], sys.executable, "torch", m.version("torch"))' 2>/dev/null); then
-  log "$BASE_PY cannot import torch; install torch into the base interpreter first"
-  exit 1
-fi
+BASE_ID=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0], sys.executable)')" torch $BASE_TORCH"
 STAMP_WANT=$(printf '%s\n' "hostkv-sglang-venv v2" "sglang==$REL" "base: $BASE_ID" "${PKGS[@]}")
 
 # The stamp must match AND every pinned distribution must still be installed

@@ -88,7 +88,8 @@ cd tests && HOSTKV_REQUIRE_EMULATION=1 $PY -m pytest -q -p no:cacheprovider
 
 echo "== SGLang releases"
 # SGLang's own construction path, controllers and classes against ours, per release, each in a
-# cached venv of its own (scripts/sglang_venv.sh) that shares this interpreter's packages.
+# cached venv of its own (scripts/sglang_venv.sh) over the torch that release pins, with this
+# interpreter's hostkv_rs and test packages (scripts/test_sglang.sh, scripts/torch_venv.sh).
 if [[ -n ${HOSTKV_SKIP_SGLANG:-} ]]; then
   echo "   skipped (HOSTKV_SKIP_SGLANG is set)"
   exit 0

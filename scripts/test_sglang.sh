@@ -8,9 +8,9 @@
 # Extra arguments go to pytest. Each release runs under the torch it pins (what `pip install
 # sglang==<release>` gives its users): its venv is built over a venv with that torch
 # (scripts/torch_venv.sh) into which the calling interpreter's hostkv_rs is linked, and the pin is
-# checked against the installed release's metadata. pytest runs from tests/ so `import hostkv_rs`
-# is the caller's installed wheel, as in scripts/test.sh. A PYTHONPATH set by the caller is kept
-# (PYTHONPATH=$PWD/python tests the source tree after scripts/dev_build.sh).
+# checked against the installed release's metadata. `import hostkv_rs` there is what the caller
+# imports from tests/ (its installed wheel, as in scripts/test.sh, or a PYTHONPATH tree:
+# PYTHONPATH=python tests the source tree after scripts/dev_build.sh), put first on the path.
 #
 # Environment
 #   HOSTKV_SGLANG_RELEASES   releases to test (default "0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23")
@@ -18,8 +18,11 @@
 #   HOSTKV_SGLANG_TIMEOUT    seconds per release before it counts as failed (default 900)
 #   HOSTKV_SGLANG_TORCH      "pinned" (default): each release's own torch; "caller": the calling
 #                            interpreter's torch for every release (no torch download)
+#   HOSTKV_SGLANG_PYTHON     with HOSTKV_SGLANG_TORCH=caller, the base interpreter of the venvs
+#                            (default: $PYTHON); pinned runs build theirs over the torch venvs
 # Exit status: 0 when every release passed, 1 otherwise (2: bad usage).
 set -uo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 RELEASES=${HOSTKV_SGLANG_RELEASES:-0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23}
@@ -39,19 +42,16 @@ torch_pin() {
   esac
 }
 
-# The base interpreter for a release's venv: a venv with the release's torch and the caller's
-# hostkv_rs linked in, or the caller itself.
+# The base interpreter for a release's venv: a venv with the release's torch, or (caller mode)
+# the caller's interpreter.
 release_base() {
-  local pin venv site
+  local pin venv
   pin=$(torch_pin "$1")
   if [[ $TORCH_MODE == caller || -z $pin ]]; then
-    echo "$PY"
+    echo "${HOSTKV_SGLANG_PYTHON:-$PY}"
     return
   fi
   venv=$(PYTHON=$PY bash scripts/torch_venv.sh "$pin" | tail -n1) || return 1
-  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  rm -rf -- "${site:?}/hostkv_rs"
-  [[ -n $HOSTKV_PKG ]] && ln -s "$HOSTKV_PKG" "$site/hostkv_rs"
   echo "$venv/bin/python"
 }
 
@@ -69,14 +69,23 @@ PY
 if [[ -n ${PYTHONPATH:-} ]]; then
   IFS=: read -r -a _pp <<<"$PYTHONPATH"
   for i in "${!_pp[@]}"; do
-    [[ -n ${_pp[$i]} && ${_pp[$i]} != /* ]] && _pp[$i]="$ROOT/${_pp[$i]}"
+    [[ -n ${_pp[$i]} && ${_pp[$i]} != /* ]] && _pp[$i]="$CALLER_DIR/${_pp[$i]}"
   done
   PYTHONPATH=$(IFS=:; echo "${_pp[*]}")
   export PYTHONPATH
 fi
 
-# The hostkv_rs the caller imports from tests/ (its installed wheel, or PYTHONPATH's tree).
-HOSTKV_PKG=$(cd tests && "$PY" -c 'import os, hostkv_rs; print(os.path.dirname(hostkv_rs.__file__))' 2>/dev/null || true)
+# The hostkv_rs the caller imports from tests/ (its installed wheel, or PYTHONPATH's tree), alone
+# in a directory of its own that goes first on the release venvs' path: a pinned venv does not
+# see the caller's site-packages (nor its torch), and nothing is written into a shared venv.
+if ! HOSTKV_PKG=$(cd tests && "$PY" -c 'import os, hostkv_rs; print(os.path.dirname(hostkv_rs.__file__))'); then
+  echo "$PY cannot import hostkv_rs from tests/: install the wheel or set PYTHONPATH" >&2
+  exit 2
+fi
+PKG_DIR=$(mktemp -d)
+trap 'rm -rf -- "$PKG_DIR"' EXIT
+ln -s "$HOSTKV_PKG" "$PKG_DIR/hostkv_rs"
+export PYTHONPATH="$PKG_DIR${PYTHONPATH:+:$PYTHONPATH}"
 
 declare -a SUMMARY=()
 FAILED=0
@@ -93,8 +102,14 @@ for REL in $RELEASES; do
     continue
   fi
   T_VENV=$((SECONDS - T0))
+  TORCH_HAVE="" TORCH_PIN=""
   read -r TORCH_HAVE TORCH_PIN < <(torch_versions "$VENV/bin/python")
-  if [[ $TORCH_MODE == pinned && $TORCH_HAVE != "$TORCH_PIN" ]]; then
+  if [[ -z $TORCH_HAVE ]]; then
+    SUMMARY+=("$(printf '%-8s FAILED  cannot read the torch and sglang versions in %s' "$REL" "$VENV")")
+    FAILED=1
+    continue
+  fi
+  if [[ $TORCH_MODE == pinned && ($TORCH_PIN == none || $TORCH_HAVE != "$TORCH_PIN") ]]; then
     SUMMARY+=("$(printf '%-8s FAILED  torch %s, but the release pins %s (update torch_pin in %s)' \
       "$REL" "$TORCH_HAVE" "$TORCH_PIN" "$0")")
     FAILED=1

@@ -7,8 +7,9 @@
 #
 # Everything else matches the caller: numpy, psutil, pytest, hypothesis, pytest-benchmark and
 # Mooncake Store at the versions the calling interpreter has (so the one difference between the
-# caller and this venv is torch). hostkv_rs is not installed here: scripts/test_sglang.sh links
-# the caller's package into the venv before every run.
+# caller and this venv is torch). The venv is rebuilt only for another Python or torch; the test
+# packages follow the caller's versions in place on every call (pip does nothing when they match).
+# hostkv_rs is not installed here: scripts/test_sglang.sh puts the caller's package on the path.
 #
 # Environment
 #   HOSTKV_TORCH_VENVS   cache root (default ~/.cache/hostkv_rs/torch-venvs)
@@ -34,35 +35,33 @@ for name in ("numpy", "psutil", "pytest", "hypothesis", "pytest-benchmark",
         pass
 PY
 )
-STAMP_WANT=$(printf '%s\n' "hostkv-torch-venv v1" "$("$CALLER" -c 'import sys; print(sys.version.split()[0])')" \
-  "torch==$VER" "${PKGS[@]}")
-
-if [[ -f $STAMP && -x $DEST/bin/python && "$(cat "$STAMP")" == "$STAMP_WANT" ]]; then
-  log "cached: $DEST"
-  echo "$DEST"
-  exit 0
-fi
+STAMP_WANT=$(printf '%s\n' "hostkv-torch-venv v2" \
+  "$("$CALLER" -c 'import sys; print(sys.version.split()[0])')" "torch==$VER")
+PIP=(-m pip install -q --disable-pip-version-check --no-input)
 
 mkdir -p "$ROOT"
-# Serialise builders of the same venv; fd 9 holds the lock.
+# Serialise builders and package syncs of the same venv; fd 9 holds the lock.
 if command -v flock >/dev/null 2>&1; then
   exec 9>"$DEST.lock"
   flock 9
-  if [[ -f $STAMP && "$(cat "$STAMP")" == "$STAMP_WANT" ]]; then
-    log "cached: $DEST"
-    echo "$DEST"
-    exit 0
-  fi
 fi
 
-T0=$SECONDS
-rm -rf -- "$DEST"
-log "creating venv at $DEST: torch==$VER ${PKGS[*]}"
-"$CALLER" -m venv "$DEST"
-"$DEST/bin/python" -m pip install -q --disable-pip-version-check --no-input \
-  "torch==$VER" "${PKGS[@]}" >&2
-"$DEST/bin/python" -c "import torch; torch.zeros(1).add_(1)" >&2
-printf '%s\n' "$STAMP_WANT" > "$STAMP.tmp"
-mv -f "$STAMP.tmp" "$STAMP"
-log "built in $((SECONDS - T0))s, $(du -sh "$DEST" 2>/dev/null | cut -f1)"
+if [[ -f $STAMP && -x $DEST/bin/python && "$(cat "$STAMP")" == "$STAMP_WANT" ]]; then
+  log "cached: $DEST"
+else
+  T0=$SECONDS
+  # The stamp goes first, so an interrupted removal never leaves a stamped, half-deleted venv.
+  rm -f -- "$STAMP"
+  rm -rf -- "$DEST"
+  log "creating venv at $DEST: torch==$VER"
+  "$CALLER" -m venv "$DEST"
+  "$DEST/bin/python" "${PIP[@]}" "torch==$VER" >&2
+  "$DEST/bin/python" -c "import torch; torch.zeros(1).add_(1)" >&2
+  printf '%s\n' "$STAMP_WANT" > "$STAMP.tmp"
+  mv -f "$STAMP.tmp" "$STAMP"
+  log "built in $((SECONDS - T0))s, $(du -sh "$DEST" 2>/dev/null | cut -f1)"
+fi
+if [[ ${#PKGS[@]} -gt 0 ]]; then
+  "$DEST/bin/python" "${PIP[@]}" "${PKGS[@]}" >&2
+fi
 echo "$DEST"
