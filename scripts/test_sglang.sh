@@ -7,10 +7,10 @@
 #
 # Extra arguments go to pytest. Each release runs under the torch it pins (what `pip install
 # sglang==<release>` gives its users): its venv is built over a venv with that torch
-# (scripts/torch_venv.sh) into which the calling interpreter's hostkv_rs is linked, and the pin is
-# checked against the installed release's metadata. `import hostkv_rs` there is what the caller
-# imports from tests/ (its installed wheel, as in scripts/test.sh, or a PYTHONPATH tree:
-# PYTHONPATH=python tests the source tree after scripts/dev_build.sh), put first on the path.
+# (scripts/torch_venv.sh), and the pin is checked against the installed release's metadata.
+# `import hostkv_rs` there is what the caller imports from tests/ (its installed wheel, as in
+# scripts/test.sh, or a PYTHONPATH tree: PYTHONPATH=python tests the source tree after
+# scripts/dev_build.sh), put first on the path.
 #
 # Environment
 #   HOSTKV_SGLANG_RELEASES   releases to test (default "0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23")
@@ -24,7 +24,6 @@
 set -uo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
-ROOT=$PWD
 RELEASES=${HOSTKV_SGLANG_RELEASES:-0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23}
 TIMEOUT=${HOSTKV_SGLANG_TIMEOUT:-900}
 PY=${PYTHON:-python3}
