@@ -83,12 +83,17 @@ def _bytes_per_page(pool) -> int:
     """One file page: a flat page, or half of one for MHA's zero-copy K / V objects."""
     flat = pool.get_dummy_flat_data_page()
     nbytes = flat.numel() * flat.element_size()
-    zero_copy_halves = pool.layout in ("page_first", "page_first_direct") and not _is_mla(pool)
+    zero_copy_halves = _is_page_first(pool) and not _is_mla(pool)
     return nbytes // 2 if zero_copy_halves else nbytes
 
 
 def _is_mla(pool) -> bool:
     return "MLA" in type(pool).__name__
+
+
+def _is_page_first(pool) -> bool:
+    """The layouts SGLang's backend reads through zero-copy page views."""
+    return pool.layout in ("page_first", "page_first_direct")
 
 
 def _backend(pool, path, index, bytes_per_page):
@@ -106,7 +111,7 @@ def _backend(pool, path, index, bytes_per_page):
             dtype=pool.dtype,
             metadata_client=index,
             is_mla_model=_is_mla(pool),
-            is_page_first_layout=pool.layout in ("page_first", "page_first_direct"),
+            is_page_first_layout=_is_page_first(pool),
             use_mock_client=True,
         )
     finally:
