@@ -101,7 +101,7 @@ for REL in $RELEASES; do
     continue
   fi
   T_VENV=$((SECONDS - T0))
-  TORCH_HAVE="" TORCH_PIN=""
+  # read empties both where the query printed nothing.
   read -r TORCH_HAVE TORCH_PIN < <(torch_versions "$VENV/bin/python")
   if [[ -z $TORCH_HAVE ]]; then
     SUMMARY+=("$(printf '%-8s FAILED  cannot read the torch and sglang versions in %s' "$REL" "$VENV")")
