@@ -24,13 +24,18 @@ __all__ = [
     "TransferError",
     "V4Transfers",
     "__version__",
+    "as_index_array",
+    "as_tensor",
     "cgroup_memory_limit",
     "check_device_errors",
     "check_layout",
+    "check_page_values",
+    "check_storage",
     "cuda_available",
     "device_row_pitch",
     "digest",
     "handed_back_layouts",
+    "refuse_nested",
     "runtime_info",
     "stream_copy",
     "supported_pairs",
@@ -71,6 +76,13 @@ def device_row_pitch(tensors: Sequence[torch.Tensor]) -> int | None: ...
 def check_device_errors() -> None: ...
 def cgroup_memory_limit(root: str, self_cgroup: str) -> tuple[int, str] | None: ...
 def tensor_extent_layout() -> list[tuple[str, int]] | None: ...
+
+# Index arguments and caller tensors (`indices.rs`): each refusal names `what` was wrong.
+def as_index_array(indices: object, device: torch.device | None = None) -> torch.Tensor: ...
+def as_tensor(indices: object) -> torch.Tensor: ...
+def check_storage(tensor: torch.Tensor, what: str) -> None: ...
+def check_page_values(tensor: torch.Tensor, what: str) -> None: ...
+def refuse_nested(tensor: torch.Tensor, what: str) -> None: ...
 
 @final
 class HostRegion:

@@ -38,7 +38,6 @@ from hostkv_rs import (
     _core,
     get_mha_host_pool_cls,
 )
-from hostkv_rs.pools.indices import index_arg
 from hostkv_rs.pools.mla import MLATokenToKVPoolHost
 from hostkv_rs.tools import bench
 
@@ -186,7 +185,8 @@ def _core_call(host, dp, h, d, backend, op):
     if isinstance(host, DeepSeekV4PagedHostPool):
         pytest.skip("the V4 pool reaches its cores only through its device bindings")
     core = host._pool_core
-    h32, d32 = index_arg(h), index_arg(d)
+    # (address, length, itemsize, on_device): how the raw entry points take an index array.
+    h32, d32 = ((t.data_ptr(), t.numel(), t.element_size(), t.is_cuda) for t in (h, d))
     planes = [list(getattr(dp, name)) for name in host._device_plane_names]
     rows = min(t.shape[0] for plane in planes for t in plane)
     if op == "load":

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hostkv_rs import _core
 from hostkv_rs.l3 import _native, proof
 from hostkv_rs.l3.format import PageFormat, _host_allocations, page_format
-from hostkv_rs.pools.indices import as_index_array
 
 logger = logging.getLogger(__name__)
 
@@ -551,7 +551,7 @@ class MooncakeTier:
         """The request checked: store keys, (ptrs, sizes) per page, views of the pool's bytes."""
         pool, fmt = self._require_pool()
         keys = [str(k) for k in keys]
-        indices = as_index_array(host_indices, torch.device("cpu"))
+        indices = _core.as_index_array(host_indices, torch.device("cpu"))
         if indices.numel() != len(keys) * fmt.slots_per_page:
             raise ValueError(
                 f"{len(keys)} keys need {len(keys) * fmt.slots_per_page} host indices "

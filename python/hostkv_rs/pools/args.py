@@ -8,6 +8,11 @@ import numbers
 import operator
 from contextlib import contextmanager
 
+import numpy as np
+import torch
+
+from hostkv_rs import _core
+
 
 class FlatPageError(ValueError, RuntimeError):
     """A flat L3 page that does not hold one page of this pool: a ValueError naming the sizes,
@@ -134,3 +139,24 @@ def pool_sequence(name: str, value) -> tuple:
         return tuple(value)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of pools, got {type(value).__name__}") from None
+
+
+def element_count(indices) -> int | None:
+    """How many indices SGLang counts in `indices`: a tensor's or array's elements, a
+    sequence's entries; None for anything else (no count to check)."""
+    if isinstance(indices, torch.Tensor):
+        return indices.numel()
+    if isinstance(indices, np.ndarray):
+        return indices.size
+    try:
+        return len(indices)
+    except TypeError:
+        return None
+
+
+def layer_tensors(what: str, layers) -> list:
+    """Per-layer tensors as a list. A nested tensor is refused by name: iterating one fails
+    inside torch ("NestedTensorImpl doesn't support sizes")."""
+    if isinstance(layers, torch.Tensor):
+        _core.refuse_nested(layers, what)
+    return list(layers)

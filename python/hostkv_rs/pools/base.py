@@ -25,8 +25,10 @@ from hostkv_rs.pools.args import (
     NoHeadSplitError,
     NoKVBytesError,
     as_int,
+    element_count,
     finite_number,
     finite_product,
+    layer_tensors,
     positive_int,
     required,
     truth,
@@ -37,7 +39,6 @@ from hostkv_rs.pools.device_side import (
     owned_range,
     sharded_host_layer_num,
 )
-from hostkv_rs.pools.indices import check_page_values, element_count, layer_tensors
 from hostkv_rs.pools.slots import SlotFreeList, slot_table_bytes, slots_in_pool
 from hostkv_rs.sglang import budgets as _budgets
 from hostkv_rs.sglang import handover as _handover
@@ -751,7 +752,7 @@ class HostKVCache(SlotFreeList, abc.ABC, metaclass=_handover.PoolMeta):
             raise FlatPageError(f"a flat data page of this pool has {expected} elements, got {got}")
         if data_page.device.type == "meta":
             raise ValueError("a flat data page on the meta device holds no values")
-        check_page_values(data_page, "flat data page")
+        _core.check_page_values(data_page, "flat data page")
         return data_page.reshape(shape)
 
     # ----------------------------------------------------------------- transfer glue

@@ -11,9 +11,9 @@ import logging
 
 import torch
 
+from hostkv_rs import _core
 from hostkv_rs.pools.args import RequestRowError, as_int
 from hostkv_rs.pools.base import _pool_lock
-from hostkv_rs.pools.indices import refuse_nested
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def _table(name: str, table, dims: int) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
     if table.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got {table.layout}")
-    refuse_nested(table, name)
+    _core.refuse_nested(table, name)
     if table.is_meta:
         raise ValueError(f"{name} is on the meta device, which holds no values")
     if table.dtype not in _TABLE_DTYPES:

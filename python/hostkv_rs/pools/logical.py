@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from hostkv_rs import _core
 from hostkv_rs.pools import memory as _memory
 from hostkv_rs.pools.args import ZeroSizeError, as_int
 from hostkv_rs.pools.base import new_pool_lock, synchronized
-from hostkv_rs.pools.indices import as_tensor
 from hostkv_rs.pools.slots import (
     SlotFreeList,
     refuse_single_slot,
@@ -90,7 +90,7 @@ class LogicalHostPool(SlotFreeList, metaclass=_handover.PoolMeta):
         # the conversion: int64 would truncate 1.5 to 1, and float or bool values are not slots.
         # Stricter than SGLang on purpose: a double or foreign free is refused (the MHA/MLA
         # pools' error), where SGLang's count of available slots would drift past the size.
-        indices = as_tensor(indices)
+        indices = _core.as_tensor(indices)
         refuse_single_slot(indices, "LogicalHostPool free")
         n = len(indices)
         if n % self.page_size != 0:

@@ -10,14 +10,19 @@ from collections.abc import Sequence
 import torch
 
 from hostkv_rs import _core
-from hostkv_rs.pools.args import as_int, device_side_of, pool_sequence, required
+from hostkv_rs.pools.args import (
+    as_int,
+    device_side_of,
+    layer_tensors,
+    pool_sequence,
+    required,
+)
 from hostkv_rs.pools.device_side import (
     device_pool_extent,
     layers_device,
     owned_range,
     ptr_table,
 )
-from hostkv_rs.pools.indices import layer_tensors
 from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.pools.slots import index_list
 from hostkv_rs.sglang import handover as _handover

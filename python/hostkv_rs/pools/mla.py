@@ -12,6 +12,7 @@ from hostkv_rs import _core
 from hostkv_rs.pools.args import (
     as_int,
     device_side_of,
+    layer_tensors,
     pool_sequence,
     positive_int,
     required,
@@ -26,7 +27,6 @@ from hostkv_rs.pools.device_side import (
     sharded_host_layer_num,
 )
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.indices import layer_tensors
 from hostkv_rs.pools.planes import TokenPlanesPool
 from hostkv_rs.sglang.sources import (
     binds_on_transfer,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hostkv_rs import _core
 from hostkv_rs.pools.args import NegativeSlotError, SlotRangeError
-from hostkv_rs.pools.indices import as_index_array, refuse_nested
 from hostkv_rs.pools.tensor_mode import outside_inference_mode
 
 _CPU = torch.device("cpu")
@@ -28,9 +28,9 @@ def slot_table_bytes(slots: int) -> int:
 def slots_in_pool(indices, size: int, what: str) -> torch.Tensor:
     """`indices` as a CPU int64 tensor of slots in `[0, size)` that the pool owns: a copy, since
     the caller may keep writing to what it passed (a tensor, or a numpy array that
-    `as_index_array` only wraps) after the slots sit on a release list."""
+    the conversion only wraps) after the slots sit on a release list."""
     refuse_single_slot(indices, what)
-    slots = as_index_array(indices, _CPU).to(torch.int64)
+    slots = _core.as_index_array(indices, _CPU).to(torch.int64)
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= size:
@@ -45,7 +45,7 @@ def refuse_single_slot(indices, what: str) -> None:
     the free was done; refused here before anything. So is a nested tensor, whose len() fails
     inside torch."""
     if isinstance(indices, torch.Tensor):
-        refuse_nested(indices, what)
+        _core.refuse_nested(indices, what)
         single = indices.dim() == 0
     elif isinstance(indices, np.ndarray):
         single = indices.ndim == 0
@@ -57,7 +57,7 @@ def refuse_single_slot(indices, what: str) -> None:
 
 def index_list(indices) -> list[int]:
     """Index values as a list of ints, for the core's page arithmetic."""
-    return as_index_array(indices, _CPU).tolist()
+    return _core.as_index_array(indices, _CPU).tolist()
 
 
 def slot_list_text(slots: torch.Tensor, limit: int = 32) -> str:

@@ -15,7 +15,7 @@ import torch
 from hostkv_rs import _core
 from hostkv_rs.pools import base as pool_host_base
 from hostkv_rs.pools import memory as _memory
-from hostkv_rs.pools.args import FlatPageError, as_int, positive_int, truth
+from hostkv_rs.pools.args import FlatPageError, as_int, layer_tensors, positive_int, truth
 from hostkv_rs.pools.base import (
     HostKVCache,
     get_allocator_from_storage,
@@ -24,7 +24,6 @@ from hostkv_rs.pools.base import (
 )
 from hostkv_rs.pools.device_side import ptr_table
 from hostkv_rs.pools.hisparse import HiSparseHostPoolMixin
-from hostkv_rs.pools.indices import check_page_values, check_storage, layer_tensors
 from hostkv_rs.pools.slots import index_list, slot_table_bytes, slots_in_pool
 from hostkv_rs.pools.tensor_mode import outside_inference_mode
 from hostkv_rs.sglang.budgets import SGLANG_V4_POOLS, budget_source_text
@@ -261,7 +260,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                     f"{self.pool_name}: {what} {i} is on {buf.device}, expected {expected}"
                 )
             nbytes = buf.numel() * buf.element_size()
-            check_storage(buf, f"{self.pool_name}: {what} {i}")
+            _core.check_storage(buf, f"{self.pool_name}: {what} {i}")
             if refusal is None and (not buf.is_contiguous() or nbytes % row_bytes != 0):
                 refusal = (
                     f"{self.pool_name}: {what} {i} must be contiguous rows of "
@@ -566,7 +565,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                 f"{self.pool_name} set_from_flat_data_page: a page on the meta device holds no "
                 f"values"
             )
-        check_page_values(data_page, f"{self.pool_name} set_from_flat_data_page")
+        _core.check_page_values(data_page, f"{self.pool_name} set_from_flat_data_page")
         expected = self.layer_num * self.item_bytes
         got = data_page.numel() * data_page.element_size()
         if got != expected:

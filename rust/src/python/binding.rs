@@ -26,6 +26,7 @@ use super::args;
 use super::errors::{not_implemented_err, runtime_err, to_py, type_err, value_err};
 use super::extent;
 use super::host_pool::PyHostPool;
+use super::indices;
 use super::spec::PyPoolSpec;
 use super::tensor_calls;
 use crate::config;
@@ -35,19 +36,25 @@ use crate::fork;
 use crate::layer_map::LayerMap;
 use crate::request::{Backend, DeviceMemory, IndexArray, IndexMap, IndexWidth, Op};
 
-/// The torch objects a binding compares against, looked up once per process.
+/// The torch (and numpy) objects the bindings and the index conversions compare against or
+/// call, looked up once per process.
 pub(super) struct Torch {
     pub(super) tensor: Py<PyType>,
     parameter: Py<PyType>,
-    int32: Py<PyAny>,
-    int64: Py<PyAny>,
+    pub(super) int32: Py<PyAny>,
+    pub(super) int64: Py<PyAny>,
+    pub(super) uint64: Py<PyAny>,
+    /// Integer dtypes an index conversion widens to int64. Anything else (floats, bool,
+    /// complex, and the quantized and bit-packed dtypes, which `Tensor.to(torch.int64)` cannot
+    /// even convert) is refused by name.
+    pub(super) widened: Vec<Py<PyAny>>,
+    pub(super) strided: Py<PyAny>,
     pub(super) cpu: Py<PyAny>,
-    /// `hostkv_rs.pools.indices.as_index_array`: the conversions off the fast path (lists, numpy,
-    /// other dtypes, strided or device-resident tensors), with their exact refusals.
-    pub(super) as_index_array: Py<PyAny>,
-    check_storage: Py<PyAny>,
-    /// `hostkv_rs.pools.indices.plain_tensor`: a subclass's tensor as exactly a torch.Tensor.
-    pub(super) plain_tensor: Py<PyAny>,
+    pub(super) as_tensor: Py<PyAny>,
+    /// `torch._C.DisableTorchFunctionSubclass`.
+    pub(super) subclass_overrides_off: Py<PyAny>,
+    pub(super) ndarray: Py<PyType>,
+    pub(super) np_array: Py<PyAny>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -55,7 +62,8 @@ static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
     TORCH.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        let indices = py.import("hostkv_rs.pools.indices")?;
+        let numpy = py.import("numpy")?;
+        let attr = |name: &str| -> PyResult<Py<PyAny>> { Ok(torch.getattr(name)?.unbind()) };
         Ok(Torch {
             tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
             parameter: torch
@@ -63,12 +71,22 @@ pub(super) fn torch(py: Python<'_>) -> PyResult<&Torch> {
                 .getattr("Parameter")?
                 .cast_into::<PyType>()?
                 .unbind(),
-            int32: torch.getattr("int32")?.unbind(),
-            int64: torch.getattr("int64")?.unbind(),
+            int32: attr("int32")?,
+            int64: attr("int64")?,
+            uint64: attr("uint64")?,
+            widened: ["uint8", "int8", "int16", "uint16", "uint32", "uint64"]
+                .into_iter()
+                .map(attr)
+                .collect::<PyResult<_>>()?,
+            strided: attr("strided")?,
             cpu: torch.getattr("device")?.call1(("cpu",))?.unbind(),
-            as_index_array: indices.getattr("as_index_array")?.unbind(),
-            check_storage: indices.getattr("check_storage")?.unbind(),
-            plain_tensor: indices.getattr("plain_tensor")?.unbind(),
+            as_tensor: attr("as_tensor")?,
+            subclass_overrides_off: torch
+                .getattr("_C")?
+                .getattr("DisableTorchFunctionSubclass")?
+                .unbind(),
+            ndarray: numpy.getattr("ndarray")?.cast_into::<PyType>()?.unbind(),
+            np_array: numpy.getattr("array")?.unbind(),
         })
     })
 }
@@ -437,8 +455,7 @@ impl PyDeviceBinding {
                     )));
                 }
                 // Our storage check asks the plain tensor, whose methods only torch answers.
-                let plain = t.plain_tensor.bind(py).call1((tensor,))?;
-                t.check_storage.bind(py).call1((plain, &where_))?;
+                indices::check_storage(&indices::plain_tensor(tensor, "tensor")?, &where_)?;
                 let element: i64 = m.ask(&m.element_size, tensor)?.extract()?;
                 let want = self.item_bytes[plane];
                 if let Some(units) = &self.byte_rows {
@@ -919,13 +936,9 @@ fn index_array<'py>(
     if let Some((array, witness)) = fast_index(py, t, value, host_side)? {
         return Ok((array, None, witness));
     }
-    let target = if host_side {
-        t.cpu.bind(py).clone()
-    } else {
-        py.None().into_bound(py)
-    };
+    let target = host_side.then(|| t.cpu.bind(py).clone());
     let m = tensor_calls::methods(py)?;
-    let converted = m.unmoded(py, || t.as_index_array.bind(py).call1((value, target)))?;
+    let converted = m.unmoded(py, || indices::as_index_array(value, target.as_ref()))?;
     // The conversion is a contiguous 1-D int32/int64 tensor: read like any other, from torch's
     // objects where they can be read.
     if let Some((array, witness)) = fast_index(py, t, &converted, host_side)? {
@@ -991,14 +1004,10 @@ pub(super) fn index_tensor<'py>(
     if let Some((array, _)) = fast_index(py, t, value, host_side)? {
         return Ok((value.clone(), array.len));
     }
-    let target = if host_side {
-        t.cpu.bind(py).clone()
-    } else {
-        py.None().into_bound(py)
-    };
+    let target = host_side.then(|| t.cpu.bind(py).clone());
     let m = tensor_calls::methods(py)?;
     m.unmoded(py, || {
-        let converted = t.as_index_array.bind(py).call1((value, target))?;
+        let converted = indices::as_index_array(value, target.as_ref())?;
         let len = m.ask(&m.numel, &converted)?.extract()?;
         Ok((converted, len))
     })
@@ -1007,11 +1016,11 @@ pub(super) fn index_tensor<'py>(
 /// The values of an index argument, read on the host (the page digests' slots).
 fn index_values(py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let t = torch(py)?;
-    let array = t.as_index_array.bind(py).call1((value, t.cpu.bind(py)))?;
+    let array = indices::as_index_array(value, Some(t.cpu.bind(py)))?;
     array.call_method0("tolist")?.extract()
 }
 
-fn fast_index(
+pub(super) fn fast_index(
     py: Python<'_>,
     t: &Torch,
     value: &Bound<'_, PyAny>,
@@ -1034,7 +1043,7 @@ fn fast_index(
             _ => None,
         };
         if let Some(width) = width.filter(|_| !(facts.on_device && host_side)) {
-            let array = dense_index(py, t, value, width, facts.on_device, facts.dense)?;
+            let array = dense_index(py, value, width, facts.on_device, facts.dense)?;
             return Ok(Some((array, Some(witness(value, facts.dense)))));
         }
     }
@@ -1070,7 +1079,7 @@ fn fast_index(
         },
         None => (m.unmoded(py, || python_dense(py, value))?, None),
     };
-    let array = dense_index(py, t, value, width, on_device, dense)?;
+    let array = dense_index(py, value, width, on_device, dense)?;
     Ok(Some((array, witnessed)))
 }
 
@@ -1089,7 +1098,6 @@ const SCALAR_INT32: u16 = 3;
 /// A checked dense index tensor as the core reads it.
 fn dense_index(
     py: Python<'_>,
-    t: &Torch,
     value: &Bound<'_, PyAny>,
     width: IndexWidth,
     on_device: bool,
@@ -1102,8 +1110,7 @@ fn dense_index(
     if len > 0 && (need > dense.storage_nbytes as u128 || dense.storage_data == 0) {
         let m = tensor_calls::methods(py)?;
         m.unmoded(py, || {
-            let plain = t.plain_tensor.bind(py).call1((value,))?;
-            t.check_storage.bind(py).call1((plain, "index tensor"))
+            indices::check_storage(&indices::plain_tensor(value, "tensor")?, "index tensor")
         })?;
         // What torch's objects said is what is read: never past it, whatever Python said.
         return Err(value_err(format!(

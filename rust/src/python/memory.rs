@@ -153,7 +153,7 @@ fn whole_memory_unmoded(owner: &Bound<'_, PyAny>, what: &str) -> PyResult<HostMe
     }
     // The address and extent below come from the tensor's methods, which a subclass (or its
     // `__torch_function__`) could answer with memory it does not own: read a plain alias.
-    let owner = &t.plain_tensor.bind(owner.py()).call1((owner,))?;
+    let owner = &super::indices::plain_tensor(owner, "tensor")?;
     let device = owner.getattr("device")?.getattr("type")?;
     if device.extract::<&str>()? != "cpu" {
         return Err(value_err(format!(

@@ -8,6 +8,7 @@ mod binding;
 mod errors;
 mod extent;
 mod host_pool;
+mod indices;
 mod layer_map;
 mod memory;
 mod page_watch;
@@ -189,5 +190,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(binding::device_row_pitch, m)?)?;
     m.add_function(wrap_pyfunction!(check_device_errors, m)?)?;
     m.add_function(wrap_pyfunction!(cgroup_memory_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(indices::py_as_index_array, m)?)?;
+    m.add_function(wrap_pyfunction!(indices::py_as_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(indices::py_check_storage, m)?)?;
+    m.add_function(wrap_pyfunction!(indices::py_check_page_values, m)?)?;
+    m.add_function(wrap_pyfunction!(indices::py_refuse_nested, m)?)?;
     Ok(())
 }

@@ -7,7 +7,7 @@
 //! method, `torch.Tensor.data_ptr(t)`, which only torch answers. Properties (`shape`, `device`,
 //! `dtype`, `nbytes`) are data descriptors, which an instance attribute cannot shadow, so they
 //! are read as attributes. A subclass can still override the type's methods; the callers refuse
-//! subclasses or read them as a plain alias (`hostkv_rs.pools.indices.plain_tensor`). And an
+//! subclasses or read them as a plain alias (`indices::plain_tensor`). And an
 //! active torch-function mode (a `TorchFunctionMode` the caller entered) is asked before the
 //! type's method itself, so the checks that ask Python run with every torch-function override
 //! off (`unmoded`).

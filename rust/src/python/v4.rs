@@ -11,8 +11,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use super::binding::{index_tensor, layer_int, torch, PyDeviceBinding};
+use super::binding::{index_tensor, layer_int, PyDeviceBinding};
 use super::errors::{to_py, value_err};
+use super::indices;
 use super::spec::PyPoolSpec;
 use crate::error::PlanError;
 use crate::pool::c4;
@@ -202,10 +203,9 @@ impl PyV4Transfers {
         // The copy engine plans direct copies on the host; kernels read indices on the GPU.
         let (host, dev) = if self.device_type == "cuda" && io_backend == "kernel" {
             let device = self.device.bind(py);
-            let convert = torch(py)?.as_index_array.bind(py);
             (
-                convert.call1((pair.0, device))?,
-                convert.call1((pair.1, device))?,
+                indices::as_index_array(&pair.0, Some(device))?,
+                indices::as_index_array(&pair.1, Some(device))?,
             )
         } else {
             (
