@@ -606,28 +606,27 @@ def test_a_negative_view_device_layer_is_refused():
         host.backup_from_device_all_layer(dev, h, d, "kernel")
 
 
-# Python the caller does not call itself, run by the interpreter during a call's own checks: a
-# garbage-collected object's finalizer that frees a layer whose pointer the check already read,
-# and a storage deleter (a buffer owner's __del__) run when the binding lets go of the storage
-# its last check held. Both used to end in a write to freed memory.
-_FINALIZERS = r"""
+# Python the caller does not call itself, run by the interpreter: a storage deleter (a buffer
+# owner's __del__) run when the binding lets go of the storage its last check held. It used to
+# end in a write to freed memory. (Finalizers run during the checks: `_COLLECTIONS` below.)
+_DELETER = r"""
 import torch
 from hostkv_rs import MHATokenToKVPool, MHATokenToKVPoolHost
 
 N = 1 << 16
 dev = MHATokenToKVPool(N, 16, torch.float32, head_num=2, head_dim=8, layer_num=2)
 fired, victims = [], []
-if "CASE" == "deleter":
-    class Owner(bytearray):
-        def __del__(self):
-            # Whether the call's copy has already landed in the layer it is about to free.
-            fired.append(bool((dev.k_buffer[0][64:128] == 7).all()))
-            dev.k_buffer[0].untyped_storage().resize_(0)
-            victims.append(torch.zeros(N * 16))  # likely at the address just freed
 
-    base = torch.frombuffer(Owner(N * 64), dtype=torch.float32)
-    dev.k_buffer[0] = torch.empty(0).set_(base.untyped_storage(), 0, (N, 2, 8), (16, 8, 1))
-    del base
+class Owner(bytearray):
+    def __del__(self):
+        # Whether the call's copy has already landed in the layer it is about to free.
+        fired.append(bool((dev.k_buffer[0][64:128] == 7).all()))
+        dev.k_buffer[0].untyped_storage().resize_(0)
+        victims.append(torch.zeros(N * 16))  # likely at the address just freed
+
+base = torch.frombuffer(Owner(N * 64), dtype=torch.float32)
+dev.k_buffer[0] = torch.empty(0).set_(base.untyped_storage(), 0, (N, 2, 8), (16, 8, 1))
+del base
 host = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "layer_first")
 h = host.alloc(64)
 host.kv_buffer.fill_(7)
@@ -649,7 +648,7 @@ def test_a_storage_deleter_run_after_the_copy_never_frees_what_it_writes(extent)
     """A call keeps every state it replaced alive until its copy is done: the buffer owner's
     `__del__`, run when the binding lets go of the storage its last check held, finds the copy
     landed and frees memory nothing writes to any more."""
-    done = _child(_FINALIZERS.replace("CASE", "deleter"), extent)
+    done = _child(_DELETER, extent)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "ACCEPTED" in done.stdout and "FIRED [True] VICTIM 0" in done.stdout, done.stdout
 
