@@ -143,3 +143,5 @@ def test_a_view_past_any_byte_count_is_not_held():
 def test_a_device_given_as_a_string_is_honoured():
     out = _core.as_index_array(torch.arange(4)[::2], "cpu")
     assert out.tolist() == [0, 2] and out.is_contiguous()
+    ready = torch.arange(3)
+    assert _core.as_index_array(ready, "cpu").tolist() == [0, 1, 2]

@@ -20,8 +20,8 @@ fn is_tensor(value: &Bound<'_, PyAny>) -> PyResult<bool> {
     value.is_instance(torch(value.py())?.tensor.bind(value.py()))
 }
 
-fn is_one_of(dtype: &Bound<'_, PyAny>, of: &[&Py<PyAny>]) -> bool {
-    of.iter().any(|d| dtype.is(d.bind(dtype.py())))
+fn is_one_of<'a>(dtype: &Bound<'_, PyAny>, of: impl IntoIterator<Item = &'a Py<PyAny>>) -> bool {
+    of.into_iter().any(|d| dtype.is(d.bind(dtype.py())))
 }
 
 /// Refuses a nested tensor by name: its rows live in separate buffers, and torch's own size and
@@ -128,8 +128,8 @@ fn check_dense_storage(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
         }
         Err(e) => return Err(e),
     };
+    let m = tensor_calls::methods(py)?;
     if !holds {
-        let m = tensor_calls::methods(py)?;
         return Err(value_err(format!(
             "{what}: the tensor's storage holds {nbytes} bytes, fewer than its shape {} \
              (offset {}) needs",
@@ -137,7 +137,6 @@ fn check_dense_storage(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
             m.ask(&m.storage_offset, tensor)?
         )));
     }
-    let m = tensor_calls::methods(py)?;
     let on_meta = tensor
         .getattr(intern!(py, "device"))?
         .getattr(intern!(py, "type"))?
@@ -304,32 +303,15 @@ pub(crate) fn as_index_array<'py>(
     let py = indices.py();
     let o = torch(py)?;
     let m = tensor_calls::methods(py)?;
-    let accepted = [&o.int32, &o.int64];
-    if let Some(host_side) = ready_on_host(indices, device)? {
-        // An index tensor as the transfers take it: read in place (from torch's objects where
-        // they can be read), its storage checked; the conversion below would return it as is.
-        if fast_index(py, torch(py)?, indices, host_side)?.is_some() {
-            return Ok(indices.clone());
-        }
-    }
     let mut value = indices.clone();
     if is_tensor(&value)? {
         value = plain_tensor(&value, "index tensor")?;
-        let ready = is_one_of(&value.getattr(intern!(py, "dtype"))?, &accepted)
-            && m.ask(&m.dim, &value)?.extract::<i64>()? == 1
-            && m.ask(&m.is_contiguous, &value)?.is_truthy()?
-            && !value.getattr(intern!(py, "is_meta"))?.is_truthy()?
-            && !m.ask(&m.is_neg, &value)?.is_truthy()?
-            && match device {
-                None => true,
-                Some(d) => {
-                    value.getattr(intern!(py, "is_cpu"))?.is_truthy()?
-                        && d.getattr(intern!(py, "type"))?.extract::<&str>()? == "cpu"
-                }
-            };
-        if ready {
-            check_dense_storage(&value, "index tensor")?;
-            return Ok(value); // already what the core reads: the per-call fast path
+        if let Some(host_side) = ready_on_host(&value, device)? {
+            // Already what the core reads, as the transfers take it (read in place from torch's
+            // objects where they can be read, its storage checked): returned as it is.
+            if fast_index(py, o, &value, host_side)?.is_some() {
+                return Ok(value);
+            }
         }
     }
     value = as_tensor(&value)?;
@@ -352,8 +334,8 @@ pub(crate) fn as_index_array<'py>(
     }
     check_storage(&value, "index tensor")?;
     let dtype = value.getattr(intern!(py, "dtype"))?;
-    if !is_one_of(&dtype, &accepted) {
-        if !is_one_of(&dtype, &o.widened.iter().collect::<Vec<_>>()) {
+    if !is_one_of(&dtype, [&o.int32, &o.int64]) {
+        if !is_one_of(&dtype, &o.widened) {
             return Err(type_err(format!(
                 "index tensors must be integer tensors, got {}",
                 dtype.str()?
@@ -378,7 +360,8 @@ pub(crate) fn as_index_array<'py>(
 
 /// Whether `indices` may be returned as it is when it is a ready index array, and then whether
 /// it must be on the host: exactly a `torch.Tensor` with no attribute of its own (one could
-/// shadow a method the caller uses next), asked for no device or for the CPU.
+/// shadow a method the caller uses next; `plain_tensor` gives such a tensor), not nested, asked
+/// for no device or for the CPU.
 fn ready_on_host(
     indices: &Bound<'_, PyAny>,
     device: Option<&Bound<'_, PyAny>>,
